@@ -1,0 +1,102 @@
+"""Process-group set-up and tear-down from torchrun's environment.
+
+Works with torchrun (RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set)
+and without it (plain ``python train/train.py``: one process, no process group).
+"""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # None: no process group (single plain process)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def _sigterm_to_exit(signum, frame):  # noqa: ARG001
+    # Raising SystemExit lets every try/finally run, so the process group is
+    # destroyed and files are closed even when torchrun or SLURM stops us.
+    raise SystemExit(128 + signum)
+
+
+def install_signal_handlers() -> None:
+    signal.signal(signal.SIGTERM, _sigterm_to_exit)
+
+
+def init_distributed(device_arg: str = "auto") -> DistInfo:
+    """Initialise from torchrun's environment; NCCL on CUDA, gloo on CPU."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    launched = "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    backend = None
+    if launched:
+        backend = "nccl" if use_cuda else "gloo"
+        kwargs = {"backend": backend}
+        if use_cuda:
+            # Binding the device lets NCCL create its communicator eagerly.
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    return DistInfo(rank, local_rank, world_size, device, backend)
+
+
+def cleanup_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # pragma: no cover - best effort on the way out
+            pass
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        if info.device.type == "cuda":
+            dist.barrier(device_ids=[info.device.index])
+        else:
+            dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_gather_object(obj, info: DistInfo) -> list:
+    if not info.distributed:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, info: DistInfo, src: int = 0):
+    if not info.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
