@@ -1,0 +1,282 @@
+"""What the local and SSH backends share: each node runs cluster/remote/supervisor.py, reached
+through a Transport (a subprocess here, an SSH connection there), like Fabric's Connection and
+Invoke's Context reading the same.
+
+Per node, check() makes the run directory, pushes launch.sh and supervisor.py and probes the
+python; start() runs the supervisor and streams its output; stop() asks it to stop the run.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import BackendError, ClusterError, PreflightError
+from ..plan import LaunchPlan, NodePlan, shpath
+from . import NodeExit, NodeStatus
+
+SUPERVISOR = Path(__file__).resolve().parent.parent / "remote" / "supervisor.py"
+PGID_HEADER = b"@@cluster pgid="
+
+
+@dataclass
+class Result:
+    code: int | None                 # None: the connection broke before an exit status came
+    stdout: bytes
+    stderr: bytes
+
+    def text(self) -> str:
+        return (self.stdout + self.stderr).decode(errors="replace").strip()
+
+
+class Channel(Protocol):
+    def read(self) -> bytes:
+        """The next chunk of output; b'' once it has ended."""
+
+    def wait(self) -> int | None:
+        """The exit status, or None when the connection was lost."""
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    """One node: run a shell command, start a streaming one, write a file."""
+    label: str
+
+    def run(self, command: str, *, timeout: float | None = None) -> Result: ...
+
+    def spawn(self, command: str) -> Channel: ...
+
+    def put(self, data: bytes, path: str, mode: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SupervisedNode:
+    """One node of a run: its transport, its python and its run directory on that node."""
+
+    def __init__(self, transport: Transport, python: str, run_dir: str) -> None:
+        self.transport = transport
+        self.python = python
+        self.dir = run_dir               # made absolute by prepare()
+
+    def supervisor(self, *args: str) -> str:
+        cmd = [shpath(self.python), shlex.quote(f"{self.dir}/supervisor.py")]
+        return " ".join(cmd + [shlex.quote(a) for a in args])
+
+    def prepare(self, node: NodePlan, port_probe: tuple[str, int] | None) -> dict[str, Any]:
+        """Make the run directory, push the scripts, probe python and torch. Raises
+        ClusterError with the reason; changes nothing outside the run directory."""
+        dirs = " ".join(shpath(p) for p in (node.host.workdir, self.dir))
+        made = self.transport.run(f"mkdir -p {dirs} && chmod 700 {shpath(self.dir)} && "
+                                  f"cd {shpath(self.dir)} && pwd", timeout=60)
+        if made.code != 0:
+            raise ClusterError(f"cannot create run directory {self.dir}: {made.text()}")
+        self.dir = made.stdout.decode().strip().splitlines()[-1]
+        self.transport.put(SUPERVISOR.read_bytes(), f"{self.dir}/supervisor.py", 0o600)
+        self.transport.put(node.script.encode(), f"{self.dir}/launch.sh", 0o700)
+        args = ["probe", self.dir]
+        if port_probe:
+            args += ["--addr", port_probe[0], "--port", str(port_probe[1])]
+        probed = self.transport.run(self.supervisor(*args), timeout=60)
+        if probed.code == 127 or (probed.code and b"No such file" in probed.stderr):
+            raise ClusterError(f"python {self.python!r} not found (set 'python:' in the inventory)")
+        if probed.code != 0:
+            raise ClusterError(f"python {self.python!r} failed: {probed.text()[-500:]}")
+        facts = json.loads(probed.stdout.decode().strip().splitlines()[-1])
+        if not facts.get("torch"):
+            raise ClusterError(f"torch is not installed for {facts.get('executable') or self.python} "
+                               f"(pip install torch there, or point 'python:' at a venv that has it)")
+        facts["dir"] = self.dir
+        return facts
+
+    def start(self, node: NodePlan, detach: bool) -> "SupervisedProcess | int | None":
+        args = ["run", self.dir, "--run-id", _run_id(node), "--node", node.host.name]
+        if detach:
+            res = self.transport.run(self.supervisor(*args, "--detach"), timeout=60)
+            if res.code != 0:
+                raise ClusterError(f"start failed: {res.text()}")
+            return int(res.stdout.decode().strip() or 0) or None
+        return SupervisedProcess(node, self, self.transport.spawn("exec " + self.supervisor(*args)))
+
+    def stop(self) -> dict[str, Any]:
+        res = self.transport.run(self.supervisor("stop", self.dir), timeout=60)
+        return _json_or_error(res)
+
+    def status(self) -> dict[str, Any]:
+        return _json_or_error(self.transport.run(self.supervisor("status", self.dir), timeout=60))
+
+    def logs(self, follow: bool) -> Channel:
+        return self.transport.spawn(self.supervisor("logs", self.dir, *(["--follow"] if follow else [])))
+
+
+def _run_id(node: NodePlan) -> str:
+    return dict(node.env)["CLUSTER_RUN_ID"]
+
+
+def _json_or_error(res: Result) -> dict[str, Any]:
+    if res.code is None:
+        return {"error": "connection lost"}
+    try:
+        return json.loads(res.stdout.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": res.text()[-500:] or f"exit code {res.code}"}
+
+
+class SupervisedProcess:
+    """A node's supervisor, running and streaming; implements backends.NodeProcess."""
+
+    def __init__(self, node: NodePlan, remote: SupervisedNode, channel: Channel) -> None:
+        self.node = node
+        self.remote = remote
+        self.channel = channel
+        self.pgid: int | None = None
+
+    def output(self) -> Iterator[bytes]:
+        first = True
+        while True:
+            data = self.channel.read()
+            if not data:
+                return
+            if first and data.startswith(PGID_HEADER):
+                head, _, data = data.partition(b"\n")
+                self.pgid = int(head[len(PGID_HEADER):] or 0) or None
+            first = False
+            if data:
+                yield data
+
+    def wait(self) -> NodeExit:
+        code = self.channel.wait()
+        if code is None:
+            return NodeExit(lost=True, reason=f"no exit status from {self.remote.transport.label}")
+        if code > 128 and code - 128 < 65:
+            return NodeExit(code=code, signal=code - 128)
+        return NodeExit(code=code)
+
+    def stop(self) -> dict[str, Any]:
+        try:
+            return self.remote.stop()
+        except ClusterError as exc:
+            return {"error": str(exc)}
+
+
+# --- the shared backend flow for supervised nodes ---------------------------------------------
+
+
+class SupervisedBackend:
+    """Check all, then start all, over one Transport per node (made by `connect`)."""
+
+    name = "supervised"
+
+    def __init__(self, connect: Callable[[Any], Transport], max_workers: int = 64) -> None:
+        self._connect = connect
+        self._transports: dict[str, Transport] = {}
+        self._nodes: dict[str, SupervisedNode] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max_workers)
+
+    def transport(self, host: Any) -> Transport:
+        if host.name not in self._transports:
+            self._transports[host.name] = self._connect(host)
+        return self._transports[host.name]
+
+    def check(self, plan: LaunchPlan) -> dict[str, dict[str, Any]]:
+        def one(node: NodePlan) -> dict[str, Any]:
+            remote = SupervisedNode(self.transport(node.host), node.host.python, node.run_dir)
+            probe = (plan.master_addr, plan.master_port) if node.rank == 0 else None
+            facts = remote.prepare(node, probe)
+            self._nodes[node.host.name] = remote
+            return facts
+        results = self.each(plan.nodes, one)
+        failures = {n.label: str(r) for n, r in results if isinstance(r, Exception)}
+        if failures:
+            lines = "\n".join(f"  {label}: {why}" for label, why in failures.items())
+            ok = len(plan.nodes) - len(failures)
+            raise PreflightError(f"{len(failures)} of {len(plan.nodes)} node(s) failed the checks; "
+                                 f"nothing was started ({ok} ready)", details=lines)
+        return {n.host.name: r for n, r in results}
+
+    def start(self, plan: LaunchPlan, *, detach: bool = False) -> list[Any]:
+        results = self.each(plan.nodes, lambda n: self._nodes[n.host.name].start(n, detach))
+        failed = [(n, r) for n, r in results if isinstance(r, Exception)]
+        if failed:
+            started = [r for _, r in results if isinstance(r, SupervisedProcess)]
+            for p in started:
+                p.stop()
+            lines = "\n".join(f"  {n.label}: {r}" for n, r in failed)
+            raise BackendError("could not start every node; the started ones were stopped",
+                               details=lines)
+        return [r for _, r in results]
+
+    def each(self, nodes: Any, fn: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
+        """fn on every node at once; every node reports (a result or its exception)."""
+        def guard(n: Any) -> Any:
+            try:
+                return fn(n)
+            except ClusterError as exc:
+                return exc
+            except Exception as exc:  # a node's unexpected failure is still that node's report
+                return ClusterError(f"{type(exc).__name__}: {exc}")
+        futures = [(n, self._pool.submit(guard, n)) for n in nodes]
+        return [(n, f.result()) for n, f in futures]
+
+    # -- recorded runs --
+
+    def stop_run(self, run: Any) -> dict[str, dict[str, Any]]:
+        nodes = self._recorded_safe(run)
+        results = self.each(nodes, lambda rn: rn[1].stop() if rn[1] else {"error": rn[2]})
+        return {rn[0]["name"]: (r if not isinstance(r, Exception) else {"error": str(r)})
+                for rn, r in results}
+
+    def status(self, run: Any) -> list[NodeStatus]:
+        nodes = self._recorded_safe(run)
+        results = self.each(nodes, lambda rn: rn[1].status() if rn[1] else {"error": rn[2]})
+        rows = []
+        for (rec, _remote, _err), info in results:
+            if isinstance(info, Exception):
+                info = {"error": str(info)}
+            if "error" in info:
+                rows.append(NodeStatus(rec["rank"], rec["name"], "unreachable", detail=info["error"]))
+                continue
+            rows.append(NodeStatus(rec["rank"], rec["name"], info.get("state", "unknown"),
+                                   code=info.get("code"), pid=info.get("pgid"),
+                                   uptime=info.get("uptime"),
+                                   detail=f"signal {info['signal']}" if info.get("signal") else ""))
+        return rows
+
+    def logs(self, run: Any, *, node: str | None = None,
+             follow: bool = False) -> Iterator[tuple[str, bytes]]:
+        for rec, remote, err in self._recorded_safe(run):
+            if node and rec["name"] != node:
+                continue
+            label = f"{rec['name']} {rec['rank']}"
+            if remote is None:
+                raise ClusterError(f"{label}: {err}")
+            ch = remote.logs(follow)
+            while data := ch.read():
+                yield label, data
+            ch.wait()
+
+    def _recorded_safe(self, run: Any) -> list[tuple[dict[str, Any], SupervisedNode | None, str]]:
+        hosts = {h.name: h for h in run.hosts()}
+        out: list[tuple[dict[str, Any], SupervisedNode | None, str]] = []
+        for rec in run.meta()["nodes"]:
+            host = hosts[rec["name"]]
+            try:
+                remote = SupervisedNode(self.transport(host), host.python, rec.get("dir") or rec["run_dir"])
+                out.append((rec, remote, ""))
+            except ClusterError as exc:
+                out.append((rec, None, str(exc)))
+        return out
+
+    def close(self) -> None:
+        for t in self._transports.values():
+            try:
+                t.close()
+            except Exception:
+                pass
+        self._transports.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)

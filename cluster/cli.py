@@ -1,0 +1,294 @@
+"""The `cluster` command: thin verbs that parse options and call the library.
+
+    cluster up      render, check every node, start every node, stream, stop all on failure
+    cluster status  one row per node of a run (the newest by default)
+    cluster logs    a run's saved or live output
+    cluster down    stop every node of a run
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from . import inventory as inv_mod
+from .errors import ClusterError, InputError
+from .plan import Job, Templates
+from .runs import RunDir, new_run_id
+from .watch import Console
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def default_train_dir() -> Path:
+    """train/ of a source checkout, or the installed copy (package cluster.train)."""
+    checkout = Path(__file__).resolve().parent.parent / "train"
+    if (checkout / "train.py").is_file():
+        return checkout
+    from importlib import resources
+    return Path(str(resources.files("cluster.train")))
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(package_name="cluster")
+def main() -> None:
+    """Launch PyTorch distributed training on many machines at once."""
+
+
+@main.command(context_settings={**CONTEXT, "allow_interspersed_args": False})
+@click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False),
+              help="Hosts: YAML inventory, MPI/DeepSpeed hostfile. None: this machine.")
+@click.option("--nodes", type=int, help="Use the first N selected hosts (or N simulated local nodes).")
+@click.option("--hosts", help="Only these hosts: names or hostlists, e.g. gpu[01-04],cpu1.")
+@click.option("--exclude", help="Leave out these hosts (names or hostlists).")
+@click.option("--backend", type=click.Choice(["local", "ssh", "slurm"]),
+              help="Where to run. Default: the inventory's 'backend', else ssh; local with no inventory.")
+@click.option("--local", "force_local", is_flag=True, help="Run on this machine (same as --backend local).")
+@click.option("--dry-run", is_flag=True, help="Render and record the plan, print every script; contact nothing.")
+@click.option("--detach", is_flag=True, help="Start and return; use status/logs/down later.")
+@click.option("--templates", "templates_dir", type=click.Path(file_okay=False),
+              help="A directory whose templates override the built-in ones by name.")
+@click.option("--nproc-per-node", type=int, help="Processes per node (overrides the inventory).")
+@click.option("--master-port", type=click.IntRange(1, 65535), help="Rendezvous port on the first node.")
+@click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="Extra environment (repeatable).")
+@click.option("--sync", "sync_dir", type=click.Path(file_okay=False, exists=True),
+              help="SSH: copy this directory into every node's workdir first (unchanged files skipped).")
+@click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]),
+              help="SSH host keys: strict (default) needs known_hosts to match.")
+@click.option("--partition", help="SLURM partition.")
+@click.option("--time", "time_limit", help="SLURM time limit, e.g. 01:00:00.")
+@click.option("--account", help="SLURM account.")
+@click.option("--max-requeues", type=click.IntRange(0), help="SLURM: requeue at most this often.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
+       backend: str | None, force_local: bool, dry_run: bool, detach: bool,
+       templates_dir: str | None, nproc_per_node: int | None, master_port: int | None,
+       env_pairs: tuple[str, ...], sync_dir: str | None, host_key_policy: str | None,
+       partition: str | None, time_limit: str | None, account: str | None,
+       max_requeues: int | None, command: tuple[str, ...]) -> None:
+    """Start SCRIPT [ARGS...] with torchrun on every node (default: train/train.py)."""
+    argv = ["cluster", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("cluster") else sys.argv[:]
+    extra_env = _parse_env(env_pairs)
+    templates = Templates(templates_dir)
+    if force_local:
+        if backend not in (None, "local"):
+            raise InputError("--local and --backend " + backend + " contradict each other")
+        backend = "local"
+    inventory = _inventory(inventory_path, hosts, exclude, nodes, backend, nproc_per_node, extra_env)
+    backend = backend or inventory.backend
+    if sync_dir and backend != "ssh":
+        raise InputError("--sync is for the ssh backend (local and SLURM nodes see this filesystem)")
+    run_id = new_run_id()
+    script, args, code_dir = _command(command, backend, run_id)
+    job = Job(run_id=run_id, script=script, args=args, master_port=master_port,
+              node_root=None)
+    console = Console()
+
+    if backend == "slurm":
+        from .backends import slurm
+        settings = slurm.cli_settings(inventory.slurm, nodes=nodes, partition=partition,
+                                      time=time_limit, account=account, max_requeues=max_requeues)
+        code = slurm.up(inventory, job, templates, settings, argv=argv, console=console,
+                        dry_run=dry_run, detach=detach, nproc_per_node=nproc_per_node)
+        sys.exit(code)
+
+    run = RunDir.create(run_id)
+    if backend == "local":
+        job = Job(run_id=run_id, script=script, args=args, master_port=master_port,
+                  node_root=str((run.path / "nodes").resolve()))
+    from . import launch
+    if dry_run:
+        launch.dry_run(inventory, job, templates, run, backend, argv, console)
+        return
+    impl = _backend(backend, inventory, host_key_policy, sync=[d for d in (sync_dir, code_dir) if d])
+    try:
+        launch.up(inventory, job, templates, impl, run, argv, console, detach=detach)
+    finally:
+        impl.close()
+
+
+def _parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not inv_mod._ENV_KEY.match(key):
+            raise InputError(f"Invalid value for --env: {pair!r} (expected KEY=VALUE, KEY an identifier)")
+        env[key] = value
+    return env
+
+
+def _inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: int | None,
+               backend: str | None, nproc: int | None, extra_env: dict[str, str]) -> inv_mod.Inventory:
+    if backend == "local" or (path is None and hosts is None and backend in (None, "local")):
+        if path:
+            raise InputError("--local runs on this machine; leave out -i/--inventory")
+        from .backends.local import local_inventory
+        return local_inventory(nodes or 1, nproc_per_node=nproc, env=extra_env)
+    if path is None and hosts is not None:
+        inventory = inv_mod.from_hostnames(hosts)
+        hosts = None
+    elif path is None:
+        if backend == "slurm":
+            inventory = inv_mod.Inventory(hosts=(inv_mod.Host(name="slurm", address="slurm"),),
+                                          backend="slurm")
+            return _override(inventory, nproc, extra_env)
+        raise InputError(f"the {backend} backend needs -i/--inventory or --hosts")
+    else:
+        inventory = inv_mod.load(path)
+    if backend == "slurm" or inventory.backend == "slurm":
+        # SLURM picks the nodes; --nodes is the count to ask for, not a slice of the list.
+        return _override(inventory.select(hosts=hosts, exclude=exclude), nproc, extra_env)
+    return _override(inventory.select(nodes=nodes, hosts=hosts, exclude=exclude), nproc, extra_env)
+
+
+def _override(inventory: inv_mod.Inventory, nproc: int | None,
+              extra_env: dict[str, str]) -> inv_mod.Inventory:
+    import dataclasses
+    hosts = []
+    for h in inventory.hosts:
+        changes: dict[str, object] = {}
+        if nproc is not None:
+            if nproc < 1:
+                raise InputError("Invalid value for --nproc-per-node: must be at least 1")
+            changes["nproc_per_node"] = nproc
+        if extra_env:
+            changes["env"] = tuple({**dict(h.env), **extra_env}.items())
+        hosts.append(h.replace(**changes))
+    return dataclasses.replace(inventory, hosts=tuple(hosts))
+
+
+def _command(command: tuple[str, ...], backend: str,
+             run_id: str) -> tuple[str, tuple[str, ...], str | None]:
+    """The script and its arguments; with none given, the reference trainer. For SSH the
+    trainer's directory is synced to the nodes, so the path is relative to the workdir."""
+    if command:
+        return command[0], tuple(command[1:]), None
+    train_dir = default_train_dir()
+    if backend == "ssh":
+        return "cluster-train/train.py", ("--out", f".cluster/{run_id}/train"), str(train_dir)
+    if backend == "slurm":
+        return str(train_dir / "train.py"), ("--out", f"runs/{run_id}/train"), None
+    out = (Path(os.environ.get("CLUSTER_RUNS_DIR", "runs")) / run_id / "train").resolve()
+    return str(train_dir / "train.py"), ("--out", str(out)), None
+
+
+def _backend(name: str, inventory: inv_mod.Inventory, host_key_policy: str | None,
+             sync: list[str]):
+    if name == "local":
+        from .backends.local import LocalBackend
+        return LocalBackend()
+    from .backends.ssh import SshBackend
+    return SshBackend(inventory.ssh, host_key_policy=host_key_policy, sync=sync)
+
+
+def _recorded_backend(run: RunDir):
+    name = run.meta()["backend"]
+    if name == "slurm":
+        from .backends.slurm import SlurmBackend
+        return SlurmBackend()
+    if name == "local":
+        from .backends.local import LocalBackend
+        return LocalBackend()
+    from .backends.ssh import SshBackend
+    return SshBackend(run.inventory().ssh)
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("run", required=False)
+def status(run: str | None) -> None:
+    """Each node of RUN (default: the newest): running / exited with code / lost."""
+    from rich.console import Console as RichConsole
+    from rich.table import Table
+    rd = RunDir.find(run)
+    backend = _recorded_backend(rd)
+    try:
+        rows = backend.status(rd)
+    finally:
+        backend.close()
+    table = Table(title=f"run {rd.run_id} ({rd.meta()['backend']})")
+    for col in ("rank", "node", "state", "exit code", "pid", "uptime", "detail"):
+        table.add_column(col)
+    for r in rows:
+        uptime = time.strftime("%H:%M:%S", time.gmtime(r.uptime)) if r.uptime else ""
+        table.add_row(str(r.rank), r.name, r.state, "" if r.code is None else str(r.code),
+                      "" if r.pid is None else str(r.pid), uptime, r.detail)
+    RichConsole().print(table)
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("run", required=False)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing until the run ends.")
+@click.option("--node", help="Only this node (by name).")
+def logs(run: str | None, follow: bool, node: str | None) -> None:
+    """The output of RUN (default: the newest), prefixed by node."""
+    rd = RunDir.find(run)
+    names = [n["name"] for n in rd.meta()["nodes"]]
+    if node and node not in names:
+        raise InputError(f"Invalid value for --node: {node!r} is not in run {rd.run_id} ({', '.join(names)})")
+    from .watch import LineSplitter
+    console = Console()
+    backend = _recorded_backend(rd)
+    splitters: dict[str, LineSplitter] = {}
+    try:
+        for label, chunk in backend.logs(rd, node=node, follow=follow):
+            sp = splitters.setdefault(label, LineSplitter())
+            for line in sp.feed(chunk):
+                console.node_line(label, list(splitters).index(label), line)
+        for label, sp in splitters.items():
+            for line in sp.flush():
+                console.node_line(label, list(splitters).index(label), line)
+    finally:
+        backend.close()
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("run", required=False)
+def down(run: str | None) -> None:
+    """Stop every node of RUN (default: the newest) and verify nothing is left."""
+    rd = RunDir.find(run)
+    backend = _recorded_backend(rd)
+    console = Console()
+    try:
+        reports = backend.stop_run(rd)
+    finally:
+        backend.close()
+    bad = False
+    for name, rep in reports.items():
+        if rep.get("error"):
+            bad = True
+            console.info(f"[{name}] {rep['error']}")
+        elif rep.get("left"):
+            bad = True
+            console.info(f"[{name}] still alive after SIGKILL: {rep['left']}")
+        else:
+            console.info(f"[{name}] stopped ({len(rep.get('signalled', []))} process(es) signalled)")
+    if bad:
+        raise ClusterError(f"run {rd.run_id}: not every node could be stopped")
+
+
+def run_cli(args: list[str] | None = None) -> int:
+    """Entry point with our error handling: message on stderr, exit code per error class."""
+    try:
+        main.main(args=args, prog_name="cluster", standalone_mode=False)
+    except ClusterError as exc:
+        click.echo(f"cluster: error: {exc}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("cluster: interrupted", err=True)
+        return 130
+    except click.ClickException as exc:
+        exc.show()
+        return 2
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        click.echo("cluster: interrupted", err=True)
+        return 130
+    return 0
+
+
+def entry() -> None:
+    sys.exit(run_cli())

@@ -1,0 +1,78 @@
+"""One exception tree for the whole tool; each class carries its exit code.
+
+    ClusterError                 1  anything else that went wrong
+    ├── InputError               2  bad command line, template or inventory; nothing ran
+    │   └── InventoryError       2  names file, line and key
+    ├── PreflightError           3  a node failed the checks before start; nothing started
+    ├── RunFailed                4  a node exited non-zero or was killed; the others were stopped
+    ├── NodeLost                 5  the connection to a node was lost; the others were stopped
+    ├── BackendError             6  the scheduler or transport refused (sbatch errors, ...)
+    └── Interrupted            130  Ctrl-C; every node was stopped
+
+Third-party exceptions (paramiko, subprocess) are translated into these at the boundary of the
+module that calls them, so callers only ever catch ClusterError.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ClusterError(Exception):
+    exit_code = 1
+
+    def __init__(self, message: str, *, details: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def __str__(self) -> str:
+        return self.message + (f"\n{self.details}" if self.details else "")
+
+
+class InputError(ClusterError):
+    exit_code = 2
+
+
+class InventoryError(InputError):
+    def __init__(self, source: str | None, line: int | None, key: str | None, problem: str,
+                 *, hint: str = "") -> None:
+        where = source or "<inventory>"
+        if line is not None:
+            where += f":{line}"
+        if key:
+            where += f": {key}"
+        text = f"{where}: {problem}"
+        if hint:
+            text += f" ({hint})"
+        super().__init__(text)
+        self.source, self.line, self.key, self.problem = source, line, key, problem
+
+
+class PreflightError(ClusterError):
+    exit_code = 3
+
+
+class RunFailed(ClusterError):
+    exit_code = 4
+
+
+class NodeLost(RunFailed):
+    exit_code = 5
+
+
+class BackendError(ClusterError):
+    exit_code = 6
+
+
+class Interrupted(ClusterError):
+    exit_code = 130
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """'did you mean 'address'?' or, failing a close match, the list of valid choices."""
+    choices = sorted(choices)
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return "valid keys are: " + ", ".join(choices)

@@ -1,0 +1,512 @@
+"""Inventory: YAML, MPI/DeepSpeed hostfiles and SLURM hostlists -> one typed, validated Inventory.
+
+Everything is checked here, once, at load: nothing downstream looks at raw dicts again. Errors
+name the file, the line and the key, and suggest the nearest valid key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hostlist
+import yaml
+
+from .errors import InputError, InventoryError, did_you_mean
+
+HOST_SETTINGS = ("user", "port", "identity_file", "workdir", "python", "nproc_per_node",
+                 "master_port", "rendezvous", "network", "env", "gpus")
+HOST_KEYS = ("name", "address") + HOST_SETTINGS
+TOP_KEYS = ("defaults", "hosts", "backend", "ssh", "slurm")
+NETWORK_KEYS = ("ifname", "ib")
+SSH_KEYS = ("host_key_policy", "connect_timeout", "config")
+SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "cpus_per_task",
+              "gpu_style", "signal", "max_requeues", "output_dir", "job_name", "constraint")
+BACKENDS = ("ssh", "slurm", "local")
+HOST_KEY_POLICIES = ("strict", "accept-new", "off")
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_-]{1,63})*$")
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IFNAME = re.compile(r"^[=^]?[A-Za-z0-9_.:@-]+(,[A-Za-z0-9_.:@-]+)*$")
+
+
+@dataclass(frozen=True)
+class Network:
+    ifname: str | None = None     # None: chosen on the node at start (the one holding its address)
+    ib: str = "auto"              # auto | on | off
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str
+    user: str | None = None
+    port: int | None = None       # None: ~/.ssh/config or 22
+    identity_file: str | None = None
+    workdir: str = "~/cluster-runs"
+    python: str = "python3"
+    nproc_per_node: int | str = "auto"
+    master_port: int | None = None  # None: derived from the run id
+    rendezvous: str = "c10d"
+    network: Network = Network()
+    env: tuple[tuple[str, str], ...] = ()
+    gpus: int | None = None
+    line: int | None = None       # where it was defined, for later messages
+
+    def replace(self, **changes: Any) -> "Host":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SshSettings:
+    host_key_policy: str = "strict"
+    connect_timeout: float = 10.0
+    config: str | None = "~/.ssh/config"
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    gpu_style: str = "gpus"        # gpus: --gpus-per-node; gres: --gres=gpu:N (older clusters)
+    signal: str = "USR2@90"
+    max_requeues: int = 3
+    output_dir: str = "slurm-logs"
+    job_name: str | None = None
+    constraint: str | None = None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    hosts: tuple[Host, ...]
+    source: str | None = None
+    backend: str = "ssh"
+    ssh: SshSettings = SshSettings()
+    slurm: SlurmSettings = SlurmSettings()
+    text: str = ""                 # the file as read, recorded in the run directory
+
+    @property
+    def master(self) -> Host:
+        return self.hosts[0]
+
+    def select(self, *, nodes: int | None = None, hosts: str | None = None,
+               exclude: str | None = None) -> "Inventory":
+        """Narrow to --hosts (names or hostlists), minus --exclude, then the first --nodes."""
+        chosen = list(self.hosts)
+        by_name = {h.name: h for h in self.hosts}
+        if hosts:
+            names = expand_names(hosts, "--hosts")
+            unknown = [n for n in names if n not in by_name]
+            if unknown:
+                raise InputError(f"Invalid value for --hosts: {', '.join(unknown)} not in "
+                                 f"{self.source or 'the inventory'} (hosts: {', '.join(by_name)})")
+            chosen = [by_name[n] for n in names]
+        if exclude:
+            drop = set(expand_names(exclude, "--exclude"))
+            unknown = drop - set(by_name)
+            if unknown:
+                raise InputError(f"Invalid value for --exclude: {', '.join(sorted(unknown))} "
+                                 f"not in {self.source or 'the inventory'}")
+            chosen = [h for h in chosen if h.name not in drop]
+        if nodes is not None:
+            if nodes < 1:
+                raise InputError("Invalid value for --nodes: must be at least 1")
+            if nodes > len(chosen):
+                raise InputError(f"Invalid value for --nodes: {nodes} requested but only "
+                                 f"{len(chosen)} host(s) selected from {self.source or 'the inventory'}")
+            chosen = chosen[:nodes]
+        if not chosen:
+            raise InputError("no hosts left to run on after --hosts/--exclude")
+        return dataclasses.replace(self, hosts=tuple(chosen))
+
+
+def expand_names(expr: str, what: str) -> list[str]:
+    """'gpu[01-02],cpu1' -> ['gpu01', 'gpu02', 'cpu1'] (SLURM hostlist syntax)."""
+    try:
+        names = hostlist.expand_hostlist(expr.strip())
+    except hostlist.BadHostlist as exc:
+        raise InputError(f"Invalid value for {what}: {expr!r} is not a host list ({exc})") from None
+    for n in names:
+        if not _HOSTNAME.match(n):
+            raise InputError(f"Invalid value for {what}: {n!r} is not a valid host name")
+    return names
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def load(path: str | Path) -> Inventory:
+    """Read an inventory file: YAML (a mapping with 'hosts') or an MPI/DeepSpeed hostfile."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InputError(f"cannot read inventory {path}: {exc.strerror}") from None
+    if _looks_like_yaml(path, text):
+        return parse_yaml(text, str(path))
+    return parse_hostfile(text, str(path))
+
+
+def from_hostnames(expr: str) -> Inventory:
+    """`--hosts gpu[01-04]` with no inventory: SSH hosts with every setting at its default."""
+    hosts = tuple(Host(name=n, address=n) for n in expand_names(expr, "--hosts"))
+    _check_unique(hosts, "--hosts")
+    return Inventory(hosts=hosts, source="--hosts")
+
+
+def _looks_like_yaml(path: Path, text: str) -> bool:
+    if path.suffix in (".yaml", ".yml"):
+        return True
+    if path.suffix in (".txt", ".hostfile") or path.name == "hostfile":
+        return False
+    return bool(re.search(r"^(hosts|defaults)\s*:", text, re.M))
+
+
+def parse_hostfile(text: str, source: str) -> Inventory:
+    """`worker-1 slots=4` (DeepSpeed, Open MPI) or `worker-1:4` (MPICH); `#` starts a comment."""
+    hosts: list[Host] = []
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        name, slots = words[0], None
+        if ":" in name:
+            name, _, count = name.partition(":")
+            slots = _slot_count(count, source, lineno)
+        for word in words[1:]:
+            key, eq, value = word.partition("=")
+            if key == "slots" and eq:
+                slots = _slot_count(value, source, lineno)
+            elif key in ("max_slots", "max-slots") and eq:
+                continue
+            else:
+                raise InventoryError(source, lineno, key, f"unknown hostfile field {word!r}",
+                                     hint="expected 'NAME slots=N'")
+        for n in _expand(name, source, lineno, "name"):
+            hosts.append(Host(name=n, address=n, line=lineno,
+                              nproc_per_node=slots if slots is not None else "auto",
+                              gpus=slots))
+    if not hosts:
+        raise InventoryError(source, None, None, "no hosts found")
+    _check_unique(tuple(hosts), source)
+    return Inventory(hosts=tuple(hosts), source=source, text=text)
+
+
+def _slot_count(value: str, source: str, lineno: int) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise InventoryError(source, lineno, "slots", f"must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def _expand(expr: str, source: str, lineno: int | None, key: str) -> list[str]:
+    try:
+        names = hostlist.expand_hostlist(expr)
+    except hostlist.BadHostlist as exc:
+        raise InventoryError(source, lineno, key, f"{expr!r} is not a valid host list ({exc})") from None
+    for n in names:
+        if not _HOSTNAME.match(n):
+            raise InventoryError(source, lineno, key, f"{n!r} is not a valid host name",
+                                 hint="letters, digits, '-', '_' and '.'")
+    return names
+
+
+class _Located:
+    """A YAML node turned into Python values, remembering the line of every key and item."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self._loader = yaml.SafeLoader("")
+
+    def value(self, node: yaml.Node) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            out: dict[str, Any] = {}
+            lines: dict[str, int] = {}
+            for knode, vnode in node.value:
+                key = self._loader.construct_object(knode, deep=True)
+                line = knode.start_mark.line + 1
+                if not isinstance(key, str):
+                    raise InventoryError(self.source, line, str(key), "keys must be strings")
+                if key in out:
+                    raise InventoryError(self.source, line, key, "duplicate key")
+                out[key] = self.value(vnode)
+                lines[key] = line
+            return _Map(out, lines, node.start_mark.line + 1)
+        if isinstance(node, yaml.SequenceNode):
+            return _List([self.value(n) for n in node.value],
+                         [n.start_mark.line + 1 for n in node.value], node.start_mark.line + 1)
+        return self._loader.construct_object(node, deep=True)
+
+
+class _Map(dict):
+    def __init__(self, data: dict, lines: dict[str, int], line: int) -> None:
+        super().__init__(data)
+        self.lines, self.line = lines, line
+
+
+class _List(list):
+    def __init__(self, data: list, lines: list[int], line: int) -> None:
+        super().__init__(data)
+        self.lines, self.line = lines, line
+
+
+def parse_yaml(text: str, source: str) -> Inventory:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise InventoryError(source, mark.line + 1 if mark else None, None,
+                             f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if root is None:
+        raise InventoryError(source, None, None, "the file is empty")
+    data = _Located(source).value(root)
+    return _Parser(source).inventory(data, text)
+
+
+class _Parser:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: Any, key: str | None, problem: str, hint: str = "") -> InventoryError:
+        line = where.lines.get(key, where.line) if isinstance(where, _Map) and key else getattr(where, "line", None)
+        return InventoryError(self.source, line, key, problem, hint=hint)
+
+    def known_keys(self, m: Any, allowed: Sequence[str], prefix: str = "") -> None:
+        for key in m:
+            if key not in allowed:
+                raise self.fail(m, key, f"unknown key '{prefix}{key}'", did_you_mean(key, allowed))
+
+    def mapping(self, value: Any, where: Any, key: str) -> _Map:
+        if not isinstance(value, _Map):
+            raise self.fail(where, key, f"must be a mapping, got {type(value).__name__}")
+        return value
+
+    def inventory(self, data: Any, text: str) -> Inventory:
+        if not isinstance(data, _Map):
+            raise InventoryError(self.source, 1, None, "an inventory is a mapping with 'hosts'")
+        self.known_keys(data, TOP_KEYS)
+        if "hosts" not in data:
+            raise InventoryError(self.source, data.line, "hosts", "missing required key 'hosts'")
+        defaults = self.mapping(data["defaults"], data, "defaults") if "defaults" in data else _Map({}, {}, 1)
+        self.known_keys(defaults, HOST_SETTINGS, "defaults.")
+        base = self.settings(defaults, Host(name="-", address="-"))
+        hosts = self.hosts(data["hosts"], data, base)
+        backend = self.choice(data, "backend", BACKENDS) if "backend" in data else "ssh"
+        ssh = self.ssh(self.mapping(data["ssh"], data, "ssh")) if "ssh" in data else SshSettings()
+        slurm = self.slurm(self.mapping(data["slurm"], data, "slurm")) if "slurm" in data else SlurmSettings()
+        return Inventory(hosts=hosts, source=self.source, backend=backend, ssh=ssh, slurm=slurm,
+                         text=text)
+
+    def hosts(self, value: Any, where: _Map, base: Host) -> tuple[Host, ...]:
+        if not isinstance(value, _List) or not value:
+            raise self.fail(where, "hosts", "must be a non-empty list of hosts")
+        out: list[Host] = []
+        for item, line in zip(value, value.lines):
+            if isinstance(item, str):
+                item = _Map({"name": item}, {"name": line}, line)
+            if not isinstance(item, _Map):
+                raise InventoryError(self.source, line, "hosts", "each host is a name or a mapping")
+            self.known_keys(item, HOST_KEYS)
+            if "name" not in item:
+                raise self.fail(item, None, "host needs a 'name'", "e.g. {name: gpu-a, address: 10.0.0.11}")
+            host = self.settings(item, base)
+            names = _expand(self.string(item, "name"), self.source, item.lines["name"], "name")
+            if len(names) > 1 and "address" in item:
+                raise self.fail(item, "address", "a host list expands to several hosts; they cannot share one address")
+            address = self.address(item) if "address" in item else None
+            for n in names:
+                out.append(host.replace(name=n, address=address or n, line=item.line))
+        _check_unique(tuple(out), self.source)
+        return tuple(out)
+
+    def settings(self, m: _Map, base: Host) -> Host:
+        """The host-level keys of one mapping (defaults or a host) applied over `base`."""
+        changes: dict[str, Any] = {}
+        if "user" in m:
+            changes["user"] = self.string(m, "user")
+        if "port" in m:
+            changes["port"] = self.port(m, "port")
+        if "master_port" in m:
+            changes["master_port"] = self.port(m, "master_port")
+        for key in ("identity_file", "workdir", "python"):
+            if key in m:
+                changes[key] = self.string(m, key)
+        if "nproc_per_node" in m:
+            changes["nproc_per_node"] = self.nproc(m)
+        if "rendezvous" in m:
+            changes["rendezvous"] = self.choice(m, "rendezvous", ("c10d", "static"))
+        if "gpus" in m:
+            changes["gpus"] = self.integer(m, "gpus", minimum=0)
+        if "network" in m:
+            changes["network"] = self.network(self.mapping(m["network"], m, "network"), base.network)
+        if "env" in m:
+            merged = dict(base.env)
+            merged.update(self.env(self.mapping(m["env"], m, "env")))
+            changes["env"] = tuple(merged.items())
+        return base.replace(**changes)
+
+    def network(self, m: _Map, base: Network) -> Network:
+        self.known_keys(m, NETWORK_KEYS, "network.")
+        ifname, ib = base.ifname, base.ib
+        if "ifname" in m:
+            ifname = self.string(m, "ifname")
+            if not _IFNAME.match(ifname):
+                raise self.fail(m, "ifname", f"{ifname!r} is not an interface name or NCCL list",
+                                "e.g. eth0, ib0, ^docker0,lo")
+        if "ib" in m:
+            raw = m["ib"]
+            ib = {True: "on", False: "off"}.get(raw, raw)  # YAML 1.1 reads on/off as booleans
+            if ib not in ("auto", "on", "off"):
+                raise self.fail(m, "ib", f"must be auto, on or off, got {raw!r}")
+        return Network(ifname=ifname, ib=ib)
+
+    def env(self, m: _Map) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for key, value in m.items():
+            if not _ENV_KEY.match(key):
+                raise self.fail(m, key, f"environment variable name {key!r} is not a valid identifier",
+                                "letters, digits and '_', not starting with a digit")
+            if value is None or isinstance(value, (_Map, _List)):
+                raise self.fail(m, key, "environment values must be strings or numbers")
+            if isinstance(value, bool):
+                value = "1" if value else "0"
+            out[key] = str(value)
+        return out
+
+    def ssh(self, m: _Map) -> SshSettings:
+        self.known_keys(m, SSH_KEYS, "ssh.")
+        changes: dict[str, Any] = {}
+        if "host_key_policy" in m:
+            changes["host_key_policy"] = self.choice(m, "host_key_policy", HOST_KEY_POLICIES)
+        if "connect_timeout" in m:
+            value = m["connect_timeout"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise self.fail(m, "connect_timeout", f"must be a positive number of seconds, got {value!r}")
+            changes["connect_timeout"] = float(value)
+        if "config" in m:
+            changes["config"] = self.string(m, "config")
+        return SshSettings(**changes)
+
+    def slurm(self, m: _Map) -> SlurmSettings:
+        self.known_keys(m, SLURM_KEYS, "slurm.")
+        changes: dict[str, Any] = {}
+        for key in ("partition", "account", "time", "signal", "output_dir", "job_name", "constraint"):
+            if key in m:
+                changes[key] = self.string(m, key)
+        for key in ("nodes", "gpus_per_node", "cpus_per_task"):
+            if key in m:
+                changes[key] = self.integer(m, key, minimum=1)
+        if "max_requeues" in m:
+            changes["max_requeues"] = self.integer(m, "max_requeues", minimum=0)
+        if "gpu_style" in m:
+            changes["gpu_style"] = self.choice(m, "gpu_style", ("gpus", "gres"))
+        if "signal" in changes and not re.match(r"^(B:)?[A-Z0-9]+(@\d+)?$", changes["signal"]):
+            raise self.fail(m, "signal", f"{changes['signal']!r} is not a SLURM --signal value",
+                            "e.g. USR2@90 or B:USR2@90")
+        if changes.get("signal", "").removeprefix("B:").split("@")[0] in ("USR1", "SIGUSR1"):
+            raise self.fail(m, "signal", "USR1 is used by NCCL; pick another signal", "e.g. USR2@90")
+        return SlurmSettings(**changes)
+
+    # -- scalars --
+
+    def string(self, m: _Map, key: str) -> str:
+        value = m[key]
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)) or value == "":
+            raise self.fail(m, key, f"must be a non-empty string, got {value!r}")
+        return str(value)
+
+    def integer(self, m: _Map, key: str, minimum: int) -> int:
+        value = m[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(m, key, f"must be a whole number >= {minimum}, got {value!r}")
+        return value
+
+    def port(self, m: _Map, key: str) -> int:
+        value = m[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+            raise self.fail(m, key, f"must be a port number from 1 to 65535, got {value!r}")
+        return value
+
+    def nproc(self, m: _Map) -> int | str:
+        value = m["nproc_per_node"]
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.fail(m, "nproc_per_node", f"must be 'auto' or a whole number >= 1, got {value!r}")
+        return value
+
+    def choice(self, m: _Map, key: str, choices: Sequence[str]) -> str:
+        value = m[key]
+        if value not in choices:
+            raise self.fail(m, key, f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    def address(self, m: _Map) -> str:
+        value = self.string(m, "address")
+        try:
+            ipaddress.ip_address(value)
+            return value
+        except ValueError:
+            pass
+        if not _HOSTNAME.match(value):
+            raise self.fail(m, "address", f"{value!r} is neither an IP address nor a host name")
+        return value
+
+
+def _check_unique(hosts: tuple[Host, ...], source: str | None) -> None:
+    seen_names: dict[str, Host] = {}
+    seen_addrs: dict[str, Host] = {}
+    for h in hosts:
+        if h.name in seen_names:
+            raise InventoryError(source, h.line, "name",
+                                 f"duplicate host name {h.name!r} (first defined on line {seen_names[h.name].line})")
+        if h.address in seen_addrs:
+            raise InventoryError(source, h.line, "address",
+                                 f"duplicate address {h.address!r} (also host {seen_addrs[h.address].name!r})")
+        seen_names[h.name] = h
+        seen_addrs[h.address] = h
+
+
+def dump(inv: Inventory) -> str:
+    """The inventory as loaded (every default applied), as YAML, for the run directory."""
+    def host(h: Host) -> dict[str, Any]:
+        d = dataclasses.asdict(h)
+        d["env"] = dict(h.env)
+        d.pop("line")
+        return d
+    data = {"source": inv.source, "backend": inv.backend,
+            "ssh": dataclasses.asdict(inv.ssh), "slurm": dataclasses.asdict(inv.slurm),
+            "hosts": [host(h) for h in inv.hosts]}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def host_from_dict(d: Mapping[str, Any]) -> Host:
+    """Inverse of dump() for one host: read back from a run directory."""
+    d = dict(d)
+    d["network"] = Network(**d.get("network") or {})
+    d["env"] = tuple((d.get("env") or {}).items())
+    return Host(**d)
+
+
+def ssh_from_dict(d: Mapping[str, Any]) -> SshSettings:
+    return SshSettings(**d)
+
+
+def slurm_from_dict(d: Mapping[str, Any]) -> SlurmSettings:
+    return SlurmSettings(**d)
+
+
+def default_field(cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+__all__ = ["Host", "Inventory", "Network", "SlurmSettings", "SshSettings", "load", "parse_yaml",
+           "parse_hostfile", "from_hostnames", "expand_names", "dump", "field"]

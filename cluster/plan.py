@@ -1,0 +1,166 @@
+"""render(inventory, job) -> LaunchPlan: pure. Templates in, per-node scripts out.
+
+The plan is the contract with the backends: it holds every node's script text, where it goes
+and the run id. A backend never re-reads the inventory or re-renders. `--dry-run` prints it.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from .errors import InputError
+from .inventory import Host, Inventory
+
+PORT_BASE, PORT_SPAN = 29500, 1000
+
+
+@dataclass(frozen=True)
+class Job:
+    """What to run, independent of where."""
+    run_id: str
+    script: str
+    args: tuple[str, ...] = ()
+    master_port: int | None = None   # None: the master host's setting, else derived from run_id
+    node_root: str | None = None      # None: <workdir>/.cluster/<run id>/<host> on each node
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    rank: int
+    host: Host
+    script: str                       # the rendered launch script
+    run_dir: str                      # per-node directory on that node (may start with ~)
+    env: tuple[tuple[str, str], ...]  # the environment the script sets that cluster decided
+
+    @property
+    def label(self) -> str:
+        return f"{self.host.name} {self.rank}"
+
+    @property
+    def script_path(self) -> str:
+        return f"{self.run_dir}/launch.sh"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    run_id: str
+    nodes: tuple[NodePlan, ...]
+    master_addr: str
+    master_port: int
+    rendezvous: str
+    script: str
+    args: tuple[str, ...]
+
+    def __str__(self) -> str:
+        parts = []
+        for n in self.nodes:
+            parts.append(f"# ==== node {n.rank}: {n.host.name} ({n.host.address}) -> {n.script_path}\n")
+            parts.append(n.script)
+        return "".join(parts)
+
+
+def derived_port(run_id: str, attempt: int = 0) -> int:
+    """A master port from the run id, so two runs on the same hosts do not collide."""
+    digest = int(hashlib.sha256(run_id.encode()).hexdigest(), 16)
+    return PORT_BASE + (digest + attempt) % PORT_SPAN
+
+
+def shquote(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def shpath(value: object) -> str:
+    """Quote a path but let a leading ~ mean the home directory on the node that runs it."""
+    text = str(value)
+    if text == "~":
+        return '"$HOME"'
+    if text.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(text[2:]) if text[2:] else '"$HOME"'
+    return shlex.quote(text)
+
+
+# --- templates -----------------------------------------------------------------------------
+
+
+def builtin_templates_dir() -> Path:
+    """templates/ of a source checkout, or the installed copy (package cluster.templates)."""
+    checkout = Path(__file__).resolve().parent.parent / "templates"
+    if (checkout / "node.sh.j2").is_file():
+        return checkout
+    from importlib import resources
+    return Path(str(resources.files("cluster.templates")))
+
+
+class Templates:
+    """The Jinja environment: the user's --templates DIR first (override by name), then ours."""
+
+    def __init__(self, override: str | Path | None = None) -> None:
+        dirs = [str(builtin_templates_dir())]
+        if override is not None:
+            override = Path(override)
+            if not override.is_dir():
+                raise InputError(f"Invalid value for --templates: {override} is not a directory")
+            dirs.insert(0, str(override))
+        self.env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(dirs), undefined=jinja2.StrictUndefined,
+            trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
+        self.env.filters["shquote"] = shquote
+        self.env.filters["shpath"] = shpath
+
+    def render(self, name: str, **context: object) -> str:
+        try:
+            return self.env.get_template(name).render(**context)
+        except jinja2.TemplateNotFound:
+            raise InputError(f"template {name!r} not found in {self.env.loader.searchpath}") from None
+        except jinja2.TemplateError as exc:
+            where = f"{exc.filename}:{exc.lineno}" if getattr(exc, "lineno", None) else name
+            raise InputError(f"template {where}: {exc.message}") from None
+
+
+# --- render --------------------------------------------------------------------------------
+
+
+def render(inventory: Inventory, job: Job, templates: Templates) -> LaunchPlan:
+    master = inventory.master
+    port = job.master_port or master.master_port or derived_port(job.run_id)
+    nodes = tuple(_node(rank, host, inventory, job, templates, port)
+                  for rank, host in enumerate(inventory.hosts))
+    return LaunchPlan(run_id=job.run_id, nodes=nodes, master_addr=master.address,
+                      master_port=port, rendezvous=master.rendezvous, script=job.script,
+                      args=job.args)
+
+
+def _node(rank: int, host: Host, inv: Inventory, job: Job, templates: Templates,
+          port: int) -> NodePlan:
+    ifname = host.network.ifname
+    # Gloo takes plain names only; an NCCL list ('^docker0,lo', '=eth0') leaves Gloo unset.
+    gloo_ifname = ifname if ifname and re.match(r"^[A-Za-z0-9_.:@-]+$", ifname) else None
+    nproc = _nproc(host)
+    user_env = dict(host.env)
+    text = templates.render(
+        "node.sh.j2", run_id=job.run_id, rank=rank, nnodes=len(inv.hosts), host=host,
+        master_addr=inv.master.address, master_port=port, rendezvous=inv.master.rendezvous,
+        ifname=ifname, gloo_ifname=gloo_ifname, ib=host.network.ib, env=host.env,
+        user_sets=user_env.__contains__, nproc=nproc, script=job.script, args=job.args)
+    run_dir = (f"{job.node_root}/{host.name}" if job.node_root
+               else f"{host.workdir.rstrip('/')}/.cluster/{job.run_id}/{host.name}")
+    decided = [("CLUSTER_RUN_ID", job.run_id), ("CLUSTER_NODE", host.name),
+               ("CLUSTER_NODE_RANK", str(rank)), ("CLUSTER_NNODES", str(len(inv.hosts))),
+               ("MASTER_ADDR", inv.master.address), ("MASTER_PORT", str(port))]
+    if ifname and "NCCL_SOCKET_IFNAME" not in user_env:
+        decided.append(("NCCL_SOCKET_IFNAME", ifname))
+        if gloo_ifname:
+            decided.append(("GLOO_SOCKET_IFNAME", gloo_ifname))
+    return NodePlan(rank=rank, host=host, script=text, run_dir=run_dir,
+                    env=tuple(decided) + host.env)
+
+
+def _nproc(host: Host) -> int | str:
+    if host.nproc_per_node != "auto":
+        return host.nproc_per_node
+    return host.gpus if host.gpus else "auto"

@@ -1,0 +1,139 @@
+"""The local run directory: runs/<run-id>/ records what was launched, and keeps each node's log.
+
+    runs/<run-id>/run.json          run id, backend, nodes, command line, git commit, times
+    runs/<run-id>/inventory.yaml    the inventory as loaded (every default applied)
+    runs/<run-id>/inventory.source  the inventory file as read, when there was one
+    runs/<run-id>/env.json          per node: the environment cluster decided
+    runs/<run-id>/scripts/<rank>-<host>.sh   each rendered script
+    runs/<run-id>/logs/<rank>-<host>.log     each node's output, as streamed
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import inventory as inv_mod
+from .errors import InputError
+from .plan import LaunchPlan, NodePlan
+
+RUNS_ENV = "CLUSTER_RUNS_DIR"
+
+
+def runs_root() -> Path:
+    return Path(os.environ.get(RUNS_ENV, "runs"))
+
+
+def new_run_id(now: float | None = None) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"{stamp}-{secrets.token_hex(2)}"
+
+
+@dataclass
+class RunDir:
+    path: Path
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @classmethod
+    def create(cls, run_id: str, root: Path | None = None) -> "RunDir":
+        path = (root or runs_root()) / run_id
+        path.mkdir(parents=True, exist_ok=False)
+        (path / "scripts").mkdir()
+        (path / "logs").mkdir()
+        return cls(path)
+
+    @classmethod
+    def find(cls, run: str | None, root: Path | None = None) -> "RunDir":
+        """A run by id (or unique prefix), or the newest one when run is None."""
+        root = root or runs_root()
+        runs = sorted(p for p in root.glob("*") if (p / "run.json").is_file()) if root.is_dir() else []
+        if not runs:
+            raise InputError(f"no runs in {root}/ (start one with `cluster up`)")
+        if run is None:
+            return cls(max(runs, key=lambda p: (p / "run.json").stat().st_mtime))
+        exact = root / run
+        if (exact / "run.json").is_file():
+            return cls(exact)
+        matches = [p for p in runs if p.name.startswith(run)]
+        if len(matches) == 1:
+            return cls(matches[0])
+        known = ", ".join(p.name for p in runs[-5:])
+        raise InputError(f"no single run matches {run!r} in {root}/ (newest: {known})")
+
+    # -- writing --
+
+    def record(self, plan: LaunchPlan, inventory: inv_mod.Inventory, backend: str,
+               argv: list[str], extra: dict[str, Any] | None = None) -> None:
+        (self.path / "inventory.yaml").write_text(inv_mod.dump(inventory))
+        if inventory.text:
+            (self.path / "inventory.source").write_text(inventory.text)
+        for node in plan.nodes:
+            script = self.path / "scripts" / f"{node.rank}-{node.host.name}.sh"
+            script.write_text(node.script)
+        env = {node.host.name: dict(node.env) for node in plan.nodes}
+        (self.path / "env.json").write_text(json.dumps(env, indent=2) + "\n")
+        meta = {
+            "run_id": plan.run_id, "backend": backend, "created": time.time(),
+            "command": argv, "cwd": os.getcwd(), "git_commit": git_commit(),
+            "master_addr": plan.master_addr, "master_port": plan.master_port,
+            "rendezvous": plan.rendezvous, "script": plan.script, "args": list(plan.args),
+            "nodes": [{"rank": n.rank, "name": n.host.name, "address": n.host.address,
+                       "run_dir": n.run_dir} for n in plan.nodes],
+        }
+        meta.update(extra or {})
+        self.write_meta(meta)
+
+    def write_meta(self, meta: dict[str, Any]) -> None:
+        tmp = self.path / ".run.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.replace(self.path / "run.json")
+
+    def update(self, **fields: Any) -> None:
+        meta = self.meta()
+        meta.update(fields)
+        self.write_meta(meta)
+
+    def log_path(self, node: NodePlan | dict[str, Any]) -> Path:
+        rank, name = (node.rank, node.host.name) if isinstance(node, NodePlan) else (node["rank"], node["name"])
+        return self.path / "logs" / f"{rank}-{name}.log"
+
+    # -- reading --
+
+    def meta(self) -> dict[str, Any]:
+        return json.loads((self.path / "run.json").read_text())
+
+    def hosts(self) -> list[inv_mod.Host]:
+        import yaml
+        data = yaml.safe_load((self.path / "inventory.yaml").read_text())
+        return [inv_mod.host_from_dict(h) for h in data["hosts"]]
+
+    def inventory(self) -> inv_mod.Inventory:
+        import yaml
+        data = yaml.safe_load((self.path / "inventory.yaml").read_text())
+        return inv_mod.Inventory(
+            hosts=tuple(inv_mod.host_from_dict(h) for h in data["hosts"]),
+            source=data.get("source"), backend=data.get("backend", "ssh"),
+            ssh=inv_mod.ssh_from_dict(data.get("ssh") or {}),
+            slurm=inv_mod.slurm_from_dict(data.get("slurm") or {}))
+
+
+def git_commit(cwd: str | None = None) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    commit = out.stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=cwd, capture_output=True,
+                           text=True, timeout=5).stdout.strip()
+    return commit + ("-dirty" if dirty else "")

@@ -1,0 +1,222 @@
+"""One watcher for every backend: stream each node's output with a prefix, save it per node,
+and react to the first failure (or Ctrl-C) at once by stopping every other node.
+
+Each node has a thread that copies its output and then puts its exit on one queue; the main
+thread blocks on that queue, so a failure is seen the moment it happens, not on a timer.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from .backends import NodeExit, NodeProcess
+
+COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92", "94", "91")
+TAIL_LINES = 20
+
+
+class Console:
+    """Prefixed, optionally coloured lines from many threads, never interleaved mid-line."""
+
+    def __init__(self, out: IO[str] | None = None, err: IO[str] | None = None,
+                 color: bool | None = None) -> None:
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        if color is None:
+            color = self.out.isatty() and "NO_COLOR" not in os.environ
+        self.color = color
+        self.lock = threading.Lock()
+
+    def node_line(self, label: str, index: int, text: str) -> None:
+        prefix = f"[{label}]"
+        if self.color:
+            prefix = f"\x1b[{COLORS[index % len(COLORS)]}m{prefix}\x1b[0m"
+        with self.lock:
+            self.out.write(f"{prefix} {text}\n")
+            self.out.flush()
+
+    def info(self, text: str) -> None:
+        with self.lock:
+            self.err.write(f"cluster: {text}\n")
+            self.err.flush()
+
+    def raw(self, text: str) -> None:
+        with self.lock:
+            self.out.write(text)
+            self.out.flush()
+
+
+class LineSplitter:
+    """Bytes in, display lines out. A line rewritten with \\r (a progress bar) shows its last
+    state, at most once a second until its newline comes."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.buf = b""
+        self.clock = clock
+        self.last_progress = 0.0
+
+    def feed(self, data: bytes) -> list[str]:
+        self.buf += data
+        out: list[str] = []
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            out.append(self._last_state(line))
+        if b"\r" in self.buf:
+            now = self.clock()
+            if now - self.last_progress >= 1.0:
+                state = self._last_state(self.buf)
+                if state:
+                    out.append(state)
+                self.last_progress = now
+            self.buf = self.buf[self.buf.rfind(b"\r") + 1:]
+        return out
+
+    def flush(self) -> list[str]:
+        rest, self.buf = self.buf, b""
+        return [self._last_state(rest)] if rest.strip(b"\r") else []
+
+    @staticmethod
+    def _last_state(line: bytes) -> str:
+        parts = [p for p in line.rstrip(b"\r").split(b"\r") if p]
+        return (parts[-1] if parts else b"").decode(errors="replace")
+
+
+@dataclass
+class WatchResult:
+    exits: dict[str, NodeExit] = field(default_factory=dict)        # label -> exit
+    first_failure: tuple[str, NodeExit] | None = None
+    interrupted: bool = False
+    stops: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> stop report
+    tails: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.first_failure is None and not self.interrupted
+
+    def leftovers(self) -> dict[str, list[int]]:
+        return {k: v["left"] for k, v in self.stops.items() if v.get("left")}
+
+
+class Watcher:
+    def __init__(self, procs: Sequence[NodeProcess], console: Console,
+                 log_paths: dict[str, Path], settle: float = 30.0) -> None:
+        self.procs = list(procs)
+        self.console = console
+        self.log_paths = log_paths
+        self.settle = settle                   # how long to wait for stopped nodes to report
+        self.events: queue.Queue[tuple[NodeProcess, NodeExit]] = queue.Queue()
+        self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
+
+    def run(self) -> WatchResult:
+        result = WatchResult()
+        for index, proc in enumerate(self.procs):
+            threading.Thread(target=self._pump, args=(proc, index), daemon=True,
+                             name=f"pump-{proc.node.label}").start()
+        pending = {p.node.label for p in self.procs}
+        try:
+            while pending:
+                proc, ex = self._next_event()
+                pending.discard(proc.node.label)
+                result.exits[proc.node.label] = ex
+                if not ex.ok and result.first_failure is None:
+                    result.first_failure = (proc.node.label, ex)
+                    self._report_failure(proc.node.label, ex)
+                    result.stops = self.stop_all(pending)
+                    break
+        except KeyboardInterrupt:
+            result.interrupted = True
+            self.console.info(f"interrupted: stopping {len(pending)} node(s)")
+            result.stops = self.stop_all(pending)
+        self._collect(pending, result)
+        result.tails = {k: list(v) for k, v in self.tails.items()}
+        return result
+
+    def _next_event(self) -> tuple[NodeProcess, NodeExit]:
+        # A timeout keeps the main thread responsive to Ctrl-C while it waits.
+        while True:
+            try:
+                return self.events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    def _collect(self, pending: set[str], result: WatchResult) -> None:
+        deadline = time.monotonic() + self.settle
+        while pending and time.monotonic() < deadline:
+            try:
+                proc, ex = self.events.get(timeout=max(0.05, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            except KeyboardInterrupt:
+                continue
+            pending.discard(proc.node.label)
+            result.exits.setdefault(proc.node.label, ex)
+        for label in pending:
+            result.exits.setdefault(label, NodeExit(lost=True, reason="did not report after stop"))
+
+    def stop_all(self, labels: set[str]) -> dict[str, dict[str, Any]]:
+        targets = [p for p in self.procs if p.node.label in labels]
+        if not targets:
+            return {}
+        while True:
+            try:
+                with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+                    reports = list(pool.map(lambda p: p.stop(), targets))
+                break
+            except KeyboardInterrupt:
+                self.console.info("still stopping every node; please wait")
+        out = {p.node.label: r for p, r in zip(targets, reports)}
+        for label, rep in out.items():
+            if rep.get("left"):
+                self.console.info(f"[{label}] processes still alive after SIGKILL: {rep['left']}")
+            elif rep.get("error"):
+                self.console.info(f"[{label}] stop failed: {rep['error']}")
+        return out
+
+    def _report_failure(self, label: str, ex: NodeExit) -> None:
+        tail = list(self.tails[label])
+        self.console.info(f"node [{label}] failed first: {ex.describe()}")
+        if tail:
+            self.console.info(f"last {len(tail)} line(s) of [{label}]:")
+            for line in tail:
+                self.console.info(f"  | {line}")
+        others = len(self.procs) - 1
+        if others:
+            self.console.info(f"stopping the other {others} node(s)")
+
+    def _pump(self, proc: NodeProcess, index: int) -> None:
+        label = proc.node.label
+        splitter = LineSplitter()
+        path = self.log_paths.get(label)
+        log = open(path, "ab") if path else None
+        try:
+            for chunk in proc.output():
+                if log:
+                    log.write(chunk)
+                    log.flush()
+                for line in splitter.feed(chunk):
+                    self._emit(label, index, line)
+            for line in splitter.flush():
+                self._emit(label, index, line)
+        except Exception as exc:  # a broken stream is reported through wait()
+            self.console.info(f"[{label}] output stream broke: {exc}")
+        finally:
+            if log:
+                log.close()
+        try:
+            ex = proc.wait()
+        except Exception as exc:
+            ex = NodeExit(lost=True, reason=str(exc))
+        self.events.put((proc, ex))
+
+    def _emit(self, label: str, index: int, line: str) -> None:
+        self.tails[label].append(line)
+        self.console.node_line(label, index, line)
