@@ -115,6 +115,8 @@ class Watcher:
         self.settle = settle                   # how long to wait for stopped nodes to report
         self.events: queue.Queue[tuple[NodeProcess, NodeExit]] = queue.Queue()
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
+        # Nodes we are stopping print their shutdown tracebacks; those go to the log files only.
+        self.muted: set[str] = set()
 
     def run(self) -> WatchResult:
         result = WatchResult()
@@ -166,6 +168,8 @@ class Watcher:
         targets = [p for p in self.procs if p.node.label in labels]
         if not targets:
             return {}
+        self.muted.update(labels)
+        self.console.info("output of the stopped node(s) continues in their log files only")
         while True:
             try:
                 with ThreadPoolExecutor(max_workers=len(targets)) as pool:
@@ -219,4 +223,5 @@ class Watcher:
 
     def _emit(self, label: str, index: int, line: str) -> None:
         self.tails[label].append(line)
-        self.console.node_line(label, index, line)
+        if label not in self.muted:
+            self.console.node_line(label, index, line)
