@@ -293,13 +293,17 @@ class _Parser:
         if not isinstance(data, _Map):
             raise InventoryError(self.source, 1, None, "an inventory is a mapping with 'hosts'")
         self.known_keys(data, TOP_KEYS)
-        if "hosts" not in data:
-            raise InventoryError(self.source, data.line, "hosts", "missing required key 'hosts'")
+        backend = self.choice(data, "backend", BACKENDS) if "backend" in data else "ssh"
         defaults = self.mapping(data["defaults"], data, "defaults") if "defaults" in data else _Map({}, {}, 1)
         self.known_keys(defaults, HOST_SETTINGS, "defaults.")
         base = self.settings(defaults, Host(name="-", address="-"))
-        hosts = self.hosts(data["hosts"], data, base)
-        backend = self.choice(data, "backend", BACKENDS) if "backend" in data else "ssh"
+        if backend == "slurm" and not data.get("hosts"):
+            # SLURM chooses the nodes: one placeholder host carries the defaults.
+            hosts: tuple[Host, ...] = (base.replace(name="slurm", address="slurm"),)
+        elif "hosts" not in data:
+            raise InventoryError(self.source, data.line, "hosts", "missing required key 'hosts'")
+        else:
+            hosts = self.hosts(data["hosts"], data, base)
         ssh = self.ssh(self.mapping(data["ssh"], data, "ssh")) if "ssh" in data else SshSettings()
         slurm = self.slurm(self.mapping(data["slurm"], data, "slurm")) if "slurm" in data else SlurmSettings()
         return Inventory(hosts=hosts, source=self.source, backend=backend, ssh=ssh, slurm=slurm,
