@@ -1,0 +1,81 @@
+"""Fast in-process checks of the pieces of train/: atomic checkpoints, LR schedule,
+the resumable sampler's data order."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_helpers import load_train_module  # noqa: E402
+
+ckpt = load_train_module("checkpoint")
+data = load_train_module("data")
+
+
+def test_atomic_save_leaves_no_temp_on_failure(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(Exception):
+        ckpt.atomic_save({"step": 1, "x": Boom()}, str(tmp_path / ckpt.ckpt_name(1)))
+    assert os.listdir(tmp_path) == []
+
+
+def test_latest_skips_temp_and_corrupt_files_and_prunes(tmp_path):
+    for s in (1, 2, 3, 4):
+        ckpt.save_checkpoint({"step": s, "w": torch.full((3,), float(s))}, str(tmp_path), keep=3)
+    assert [s for s, _ in ckpt.list_checkpoints(str(tmp_path))] == [2, 3, 4]
+    # a stray temp file with a higher step, and a truncated "newest" checkpoint
+    (tmp_path / ".ckpt_step00000009.pt.tmp.123").write_bytes(b"garbage")
+    good = (tmp_path / ckpt.ckpt_name(4)).read_bytes()
+    (tmp_path / ckpt.ckpt_name(5)).write_bytes(good[: len(good) // 2])
+    path, st = ckpt.load_latest(str(tmp_path))
+    assert path.endswith(ckpt.ckpt_name(4)) and st["step"] == 4
+    assert ckpt.remove_stale_temps(str(tmp_path)) == [".ckpt_step00000009.pt.tmp.123"]
+
+
+def test_rng_state_roundtrip():
+    st = ckpt.rng_state()
+    a = torch.rand(5)
+    ckpt.set_rng_state(st)
+    assert torch.equal(a, torch.rand(5))
+
+
+def test_lr_schedule_warmup_then_cosine():
+    tr = load_train_module("train")
+    f = [tr.lr_factor(s, warmup=10, total=110, min_ratio=0.0) for s in range(111)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(b > a for a, b in zip(f[:9], f[1:10]))            # linear ramp up
+    assert all(b <= a for a, b in zip(f[10:], f[11:]))          # then monotone decay
+    assert f[60] == pytest.approx(0.5) and f[110] == pytest.approx(0.0, abs=1e-12)
+    assert tr.lr_factor(60, 10, 110, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_sampler_shards_are_the_global_batch(shuffle):
+    """World W with per-rank batch b sees, step by step, the samples one process
+    with batch W*b sees; set_start resumes mid-epoch."""
+    n, W, b = 103, 2, 4
+    ds = list(range(n))
+
+    def batches(world, rank, bs, start=0):
+        s = data.ResumableDistributedSampler(ds, num_replicas=world, rank=rank, shuffle=shuffle, seed=7)
+        s.set_epoch(3)
+        s.set_start(start)
+        idx = list(s)
+        assert len(idx) == len(s)
+        return [idx[i:i + bs] for i in range(0, len(idx) - bs + 1, bs)]
+
+    one = batches(1, 0, W * b)
+    per_rank = [batches(W, r, b) for r in range(W)]
+    for k, big in enumerate(one[: len(per_rank[0])]):
+        assert sorted(big) == sorted(sum((pr[k] for pr in per_rank), []))
+    resumed = batches(W, 1, b, start=3 * b)
+    assert resumed == per_rank[1][3:]
+    if shuffle:
+        s = data.ResumableDistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)
+        s.set_epoch(4)
+        assert [i for bt in one for i in bt] != list(s)[: len(one) * W * b]

@@ -1,0 +1,134 @@
+"""Helpers for the train/ tests: launch train/train.py with 1 plain process or with
+torchrun (gloo, CPU), parse its FINAL line, read its checkpoints, kill process trees."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "train" / "train.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(nproc: int, args: list[str]) -> list[str]:
+    if nproc == 1:  # plain process: no process group, no DDP wrapper
+        return [sys.executable, str(TRAIN), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(TRAIN), *args]
+
+
+def train_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(extra or {})
+    return env
+
+
+def parse_final(stdout: str) -> dict:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("FINAL ")]
+    assert len(lines) == 1, f"expected one FINAL line, got {len(lines)}:\n{stdout[-3000:]}"
+    return json.loads(lines[0][len("FINAL "):])
+
+
+def run_train(nproc: int, args: list[str], env: dict | None = None, timeout: float = 180) -> dict:
+    p = subprocess.run(train_cmd(nproc, args), cwd=REPO, env=train_env(env), text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    assert p.returncode == 0, f"train.py failed (rc {p.returncode}):\n{p.stdout[-5000:]}"
+    final = parse_final(p.stdout)
+    final["_stdout"] = p.stdout
+    return final
+
+
+def start_train(nproc: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(train_cmd(nproc, args), cwd=REPO, env=train_env(env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            kids.append(int(d))
+    return kids
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process we started and all its descendants (torchrun puts its
+    workers in new sessions, so a process-group kill would miss them)."""
+    todo, seen = [pid], []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo.extend(_children(p))
+    for p in seen:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(pred, timeout: float, proc: subprocess.Popen | None = None, what: str = ""):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        r = pred()
+        if r:
+            return r
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"training exited (rc {proc.returncode}) before {what}:\n{out[-4000:]}")
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def checkpoints(out: Path) -> list[Path]:
+    return sorted(out.glob("ckpt_step*.pt"))
+
+
+def load_ckpt(path: Path) -> dict:
+    import torch
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def final_weights(out: Path) -> dict:
+    ck = checkpoints(out)
+    assert ck, f"no checkpoint in {out}"
+    return load_ckpt(ck[-1])["model"]
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def load_train_module(name: str):
+    """Import train/<name>.py in-process under a private module name."""
+    spec = importlib.util.spec_from_file_location(f"_cluster_train_{name}", REPO / "train" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
