@@ -1,0 +1,153 @@
+# ==== node 0: gpu01 (gpu01) -> ~/cluster-runs/.cluster/golden-run/gpu01/launch.sh
+#!/usr/bin/env bash
+# cluster run golden-run: node 0 of 3, gpu01 (gpu01)
+# Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
+# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+set -euo pipefail
+
+cd "$HOME"/cluster-runs
+
+# Identity of this run: every process started below inherits it, which is how
+# `cluster down` finds them all (never by name or pattern).
+export CLUSTER_RUN_ID=golden-run
+export CLUSTER_NODE=gpu01
+export CLUSTER_NODE_RANK=0
+export CLUSTER_NNODES=3
+
+# Interface: the one that holds this node's address, which is the address the other
+# nodes reach it by (not docker0, not a VPN, not lo).
+cluster_ifname() {
+  local ip
+  ip=$(getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}') || true
+  ip -o -4 addr show 2>/dev/null | awk -v a="${ip:-$1}" '{split($4, p, "/"); if (p[1] == a) {print $2; exit}}'
+}
+IFNAME=$(cluster_ifname gpu01) || true
+if [ -z "$IFNAME" ]; then
+  IFNAME=$(ip -o route get gpu01 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p') || true
+fi
+if [ -n "$IFNAME" ]; then
+  export NCCL_SOCKET_IFNAME="$IFNAME"
+  export GLOO_SOCKET_IFNAME="$IFNAME"
+else
+  echo "cluster: no interface holds gpu01; NCCL and Gloo will choose one" >&2
+fi
+if compgen -G '/sys/class/infiniband/*' >/dev/null; then export NCCL_IB_DISABLE=0; else export NCCL_IB_DISABLE=1; fi
+
+export MASTER_ADDR=gpu01
+export MASTER_PORT=29841
+
+# torchrun, from the interpreter the inventory names.
+exec python3 -m torch.distributed.run \
+  --nnodes=3 \
+  --nproc_per_node=8 \
+  --rdzv_backend=c10d \
+  --rdzv_endpoint=gpu01:29841 \
+  --rdzv_id=golden-run \
+  --local_addr=gpu01 \
+  train.py \
+  --epochs \
+  3 \
+  --name \
+  'a b $(x)'
+# ==== node 1: gpu02 (gpu02) -> ~/cluster-runs/.cluster/golden-run/gpu02/launch.sh
+#!/usr/bin/env bash
+# cluster run golden-run: node 1 of 3, gpu02 (gpu02)
+# Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
+# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+set -euo pipefail
+
+cd "$HOME"/cluster-runs
+
+# Identity of this run: every process started below inherits it, which is how
+# `cluster down` finds them all (never by name or pattern).
+export CLUSTER_RUN_ID=golden-run
+export CLUSTER_NODE=gpu02
+export CLUSTER_NODE_RANK=1
+export CLUSTER_NNODES=3
+
+# Interface: the one that holds this node's address, which is the address the other
+# nodes reach it by (not docker0, not a VPN, not lo).
+cluster_ifname() {
+  local ip
+  ip=$(getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}') || true
+  ip -o -4 addr show 2>/dev/null | awk -v a="${ip:-$1}" '{split($4, p, "/"); if (p[1] == a) {print $2; exit}}'
+}
+IFNAME=$(cluster_ifname gpu02) || true
+if [ -z "$IFNAME" ]; then
+  IFNAME=$(ip -o route get gpu01 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p') || true
+fi
+if [ -n "$IFNAME" ]; then
+  export NCCL_SOCKET_IFNAME="$IFNAME"
+  export GLOO_SOCKET_IFNAME="$IFNAME"
+else
+  echo "cluster: no interface holds gpu02; NCCL and Gloo will choose one" >&2
+fi
+if compgen -G '/sys/class/infiniband/*' >/dev/null; then export NCCL_IB_DISABLE=0; else export NCCL_IB_DISABLE=1; fi
+
+export MASTER_ADDR=gpu01
+export MASTER_PORT=29841
+
+# torchrun, from the interpreter the inventory names.
+exec python3 -m torch.distributed.run \
+  --nnodes=3 \
+  --nproc_per_node=8 \
+  --rdzv_backend=c10d \
+  --rdzv_endpoint=gpu01:29841 \
+  --rdzv_id=golden-run \
+  --local_addr=gpu02 \
+  train.py \
+  --epochs \
+  3 \
+  --name \
+  'a b $(x)'
+# ==== node 2: worker-3 (worker-3) -> ~/cluster-runs/.cluster/golden-run/worker-3/launch.sh
+#!/usr/bin/env bash
+# cluster run golden-run: node 2 of 3, worker-3 (worker-3)
+# Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
+# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+set -euo pipefail
+
+cd "$HOME"/cluster-runs
+
+# Identity of this run: every process started below inherits it, which is how
+# `cluster down` finds them all (never by name or pattern).
+export CLUSTER_RUN_ID=golden-run
+export CLUSTER_NODE=worker-3
+export CLUSTER_NODE_RANK=2
+export CLUSTER_NNODES=3
+
+# Interface: the one that holds this node's address, which is the address the other
+# nodes reach it by (not docker0, not a VPN, not lo).
+cluster_ifname() {
+  local ip
+  ip=$(getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}') || true
+  ip -o -4 addr show 2>/dev/null | awk -v a="${ip:-$1}" '{split($4, p, "/"); if (p[1] == a) {print $2; exit}}'
+}
+IFNAME=$(cluster_ifname worker-3) || true
+if [ -z "$IFNAME" ]; then
+  IFNAME=$(ip -o route get gpu01 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p') || true
+fi
+if [ -n "$IFNAME" ]; then
+  export NCCL_SOCKET_IFNAME="$IFNAME"
+  export GLOO_SOCKET_IFNAME="$IFNAME"
+else
+  echo "cluster: no interface holds worker-3; NCCL and Gloo will choose one" >&2
+fi
+if compgen -G '/sys/class/infiniband/*' >/dev/null; then export NCCL_IB_DISABLE=0; else export NCCL_IB_DISABLE=1; fi
+
+export MASTER_ADDR=gpu01
+export MASTER_PORT=29841
+
+# torchrun, from the interpreter the inventory names.
+exec python3 -m torch.distributed.run \
+  --nnodes=3 \
+  --nproc_per_node=4 \
+  --rdzv_backend=c10d \
+  --rdzv_endpoint=gpu01:29841 \
+  --rdzv_id=golden-run \
+  --local_addr=worker-3 \
+  train.py \
+  --epochs \
+  3 \
+  --name \
+  'a b $(x)'

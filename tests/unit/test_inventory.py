@@ -1,0 +1,122 @@
+"""Inventory loading: typed hosts, and every rejection names file, line and key (exit code 2)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster import inventory
+from cluster.cli import run_cli
+from cluster.errors import InputError, InventoryError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str, name: str = "inv.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_example_inventory_loads_with_defaults_and_overrides() -> None:
+    inv = inventory.load(REPO / "inventory" / "example.yaml")
+    a, b = inv.hosts
+    assert (a.name, a.address, a.user, a.gpus, a.network.ifname) == ("gpu-a", "10.0.0.11", "alice", 8, "eth0")
+    assert b.network.ifname == "ens5" and b.network.ib == "auto"
+    assert dict(b.env) == {"OMP_NUM_THREADS": "8", "FOO": "bar"}
+    assert dict(a.env) == {"OMP_NUM_THREADS": "8"}
+    assert a.master_port == 29500 and a.rendezvous == "c10d" and a.python == "/opt/venv/bin/python"
+
+
+def test_hostfile_with_hostlists_and_slots() -> None:
+    inv = inventory.load(REPO / "inventory" / "hostfile")
+    assert [(h.name, h.nproc_per_node) for h in inv.hosts] == [("gpu01", 8), ("gpu02", 8), ("worker-3", 4)]
+
+
+def test_hostlist_expression_in_yaml_names() -> None:
+    inv = inventory.parse_yaml("hosts:\n  - {name: 'gpu[01-03]', gpus: 4}\n  - cpu1\n", "x.yaml")
+    assert [h.name for h in inv.hosts] == ["gpu01", "gpu02", "gpu03", "cpu1"]
+    assert inv.hosts[0].address == "gpu01" and inv.hosts[2].gpus == 4
+
+
+def test_mpich_style_hostfile() -> None:
+    inv = inventory.parse_hostfile("a:2\nb:4 # comment\n\n# only a comment\n", "hf")
+    assert [(h.name, h.nproc_per_node) for h in inv.hosts] == [("a", 2), ("b", 4)]
+
+
+def test_yaml_on_off_are_ib_policies() -> None:
+    inv = inventory.parse_yaml("defaults:\n  network: {ib: off}\nhosts: [a]\n", "x.yaml")
+    assert inv.hosts[0].network.ib == "off"
+
+
+BAD = [
+    # (inventory text, line, key, words in the message)
+    ("hosts:\n  - {name: a, adress: 10.0.0.1}\n", 2, "adress", "did you mean 'address'?"),
+    ("defaults:\n  usr: bob\nhosts: [a]\n", 2, "usr", "did you mean 'user'?"),
+    ("hostz: [a]\n", 1, "hostz", "did you mean 'hosts'?"),
+    ("hosts:\n  - {name: a, network: {ifnam: eth0}}\n", 2, "ifnam", "did you mean 'ifname'?"),
+    ("hosts:\n  - a\n  - b\n  - a\n", 4, "name", "duplicate host name 'a'"),
+    ("hosts:\n  - {name: a, address: 10.0.0.1}\n  - {name: b, address: 10.0.0.1}\n", 3, "address",
+     "duplicate address"),
+    ("hosts:\n  - {name: a, port: 0}\n", 2, "port", "port number"),
+    ("hosts:\n  - {name: a, port: 70000}\n", 2, "port", "port number"),
+    ("defaults:\n  master_port: x\nhosts: [a]\n", 2, "master_port", "port number"),
+    ("defaults:\n  nproc_per_node: 0\nhosts: [a]\n", 2, "nproc_per_node", ">= 1"),
+    ("hosts:\n  - {name: a, nproc_per_node: -3}\n", 2, "nproc_per_node", ">= 1"),
+    ("hosts:\n  - {name: 'bad host'}\n", 2, "name", "not a valid host name"),
+    ("hosts:\n  - {name: 'a;rm'}\n", 2, "name", "not a valid host name"),
+    ("hosts:\n  - name: a\n    env: {1BAD: x}\n", 3, "1BAD", "not a valid identifier"),
+    ("hosts:\n  - name: a\n    env:\n      'A-B': x\n", 4, "A-B", "not a valid identifier"),
+    ("defaults:\n  rendezvous: etcd\nhosts: [a]\n", 2, "rendezvous", "c10d, static"),
+    ("defaults:\n  network: {ib: maybe}\nhosts: [a]\n", 2, "ib", "auto, on or off"),
+    ("hosts:\n  - {name: a, address: 'not an address!'}\n", 2, "address", "neither an IP"),
+    ("hosts: []\n", 1, "hosts", "non-empty list"),
+    ("hosts:\n  - {name: a\n", 3, None, "not valid YAML"),
+    ("slurm:\n  signal: USR1@60\nhosts: [a]\n", 2, "signal", "USR1 is used by NCCL"),
+]
+
+
+@pytest.mark.parametrize("text,line,key,words", BAD)
+def test_rejections_name_file_line_and_key(tmp_path: Path, text: str, line: int, key: str | None,
+                                           words: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(InventoryError) as info:
+        inventory.load(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}:{line}"), msg
+    if key:
+        assert f": {key}:" in msg, msg
+    assert words in msg
+
+
+@pytest.mark.parametrize("text,line,key,words", BAD[:6])
+def test_cli_exits_2_and_runs_nothing(tmp_path: Path, monkeypatch, capsys, text, line, key, words) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, text)
+    assert run_cli(["up", "-i", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:{line}" in err and words in err
+    assert not (tmp_path / "runs").exists(), "bad input must not create a run"
+
+
+def test_hostfile_rejections(tmp_path: Path) -> None:
+    with pytest.raises(InventoryError, match=r"hf:2: slots: must be a whole number"):
+        inventory.parse_hostfile("a slots=2\nb slots=zero\n", "hf")
+    with pytest.raises(InventoryError, match=r"hf:1: cpus: unknown hostfile field"):
+        inventory.parse_hostfile("a cpus=2\n", "hf")
+
+
+def test_select_nodes_hosts_exclude() -> None:
+    inv = inventory.parse_yaml("hosts: ['n[1-4]']\n", "x.yaml")
+    assert [h.name for h in inv.select(nodes=2).hosts] == ["n1", "n2"]
+    assert [h.name for h in inv.select(hosts="n[3-4]").hosts] == ["n3", "n4"]
+    assert [h.name for h in inv.select(exclude="n1", nodes=2).hosts] == ["n2", "n3"]
+    with pytest.raises(InputError, match="--nodes: 5 requested but only 4"):
+        inv.select(nodes=5)
+    with pytest.raises(InputError, match="--hosts: n9 not in"):
+        inv.select(hosts="n9")
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="cannot read inventory"):
+        inventory.load(tmp_path / "nope.yaml")

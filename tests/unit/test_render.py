@@ -1,0 +1,105 @@
+"""Rendered node scripts: golden files, `bash -n`, shellcheck."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cluster import inventory
+from cluster.plan import Job, Templates, render, shpath
+
+GOLDEN = Path(__file__).parent / "golden"
+INPUTS = sorted((GOLDEN / "inputs").iterdir())
+REGEN = os.environ.get("CLUSTER_REGEN_GOLDEN") == "1"
+JOB = Job(run_id="golden-run", script="train.py", args=("--epochs", "3", "--name", "a b $(x)"))
+
+
+def rendered(path: Path) -> str:
+    return str(render(inventory.load(path), JOB, Templates()))
+
+
+@pytest.mark.parametrize("source", INPUTS, ids=[p.name for p in INPUTS])
+def test_golden(source: Path) -> None:
+    golden = GOLDEN / "node" / f"{source.stem}.sh"
+    text = rendered(source)
+    if REGEN or not golden.exists():
+        golden.write_text(text)
+    assert text == golden.read_text(), (
+        f"rendered scripts for {source.name} differ from {golden}; if the change is intended, "
+        f"regenerate with: CLUSTER_REGEN_GOLDEN=1 pytest tests/unit/test_render.py")
+
+
+def node_scripts(source: Path) -> list[str]:
+    return [n.script for n in render(inventory.load(source), JOB, Templates()).nodes]
+
+
+@pytest.mark.parametrize("source", INPUTS, ids=[p.name for p in INPUTS])
+def test_bash_syntax(source: Path, tmp_path: Path) -> None:
+    for i, script in enumerate(node_scripts(source)):
+        f = tmp_path / f"{i}.sh"
+        f.write_text(script)
+        out = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.skipif(not shutil.which("shellcheck"), reason="shellcheck not installed")
+@pytest.mark.parametrize("source", INPUTS, ids=[p.name for p in INPUTS])
+def test_shellcheck(source: Path, tmp_path: Path) -> None:
+    for i, script in enumerate(node_scripts(source)):
+        f = tmp_path / f"{i}.sh"
+        f.write_text(script)
+        out = subprocess.run(["shellcheck", "-s", "bash", str(f)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout
+
+
+def test_ranks_follow_inventory_order_and_master_is_first_host() -> None:
+    plan = render(inventory.load(GOLDEN / "inputs" / "static.yaml"), JOB, Templates())
+    assert [n.host.name for n in plan.nodes] == ["gpu-a", "gpu-b"]
+    assert plan.master_addr == "10.0.0.11"
+    for rank, node in enumerate(plan.nodes):
+        assert f"--node_rank={rank}" in node.script
+        assert "--master_addr=10.0.0.11" in node.script
+        assert f"--local_addr={node.host.address}" in node.script
+
+
+def test_c10d_uses_run_id_and_local_addr() -> None:
+    plan = render(inventory.load(GOLDEN / "inputs" / "c10d.yaml"), JOB, Templates())
+    for node in plan.nodes:
+        assert "--rdzv_backend=c10d" in node.script
+        assert "--rdzv_id=golden-run" in node.script
+        assert f"--local_addr={node.host.address}" in node.script
+        assert "--node_rank" not in node.script
+
+
+def test_user_env_wins_over_network_policy() -> None:
+    plan = render(inventory.load(GOLDEN / "inputs" / "overrides.yaml"), JOB, Templates())
+    gpu_b = plan.nodes[1].script
+    assert "export NCCL_SOCKET_IFNAME=ib0" in gpu_b
+    assert "export NCCL_SOCKET_IFNAME=ens5" not in gpu_b
+    gpu_a = plan.nodes[0].script
+    assert "export NCCL_SOCKET_IFNAME='^docker0,lo'" in gpu_a
+    assert "GLOO_SOCKET_IFNAME" not in gpu_a.split("cluster_ifname")[0]
+
+
+def test_template_override_by_name(tmp_path: Path) -> None:
+    (tmp_path / "node.sh.j2").write_text("#!/bin/bash\necho {{ host.name | shquote }} {{ rank }}\n")
+    plan = render(inventory.load(GOLDEN / "inputs" / "static.yaml"), JOB, Templates(tmp_path))
+    assert plan.nodes[1].script == "#!/bin/bash\necho gpu-b 1\n"
+
+
+def test_derived_port_is_stable_and_differs_between_runs() -> None:
+    inv = inventory.load(GOLDEN / "inputs" / "c10d.yaml")
+    a1 = render(inv, Job(run_id="run-a", script="t.py"), Templates()).master_port
+    a2 = render(inv, Job(run_id="run-a", script="t.py"), Templates()).master_port
+    b = render(inv, Job(run_id="run-b", script="t.py"), Templates()).master_port
+    assert a1 == a2 and a1 != b and 29500 <= a1 < 30500
+
+
+@pytest.mark.parametrize("path,expected", [
+    ("~", '"$HOME"'), ("~/x y", "\"$HOME\"/'x y'"), ("/abs/p", "/abs/p"), ("rel ative", "'rel ative'"),
+])
+def test_shpath(path: str, expected: str) -> None:
+    assert shpath(path) == expected
