@@ -1,0 +1,113 @@
+"""render_sbatch(inventory, job, settings) -> SbatchPlan: pure. The SLURM batch script of a run.
+
+One srun task per node, torchrun on each starting one worker per GPU (the torchrun consensus:
+torchx, accelerate, torchtitan). `#SBATCH` lines are sorted and every value is shell-quoted, so
+the same inputs always give the same text (golden files in tests/unit/golden/sbatch/).
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InputError
+from .inventory import Inventory, SlurmSettings
+from .plan import Job, Templates, derived_port
+
+TEMPLATE = "sbatch.sh.j2"
+
+
+@dataclass(frozen=True)
+class SbatchPlan:
+    """Everything `cluster up --backend slurm` submits; str() is the exact script."""
+    run_id: str
+    script: str                               # the batch script text
+    options: tuple[str, ...]                  # the #SBATCH options, sorted, values quoted
+    output: str                               # the job's combined output file (absolute)
+    workdir: str                              # the job's working directory (the submit dir)
+    nodes: int
+    nproc: int | str                          # per node; "auto": detected in the step
+    master_port: int
+    python: str
+    command: tuple[str, ...]                  # script and its arguments
+    env: tuple[tuple[str, str], ...]          # what cluster decided, then the user's own
+
+    def __str__(self) -> str:
+        return self.script
+
+
+def signal_parts(signal: str) -> tuple[str, str]:
+    """'USR2@90' or 'B:USR2@90' -> ('USR2', 'B:USR2@90'): the name bash traps, and the
+    --signal value, always sent to the batch shell (B:) which forwards it to the step."""
+    bare = signal.removeprefix("B:")
+    name = bare.split("@", 1)[0].removeprefix("SIG")
+    if not name or name in ("USR1", "10"):
+        raise InputError(f"Invalid SLURM signal {signal!r}: USR1 is used by NCCL; pick another (e.g. USR2@90)")
+    return name, f"B:{bare}"
+
+
+def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings: SlurmSettings,
+                  *, cwd: str) -> SbatchPlan:
+    host = inventory.master                   # under SLURM: the placeholder holding the defaults
+    nodes = settings.nodes or 1
+    nproc: int | str = host.nproc_per_node
+    if nproc == "auto":
+        nproc = settings.gpus_per_node or host.gpus or "auto"
+    port = job.master_port or host.master_port or derived_port(job.run_id)
+    signal, signal_option = signal_parts(settings.signal)
+    output = _output_path(settings.output_dir, cwd, job.run_id)
+    job_name = settings.job_name or f"cluster-{job.run_id}"
+
+    opts: dict[str, object] = {
+        "chdir": cwd, "job-name": job_name, "nodes": nodes, "ntasks-per-node": 1,
+        "output": output.replace("%", "%%"), "open-mode": "append", "signal": signal_option,
+    }
+    if settings.max_requeues > 0:
+        opts["requeue"] = None
+    else:
+        opts["no-requeue"] = None
+    if settings.gpus_per_node:
+        if settings.gpu_style == "gres":
+            opts["gres"] = f"gpu:{settings.gpus_per_node}"
+        else:
+            opts["gpus-per-node"] = settings.gpus_per_node
+    for key, value in (("cpus-per-task", settings.cpus_per_task), ("time", settings.time),
+                       ("partition", settings.partition), ("account", settings.account),
+                       ("constraint", settings.constraint)):
+        if value is not None:
+            opts[key] = value
+    options = tuple(sorted(f"--{k}" if v is None else f"--{k}={shlex.quote(str(v))}"
+                           for k, v in opts.items()))
+
+    ifname = host.network.ifname
+    gloo_ifname = ifname if ifname and re.match(r"^[A-Za-z0-9_.:@-]+$", ifname) else None
+    user_env = dict(host.env)
+    detect = not ifname and "NCCL_SOCKET_IFNAME" not in user_env
+    text = templates.render(
+        TEMPLATE, run_id=job.run_id, nodes=nodes, options=options,
+        cpus_per_task=settings.cpus_per_task is not None, master_port=port, ifname=ifname,
+        gloo_ifname=gloo_ifname, detect_ifname=detect, ib=host.network.ib, env=host.env,
+        user_sets=user_env.__contains__, nproc=nproc, python=host.python, script=job.script,
+        args=job.args, signal=signal, signal_option=signal_option,
+        max_requeues=settings.max_requeues)
+
+    decided = [("CLUSTER_RUN_ID", job.run_id), ("MASTER_PORT", str(port))]
+    if ifname and "NCCL_SOCKET_IFNAME" not in user_env:
+        decided.append(("NCCL_SOCKET_IFNAME", ifname))
+        if gloo_ifname:
+            decided.append(("GLOO_SOCKET_IFNAME", gloo_ifname))
+    if "PYTHONUNBUFFERED" not in user_env:
+        decided.append(("PYTHONUNBUFFERED", "1"))
+    return SbatchPlan(run_id=job.run_id, script=text, options=options, output=output,
+                      workdir=cwd, nodes=nodes, nproc=nproc, master_port=port,
+                      python=host.python, command=(job.script, *job.args),
+                      env=tuple(decided) + host.env)
+
+
+def _output_path(output_dir: str, cwd: str, run_id: str) -> str:
+    """One combined stdout+stderr file per run, appended to across requeues."""
+    base = Path(output_dir).expanduser()
+    if not base.is_absolute():
+        base = Path(cwd) / base
+    return str(base / f"{run_id}.out")

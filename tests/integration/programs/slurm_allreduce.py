@@ -1,0 +1,41 @@
+"""Under torchrun: gloo all_reduce of rank+1; rank 0 checks the sum. Every rank prints one JSON
+line (rank, world, sum, hostname, SLURM_NODEID). `--fail-rank R` makes rank R exit 3 after it;
+`--sleep S` waits S seconds first (for `cluster down` tests)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--fail-rank", type=int, default=None)
+    p.add_argument("--sleep", type=float, default=0.0)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    print(json.dumps({"rank": rank, "world": world, "sum": int(t.item()),
+                      "hostname": socket.gethostname(),
+                      "slurm_nodeid": os.environ.get("SLURM_NODEID"),
+                      "cluster_node_rank": os.environ.get("CLUSTER_NODE_RANK"),
+                      "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}), flush=True)
+    if args.sleep:
+        time.sleep(args.sleep)
+    if args.fail_rank is not None and rank == args.fail_rank:
+        print(f"rank {rank}: failing on purpose", file=sys.stderr, flush=True)
+        return 3
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
