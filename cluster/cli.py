@@ -79,6 +79,10 @@ def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude
         backend = "local"
     inventory = _inventory(inventory_path, hosts, exclude, nodes, backend, nproc_per_node, extra_env)
     backend = backend or inventory.backend
+    if host_key_policy:  # recorded with the run, so status/logs/down connect the same way
+        import dataclasses
+        inventory = dataclasses.replace(
+            inventory, ssh=dataclasses.replace(inventory.ssh, host_key_policy=host_key_policy))
     if sync_dir and backend != "ssh":
         raise InputError("--sync is for the ssh backend (local and SLURM nodes see this filesystem)")
     run_id = new_run_id()
@@ -103,7 +107,9 @@ def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude
     if dry_run:
         launch.dry_run(inventory, job, templates, run, backend, argv, console)
         return
-    impl = _backend(backend, inventory, host_key_policy, sync=[d for d in (sync_dir, code_dir) if d])
+    # --sync DIR lands in each node's workdir; the built-in trainer in <workdir>/cluster-train.
+    sync = [(d, sub) for d, sub in ((sync_dir, "."), (code_dir, "cluster-train")) if d]
+    impl = _backend(backend, inventory, host_key_policy, sync=sync)
     try:
         launch.up(inventory, job, templates, impl, run, argv, console, detach=detach)
     finally:
@@ -176,7 +182,7 @@ def _command(command: tuple[str, ...], backend: str,
 
 
 def _backend(name: str, inventory: inv_mod.Inventory, host_key_policy: str | None,
-             sync: list[str]):
+             sync: list[tuple[str, str]]):
     if name == "local":
         from .backends.local import LocalBackend
         return LocalBackend()

@@ -1,0 +1,41 @@
+"""Test program: every rank all-reduces rank+1 with gloo and prints one JSON line.
+
+    --sleep S     after the all-reduce and a barrier, sleep S seconds (to be killed meanwhile)
+    --fail-rank R exit 3 right after the all-reduce on that global rank
+"""
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--fail-rank", type=int, default=-1)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    print(json.dumps({"rank": rank, "world_size": world, "sum": t.item(),
+                      "host": socket.gethostname(), "pid": os.getpid(),
+                      "node": os.environ.get("CLUSTER_NODE")}), flush=True)
+    if rank == args.fail_rank:
+        return 3
+    dist.barrier()
+    if args.sleep:
+        print(json.dumps({"rank": rank, "sleeping": args.sleep}), flush=True)
+        time.sleep(args.sleep)
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
