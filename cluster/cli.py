@@ -21,6 +21,7 @@ from .runs import RunDir, new_run_id
 from .watch import Console
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
+_ARGV: list[str] | None = None      # the command line as given, recorded in the run directory
 
 
 def default_train_dir() -> Path:
@@ -70,7 +71,7 @@ def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude
        partition: str | None, time_limit: str | None, account: str | None,
        max_requeues: int | None, command: tuple[str, ...]) -> None:
     """Start SCRIPT [ARGS...] with torchrun on every node (default: train/train.py)."""
-    argv = ["cluster", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith("cluster") else sys.argv[:]
+    argv = list(_ARGV or ["cluster", *sys.argv[1:]])
     extra_env = _parse_env(env_pairs)
     templates = Templates(templates_dir)
     if force_local:
@@ -132,7 +133,7 @@ def _inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: 
         if path:
             raise InputError("--local runs on this machine; leave out -i/--inventory")
         from .backends.local import local_inventory
-        return local_inventory(nodes or 1, nproc_per_node=nproc, env=extra_env)
+        return local_inventory(1 if nodes is None else nodes, nproc_per_node=nproc, env=extra_env)
     if path is None and hosts is not None:
         inventory = inv_mod.from_hostnames(hosts)
         hosts = None
@@ -277,6 +278,8 @@ def down(run: str | None) -> None:
 
 def run_cli(args: list[str] | None = None) -> int:
     """Entry point with our error handling: message on stderr, exit code per error class."""
+    global _ARGV
+    _ARGV = ["cluster", *(sys.argv[1:] if args is None else args)]
     try:
         main.main(args=args, prog_name="cluster", standalone_mode=False)
     except ClusterError as exc:

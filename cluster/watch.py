@@ -62,7 +62,7 @@ class LineSplitter:
     def __init__(self, clock: Any = time.monotonic) -> None:
         self.buf = b""
         self.clock = clock
-        self.last_progress = 0.0
+        self.last_progress = float("-inf")
 
     def feed(self, data: bytes) -> list[str]:
         self.buf += data

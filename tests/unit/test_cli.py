@@ -1,0 +1,81 @@
+"""The CLI without any node: dry runs, run directories, option errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import run_cli
+from cluster.runs import RunDir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CLUSTER_RUNS_DIR", raising=False)
+    return tmp_path
+
+
+def test_dry_run_prints_every_script_and_records_the_run(in_tmp: Path, capsys) -> None:
+    code = run_cli(["up", "-i", str(REPO / "inventory" / "example.yaml"), "--dry-run",
+                    "--", "train.py", "--lr", "0.1 x"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.count("#!/usr/bin/env bash") == 2
+    assert "node 0: gpu-a (10.0.0.11)" in out and "node 1: gpu-b (10.0.0.12)" in out
+    run = RunDir.find(None, in_tmp / "runs")
+    meta = run.meta()
+    assert meta["dry_run"] is True and meta["backend"] == "ssh"
+    assert meta["command"][-3:] == ["train.py", "--lr", "0.1 x"]
+    assert "git_commit" in meta
+    scripts = sorted(p.name for p in (run.path / "scripts").iterdir())
+    assert scripts == ["0-gpu-a.sh", "1-gpu-b.sh"]
+    env = json.loads((run.path / "env.json").read_text())
+    assert env["gpu-b"]["FOO"] == "bar" and env["gpu-a"]["MASTER_ADDR"] == "10.0.0.11"
+    assert "gpu-a" in (run.path / "inventory.yaml").read_text()
+    assert (run.path / "inventory.source").read_text() == (REPO / "inventory" / "example.yaml").read_text()
+
+
+def test_dry_run_selects_hosts(in_tmp: Path, capsys) -> None:
+    assert run_cli(["up", "-i", str(REPO / "inventory" / "hostfile"), "--dry-run",
+                    "--exclude", "gpu01", "--nodes", "1", "--", "t.py"]) == 0
+    out = capsys.readouterr().out
+    assert "node 0: gpu02" in out and "gpu01" not in out.split("\n", 1)[0] and "worker-3" not in out
+
+
+def test_local_dry_run_simulated_nodes(in_tmp: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert run_cli(["up", "--local", "--nodes", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--node_rank=0" in out and "--node_rank=1" in out
+    assert out.count("--master_addr=127.0.0.1") == 2
+    assert "train/train.py" in out
+
+
+def test_templates_override(in_tmp: Path, capsys) -> None:
+    (in_tmp / "tpl").mkdir()
+    (in_tmp / "tpl" / "node.sh.j2").write_text("#!/bin/bash\necho custom {{ rank }}\n")
+    assert run_cli(["up", "--local", "--dry-run", "--templates", "tpl"]) == 0
+    assert "echo custom 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,words", [
+    (["up", "--env", "1X=2", "--dry-run"], "Invalid value for --env"),
+    (["up", "-i", "nope.yaml"], "cannot read inventory"),
+    (["up", "--local", "--nodes", "0", "--dry-run"], "--nodes: must be at least 1"),
+    (["up", "--backend", "ssh"], "needs -i/--inventory or --hosts"),
+    (["up", "--templates", "missing-dir", "--dry-run"], "--templates"),
+    (["status"], "no runs"),
+])
+def test_bad_options_exit_2(in_tmp: Path, capsys, args: list[str], words: str) -> None:
+    assert run_cli(args) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_hosts_without_inventory_uses_hostlist(in_tmp: Path, capsys) -> None:
+    assert run_cli(["up", "--hosts", "gpu[1-3]", "--dry-run", "--", "t.py"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"gpu{i}" in out for i in (1, 2, 3))
