@@ -1,0 +1,128 @@
+"""`cluster up` on this machine, end to end, with real torchrun and gloo (no SSH, no root)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ALLREDUCE = REPO / "tests" / "integration" / "programs" / "allreduce.py"
+
+pytestmark = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0,
+    reason="torch is not installed for this python")
+
+
+def cluster(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1")
+    env.pop("CLUSTER_RUNS_DIR", None)
+    return subprocess.run([sys.executable, "-m", "cluster", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def reports(stdout: str) -> list[tuple[str, dict]]:
+    """[node label] {json} lines printed by the all_reduce program."""
+    out = []
+    for line in stdout.splitlines():
+        if line.startswith("[") and "] {" in line:
+            label, _, payload = line[1:].partition("] ")
+            data = json.loads(payload)
+            if "sum" in data:
+                out.append((label, data))
+    return out
+
+
+def run_processes(run_id: str) -> list[int]:
+    want = f"CLUSTER_RUN_ID={run_id}".encode()
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+                state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if want in env and state != "Z":
+                pids.append(int(name))
+    return pids
+
+
+def only_run(tmp_path: Path) -> Path:
+    (run,) = list((tmp_path / "runs").iterdir())
+    return run
+
+
+def test_localhost_runs_two_gloo_processes(tmp_path: Path) -> None:
+    res = cluster(tmp_path, "up", "--", str(ALLREDUCE))
+    assert res.returncode == 0, res.stderr
+    got = reports(res.stdout)
+    assert sorted(d["rank"] for _, d in got) == [0, 1]
+    assert all(d["world_size"] == 2 and d["sum"] == 3.0 for _, d in got)
+    run = only_run(tmp_path)
+    assert (run / "logs" / "0-localhost.log").read_text().count('"sum": 3.0') == 2
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["backend"] == "local" and meta["exits"]["localhost 0"]["code"] == 0
+
+
+def test_simulated_nodes(tmp_path: Path) -> None:
+    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", str(ALLREDUCE))
+    assert res.returncode == 0, res.stderr
+    got = reports(res.stdout)
+    assert sorted(d["rank"] for _, d in got) == [0, 1]
+    assert all(d["world_size"] == 2 and d["sum"] == 3.0 for _, d in got)
+    # each rank ran under its own simulated node, and its output carries that node's prefix
+    assert {(label, d["node"]) for label, d in got} == {("local0 0", "local0"), ("local1 1", "local1")}
+    scripts = sorted(p.name for p in (only_run(tmp_path) / "scripts").iterdir())
+    assert scripts == ["0-local0.sh", "1-local1.sh"]
+
+
+def test_failing_rank_stops_the_other_node(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", str(ALLREDUCE),
+                  "--fail-rank", "1", "--sleep", "120")
+    assert time.monotonic() - t0 < 60, "the healthy node must not wait out its sleep"
+    assert res.returncode == 4, res.stderr
+    assert "node [local1 1] failed first: exit code 1" in res.stderr or \
+        "node [local1 1] failed first" in res.stderr
+    assert "stopping the other 1 node(s)" in res.stderr
+    run_id = only_run(tmp_path).name
+    assert run_processes(run_id) == []
+
+
+def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1")
+    proc = subprocess.Popen([sys.executable, "-m", "cluster", "up", "--local", "--nodes", "2", "--",
+                             str(ALLREDUCE), "--sleep", "120"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    seen = ""
+    while time.monotonic() < deadline and seen.count('"sleeping"') < 2:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen += line
+    assert seen.count('"sleeping"') == 2, seen
+    run_id = only_run(tmp_path).name
+    assert len(run_processes(run_id)) >= 4     # per node: bash->torchrun and a worker
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert run_processes(run_id) == []
+
+
+def test_default_job_trains_for_real(tmp_path: Path) -> None:
+    res = cluster(tmp_path, "up", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    final = [line for line in res.stdout.splitlines() if "FINAL {" in line]
+    assert final, res.stdout[-3000:]
+    summary = json.loads(final[-1].split("FINAL ", 1)[1])
+    assert summary["world_size"] == 2
+    assert summary["val_acc"] >= 0.9
+    assert (only_run(tmp_path) / "train" / "metrics.jsonl").exists()
