@@ -80,23 +80,29 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
     options = tuple(sorted(f"--{k}" if v is None else f"--{k}={shlex.quote(str(v))}"
                            for k, v in opts.items()))
 
-    ifname = host.network.ifname
-    gloo_ifname = ifname if ifname and re.match(r"^[A-Za-z0-9_.:@-]+$", ifname) else None
+    # The same interface policy as node.sh.j2: the inventory's ifname for NCCL (a list such as
+    # '^docker0,lo' is NCCL-only), the user's own variables win, the rest is detected per node.
     user_env = dict(host.env)
-    detect = not ifname and "NCCL_SOCKET_IFNAME" not in user_env
+    ifname = host.network.ifname
+    plain = ifname if ifname and re.match(r"^[A-Za-z0-9_.:@-]+$", ifname) else None
+    nccl_ifname = ifname if "NCCL_SOCKET_IFNAME" not in user_env else None
+    gloo_ifname = plain if "GLOO_SOCKET_IFNAME" not in user_env else None
+    detect_nccl = not ifname and "NCCL_SOCKET_IFNAME" not in user_env
+    detect_gloo = not plain and "GLOO_SOCKET_IFNAME" not in user_env
     text = templates.render(
         TEMPLATE, run_id=job.run_id, nodes=nodes, options=options,
-        cpus_per_task=settings.cpus_per_task is not None, master_port=port, ifname=ifname,
-        gloo_ifname=gloo_ifname, detect_ifname=detect, ib=host.network.ib, env=host.env,
+        cpus_per_task=settings.cpus_per_task is not None, master_port=port,
+        nccl_ifname=nccl_ifname, gloo_ifname=gloo_ifname, detect_nccl=detect_nccl,
+        detect_gloo=detect_gloo, ib=host.network.ib, env=host.env,
         user_sets=user_env.__contains__, nproc=nproc, python=host.python, script=job.script,
         args=job.args, signal=signal, signal_option=signal_option,
         max_requeues=settings.max_requeues)
 
     decided = [("CLUSTER_RUN_ID", job.run_id), ("MASTER_PORT", str(port))]
-    if ifname and "NCCL_SOCKET_IFNAME" not in user_env:
-        decided.append(("NCCL_SOCKET_IFNAME", ifname))
-        if gloo_ifname:
-            decided.append(("GLOO_SOCKET_IFNAME", gloo_ifname))
+    if nccl_ifname:
+        decided.append(("NCCL_SOCKET_IFNAME", nccl_ifname))
+    if gloo_ifname:
+        decided.append(("GLOO_SOCKET_IFNAME", gloo_ifname))
     if "PYTHONUNBUFFERED" not in user_env:
         decided.append(("PYTHONUNBUFFERED", "1"))
     return SbatchPlan(run_id=job.run_id, script=text, options=options, output=output,

@@ -1,0 +1,86 @@
+#!/bin/bash
+# shellcheck disable=SC2016,SC2317  # literal $ in quoted values; the trap handler runs on a signal
+# cluster run 20250101-120000-abcd: SLURM batch script, 4 node(s), torchrun on each.
+# Rendered by `cluster up --backend slurm`; every value below is shell-quoted. Do not edit: re-render.
+#SBATCH --chdir=/home/u/project
+#SBATCH --gres=gpu:4
+#SBATCH --job-name=cluster-20250101-120000-abcd
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=1
+#SBATCH --open-mode=append
+#SBATCH --output=/home/u/project/slurm-logs/20250101-120000-abcd.out
+#SBATCH --partition=old
+#SBATCH --requeue
+#SBATCH --signal=B:USR2@90
+#
+# The batch shell runs once, on the first node. It sets what is the same on every node, then
+# starts ONE srun step with one task per node; that step's text (CLUSTER_STEP below) is a quoted
+# heredoc, so everything per node ($SLURM_NODEID, hostname, interface) expands inside the step,
+# on each node, never here.
+set -uo pipefail
+
+# Identity of this run: every process started below inherits it.
+export CLUSTER_RUN_ID=20250101-120000-abcd
+export CLUSTER_NNODES="$SLURM_NNODES"
+
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+export MASTER_ADDR
+export MASTER_PORT=30057
+export NCCL_SOCKET_IFNAME=ib0
+export GLOO_SOCKET_IFNAME=ib0
+export NCCL_IB_DISABLE=0
+# Lines reach the output file (and `cluster up`/`cluster logs`) as they are printed.
+export PYTHONUNBUFFERED=1
+
+# The job step, run once on every node by srun. Quoted heredoc: nothing expands here.
+read -r -d '' CLUSTER_STEP <<'CLUSTER_STEP_END' || true
+set -euo pipefail
+export CLUSTER_NODE="$(hostname)"
+export CLUSTER_NODE_RANK="$SLURM_NODEID"
+# This node's address: the one its name resolves to (never loopback). torchrun advertises it.
+NODE_ADDR=$(getent ahostsv4 "$CLUSTER_NODE" 2>/dev/null | awk 'NR == 1 {print $1}') || true
+case "$NODE_ADDR" in 127.*) NODE_ADDR="" ;; esac
+PYTHON=$1
+shift
+exec "$PYTHON" -m torch.distributed.run \
+  --nnodes="$SLURM_NNODES" \
+  --nproc_per_node=4 \
+  --rdzv_backend=c10d \
+  --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
+  --rdzv_id="$SLURM_JOB_ID" \
+  ${NODE_ADDR:+--local_addr="$NODE_ADDR"} \
+  "$@"
+CLUSTER_STEP_END
+
+# Preemption or the time limit: SLURM sends SIGUSR2 to this shell (B:USR2@90).
+# Stop the step cleanly (torchrun passes SIGTERM to its workers), then requeue the job while it
+# has been restarted fewer than 3 time(s); the trainer resumes from its newest checkpoint.
+cluster_on_signal() {
+  echo "cluster: job $SLURM_JOB_ID got SIGUSR2; stopping the step" >&2
+  kill -TERM "$CLUSTER_SRUN" 2>/dev/null || true
+  if [ "${SLURM_RESTART_COUNT:-0}" -lt 3 ]; then
+    echo "cluster: requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of 3)" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+  else
+    echo "cluster: not requeueing job $SLURM_JOB_ID: restarted ${SLURM_RESTART_COUNT:-0} of 3 time(s)" >&2
+  fi
+}
+trap cluster_on_signal USR2
+
+echo "cluster: run $CLUSTER_RUN_ID job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0}), master $MASTER_ADDR:$MASTER_PORT" >&2
+srun --kill-on-bad-exit=1 --wait=60 --label --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1 \
+  bash -c "$CLUSTER_STEP" cluster-step \
+  /opt/venv/bin/python \
+  train.py &
+CLUSTER_SRUN=$!
+
+# A trapped signal interrupts `wait` (status > 128) while srun still runs: wait again.
+while :; do
+  wait "$CLUSTER_SRUN"
+  CLUSTER_RC=$?
+  if [ "$CLUSTER_RC" -gt 128 ] && kill -0 "$CLUSTER_SRUN" 2>/dev/null; then
+    continue
+  fi
+  break
+done
+exit "$CLUSTER_RC"

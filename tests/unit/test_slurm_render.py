@@ -1,0 +1,282 @@
+"""The rendered sbatch script: golden files, `bash -n`, shellcheck, and a run of the script
+itself under fake `srun`/`scontrol` that proves per-node values expand inside the step.
+
+Regenerate the golden files after an intended change:
+    CLUSTER_REGEN_GOLDEN=1 pytest tests/unit/test_slurm_render.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.errors import InputError
+from cluster.inventory import Host, Inventory, Network, SlurmSettings
+from cluster.plan import Job, Templates
+from cluster.sbatch import render_sbatch, signal_parts
+
+GOLDEN = Path(__file__).parent / "golden" / "sbatch"
+REGEN = os.environ.get("CLUSTER_REGEN_GOLDEN") == "1"
+RUN_ID = "20250101-120000-abcd"
+NASTY = (("QUOTES", "it's \"quoted\""), ("DOLLAR", "$HOME and $(rm -rf /) and `id`"),
+         ("SPACES", "  a  b  "), ("NEWLINE", "line1\nline2"), ("PARENS", "64(x2)"),
+         ("HEREDOC_END", "x\nCLUSTER_STEP_END\ny"), ("EMPTYISH", "''"))
+
+
+def inv(**host: object) -> Inventory:
+    base: dict[str, object] = {"name": "slurm", "address": "slurm", "python": "/opt/venv/bin/python"}
+    base.update(host)
+    return Inventory(hosts=(Host(**base),), backend="slurm")  # type: ignore[arg-type]
+
+
+def job(*args: str, script: str = "train.py") -> Job:
+    return Job(run_id=RUN_ID, script=script, args=args)
+
+
+CASES: dict[str, tuple[Inventory, SlurmSettings, Job]] = {
+    "one_node": (inv(), SlurmSettings(), job("--out", f"runs/{RUN_ID}/train")),
+    "two_nodes_8_gpus": (inv(), SlurmSettings(nodes=2, gpus_per_node=8, cpus_per_task=32,
+                                              partition="gpu", account="proj-1", time="04:00:00",
+                                              constraint="h100&ib"),
+                         job("--epochs", "3")),
+    "gres_style": (inv(network=Network(ifname="ib0", ib="on")),
+                   SlurmSettings(nodes=4, gpus_per_node=4, gpu_style="gres", partition="old"),
+                   job()),
+    "requeue_custom_signal": (inv(nproc_per_node=2),
+                              SlurmSettings(nodes=2, signal="B:TERM@300", max_requeues=5,
+                                            job_name="my long run", output_dir="/scratch/logs"),
+                              job("--resume")),
+    "no_requeue": (inv(), SlurmSettings(nodes=2, max_requeues=0, signal="USR2"), job()),
+    "nasty_env": (inv(env=NASTY, network=Network(ifname="^docker0,lo", ib="off")),
+                  SlurmSettings(nodes=2, partition="a b"),
+                  job("--name", "a b $(x)", "it's", script="/path with space/train.py")),
+}
+
+
+def render_case(name: str, cwd: str = "/home/u/project") -> str:
+    inventory, settings, j = CASES[name]
+    return render_sbatch(inventory, j, Templates(), settings, cwd=cwd).script
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden(name: str) -> None:
+    golden = GOLDEN / f"{name}.sh"
+    text = render_case(name)
+    if REGEN or not golden.exists():
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text(), (
+        f"the sbatch script for {name!r} differs from {golden}; if the change is intended, "
+        f"regenerate with: CLUSTER_REGEN_GOLDEN=1 pytest tests/unit/test_slurm_render.py")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bash_syntax(name: str, tmp_path: Path) -> None:
+    f = tmp_path / "job.sh"
+    f.write_text(render_case(name))
+    out = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.skipif(not shutil.which("shellcheck"), reason="shellcheck not installed")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_shellcheck(name: str, tmp_path: Path) -> None:
+    f = tmp_path / "job.sh"
+    f.write_text(render_case(name))
+    out = subprocess.run(["shellcheck", str(f)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def sbatch_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("#SBATCH ")]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sbatch_lines_sorted_quoted_and_first(name: str) -> None:
+    text = render_case(name)
+    lines = sbatch_lines(text)
+    assert lines == sorted(lines)
+    for line in lines:
+        words = shlex.split(line[len("#SBATCH "):])
+        assert len(words) == 1, line          # every value is one shell word
+    body = text.splitlines()
+    first_command = next(i for i, line in enumerate(body) if line and not line.startswith("#"))
+    assert all(body.index(line) < first_command for line in lines)
+
+
+def test_consensus_options() -> None:
+    text = render_case("two_nodes_8_gpus")
+    for opt in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--cpus-per-task=32",
+                "--partition=gpu", "--account=proj-1", "--time=04:00:00", "--requeue",
+                "--open-mode=append", "--signal=B:USR2@90", "--chdir=/home/u/project",
+                "--output=/home/u/project/slurm-logs/20250101-120000-abcd.out",
+                "--constraint='h100&ib'"):
+        assert f"#SBATCH {opt}\n" in text, opt
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in text
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in text
+    assert "srun --kill-on-bad-exit=1 --wait=60" in text
+    step = step_text(text)
+    for part in ('--nnodes="$SLURM_NNODES"', "--nproc_per_node=8", "--rdzv_backend=c10d",
+                 '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv_id="$SLURM_JOB_ID"',
+                 "-m torch.distributed.run"):
+        assert part in step
+
+
+def test_gres_style_and_fixed_interface() -> None:
+    text = render_case("gres_style")
+    assert "#SBATCH --gres=gpu:4" in text and "--gpus-per-node" not in text
+    assert "export NCCL_SOCKET_IFNAME=ib0" in text and "export GLOO_SOCKET_IFNAME=ib0" in text
+    assert "export NCCL_IB_DISABLE=0" in text
+    assert "ip -o -4 addr show" not in step_text(text)      # no detection when given
+
+
+def test_no_gpus_no_cpus_options_when_unset() -> None:
+    text = render_case("one_node")
+    assert "--gpus-per-node" not in text and "--gres" not in text
+    assert "SRUN_CPUS_PER_TASK" not in text and "--cpus-per-task" not in text
+    assert '--nproc_per_node="$NPROC"' in step_text(text)
+
+
+def test_signal_is_for_the_batch_shell_and_never_usr1() -> None:
+    assert signal_parts("USR2@90") == ("USR2", "B:USR2@90")
+    assert signal_parts("B:TERM@300") == ("TERM", "B:TERM@300")
+    for bad in ("USR1@90", "B:SIGUSR1", "10@30"):
+        with pytest.raises(InputError):
+            signal_parts(bad)
+    text = render_case("requeue_custom_signal")
+    assert "#SBATCH --signal=B:TERM@300" in text and "trap cluster_on_signal TERM" in text
+    assert "#SBATCH --job-name='my long run'" in text
+    assert '"${SLURM_RESTART_COUNT:-0}" -lt 5' in text
+    assert "#SBATCH --no-requeue" in render_case("no_requeue")
+
+
+def step_text(script: str) -> str:
+    start = script.index("<<'CLUSTER_STEP_END'")
+    start = script.index("\n", start) + 1
+    return script[start:script.index("\nCLUSTER_STEP_END\n", start)]
+
+
+PER_NODE = ("$SLURM_NODEID", "$SLURM_PROCID", "$(hostname)", "$NODE_ADDR", "$IFNAME",
+            "SLURM_LOCALID")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_per_node_values_only_inside_the_quoted_step(name: str) -> None:
+    text = render_case(name)
+    step = step_text(text)
+    assert "$SLURM_NODEID" in step and "$(hostname)" in step
+    assert "<<'CLUSTER_STEP_END'" in text               # quoted heredoc: no expansion here
+    outside = "\n".join(line for line in text.replace(step, "").splitlines()
+                        if not line.lstrip().startswith("#"))          # code, not comments
+    for var in PER_NODE:
+        assert var not in outside, f"{var} would expand in the batch shell (same on every node)"
+    # the step holds no user data: script, args and env reach it as argv and environment
+    for _, value in NASTY:
+        assert value not in step
+
+
+# --- the script, run under fake SLURM programs --------------------------------------------
+
+FAKE_SRUN = r"""#!/bin/bash
+# fake srun: run the command once per "node" with that node's SLURM_NODEID, like srun would.
+echo "$@" > "$FAKE_DIR/srun.args"
+while [ "$1" != bash ]; do shift; done
+pids=()
+for i in $(seq 0 $((SLURM_NNODES - 1))); do
+  SLURM_NODEID=$i SLURM_PROCID=$i SLURM_LOCALID=0 "$@" > "$FAKE_DIR/node$i.out" 2>&1 &
+  pids+=($!)
+done
+trap 'echo TERM > "$FAKE_DIR/srun.signal"; kill "${pids[@]}" 2>/dev/null; exit 143' TERM
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+FAKE_SCONTROL = r"""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") printf 'nodeA\nnodeB\n' ;;
+  requeue*) echo "$@" >> "$FAKE_DIR/scontrol.requeue" ;;
+esac
+"""
+FAKE_PYTHON = r"""#!/usr/bin/env python3
+import json, os, sys
+keys = ["SLURM_NODEID", "CLUSTER_NODE_RANK", "CLUSTER_NODE", "MASTER_ADDR", "MASTER_PORT",
+        "CLUSTER_RUN_ID", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"]
+out = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys},
+       "user": {k: os.environ.get(k) for k in os.environ if k in %s}}
+print(json.dumps(out))
+if os.environ.get("FAKE_SLEEP"):
+    import time; time.sleep(float(os.environ["FAKE_SLEEP"]))
+"""
+
+
+def fake_slurm(tmp_path: Path, name: str) -> tuple[Path, dict[str, str]]:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    keys = [k for k, _ in NASTY]
+    for prog, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
+                       ("python", FAKE_PYTHON % keys)):
+        (bindir / prog).write_text(text)
+        (bindir / prog).chmod(0o755)
+    inventory, settings, j = CASES[name]
+    host = inventory.master.replace(python=str(bindir / "python"))
+    inventory = Inventory(hosts=(host,), backend="slurm")
+    settings = SlurmSettings(**{**settings.__dict__, "nodes": 2})
+    script = tmp_path / "job.sh"
+    script.write_text(render_sbatch(inventory, j, Templates(), settings, cwd=str(tmp_path)).script)
+    env = {"PATH": f"{bindir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path),
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "nodeA,nodeB", "SLURM_JOB_ID": "42",
+           "SLURM_CPUS_PER_TASK": "32", "HOME": str(tmp_path)}
+    return script, env
+
+
+@pytest.mark.parametrize("name", ["nasty_env", "two_nodes_8_gpus", "one_node"])
+def test_script_runs_one_step_per_node_with_its_own_node_id(name: str, tmp_path: Path) -> None:
+    script, env = fake_slurm(tmp_path, name)
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    reports = [json.loads((tmp_path / f"node{i}.out").read_text().splitlines()[-1]) for i in (0, 1)]
+    assert [r["env"]["SLURM_NODEID"] for r in reports] == ["0", "1"]
+    assert [r["env"]["CLUSTER_NODE_RANK"] for r in reports] == ["0", "1"]
+    for r in reports:
+        assert r["env"]["MASTER_ADDR"] == "nodeA"
+        assert r["env"]["CLUSTER_RUN_ID"] == RUN_ID
+        assert r["argv"][:3] == ["-m", "torch.distributed.run", "--nnodes=2"]
+        assert "--rdzv_id=42" in r["argv"] and "--rdzv_endpoint=nodeA:" + r["env"]["MASTER_PORT"] in r["argv"]
+        _, _, j = CASES[name]
+        assert r["argv"][-len(j.args) - 1:] == [j.script, *j.args]   # argv arrives intact
+    if name == "nasty_env":
+        for r in reports:
+            assert r["user"] == dict(NASTY)                          # every value intact
+            assert r["env"]["NCCL_SOCKET_IFNAME"] == "^docker0,lo"
+            assert r["env"]["GLOO_SOCKET_IFNAME"] != "^docker0,lo"    # a list is NCCL-only
+
+
+@pytest.mark.parametrize("restarts,requeued", [("0", True), ("5", False)])
+def test_signal_stops_the_step_and_requeues_under_the_cap(restarts: str, requeued: bool,
+                                                          tmp_path: Path) -> None:
+    script, env = fake_slurm(tmp_path, "requeue_custom_signal")       # TERM, max_requeues 5
+    env.update(FAKE_SLEEP="30", SLURM_RESTART_COUNT=restarts)
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not all((tmp_path / f"node{i}.out").exists() and (tmp_path / f"node{i}.out").read_text()
+                  for i in (0, 1)):
+        assert time.monotonic() < deadline, "the step did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=20)
+    assert (tmp_path / "srun.signal").read_text().strip() == "TERM"   # forwarded to the step
+    assert proc.returncode != 0
+    if requeued:
+        assert (tmp_path / "scontrol.requeue").read_text().split() == ["requeue", "42"]
+        assert "requeueing job 42 (restart 1 of 5)" in err
+    else:
+        assert not (tmp_path / "scontrol.requeue").exists()
+        assert "not requeueing job 42: restarted 5 of 5" in err
