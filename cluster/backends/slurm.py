@@ -1,0 +1,474 @@
+"""SLURM: sbatch / squeue / sacct / scancel / scontrol behind one subprocess seam.
+
+    up        render the batch script (cluster.sbatch, pure) -> record it in runs/<run-id>/ ->
+              `sbatch --parsable` -> follow the job's output file until squeue no longer lists
+              the job -> final state (sacct, else `sacct -c` and the job completion file, else
+              `scontrol show job`); COMPLETED is success, anything else RunFailed.
+    Ctrl-C    while following cancels the job (scancel) and waits until it is gone: a user who
+              presses Ctrl-C wants the run stopped. `--detach` is the way to leave it running.
+    status    squeue while the job is queued or running, the final state afterwards.
+    logs      the job's one combined output file; srun --label prefixes each line with the task
+              (= node) number, which is turned into the node's name.
+    down      scancel, then wait until squeue no longer lists the job.
+
+Every SLURM program runs through one `SlurmCommands` object, given to `SlurmBackend` through its
+constructor; unit tests pass a fake that answers by program name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hostlist
+
+from .. import inventory as inv_mod
+from ..errors import BackendError, InputError, Interrupted, RunFailed
+from ..inventory import Inventory, SlurmSettings
+from ..plan import Job, Templates
+from ..runs import RunDir, git_commit
+from ..sbatch import SbatchPlan, render_sbatch
+from ..watch import TAIL_LINES, Console, LineSplitter
+from . import NodeStatus
+
+# States after which a job never runs again (REQUEUED and PREEMPTED may come back).
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                      "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
+SCRIPT_NAME = "sbatch.sh"
+_LABELLED = re.compile(rb"^\s*(\d+): ?(.*)$", re.S)
+
+
+# --- the seam ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Completed:
+    argv: tuple[str, ...]
+    code: int
+    stdout: str
+    stderr: str
+
+
+class SlurmCommands:
+    """Runs one SLURM program and returns what it said. The only place that starts them."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, timeout: float = 60.0) -> None:
+        self.env = dict(env) if env is not None else None    # None: this process's environment
+        self.timeout = timeout
+
+    def run(self, argv: Sequence[str]) -> Completed:
+        try:
+            p = subprocess.run(list(argv), env=self.env, capture_output=True, text=True,
+                               timeout=self.timeout, stdin=subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise BackendError(f"{argv[0]} not found: run this on a machine with the SLURM "
+                               f"client commands (a login node)") from None
+        except subprocess.TimeoutExpired:
+            raise BackendError(f"`{' '.join(argv)}` did not answer within {self.timeout:.0f} s") from None
+        return Completed(tuple(argv), p.returncode, p.stdout, p.stderr)
+
+
+# --- what SLURM says about a job -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    state: str                       # SLURM's word: PENDING, RUNNING, COMPLETED, FAILED, ...
+    exit_code: int | None = None
+    signal: int | None = None        # the signal that ended the batch script, if one did
+    nodes: tuple[str, ...] = ()
+    reason: str = ""
+    source: str = ""                 # squeue | sacct | sacct -c | jobcomp | scontrol | none
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL
+
+    def describe(self) -> str:
+        text = f"job {self.job_id} {self.state}"
+        if self.exit_code is not None:
+            text += f", exit code {self.exit_code}"
+        if self.signal:
+            text += f", signal {self.signal}"
+        return text
+
+
+def cli_settings(base: SlurmSettings, *, nodes: int | None = None, partition: str | None = None,
+                 time: str | None = None, account: str | None = None,
+                 max_requeues: int | None = None) -> SlurmSettings:
+    """The inventory's `slurm:` settings with the command line's options on top."""
+    if nodes is not None and nodes < 1:
+        raise InputError("Invalid value for --nodes: must be at least 1")
+    changes = {k: v for k, v in (("nodes", nodes), ("partition", partition), ("time", time),
+                                 ("account", account), ("max_requeues", max_requeues))
+               if v is not None}
+    return dataclasses.replace(base, **changes)
+
+
+def _exit(text: str) -> tuple[int | None, int | None]:
+    """'1:0' -> (1, None); '0:15' -> (0, 15)."""
+    code, _, sig = text.strip().partition(":")
+    return (int(code) if code.isdigit() else None,
+            int(sig) if sig.isdigit() and int(sig) else None)
+
+
+def _nodes(expr: str) -> tuple[str, ...]:
+    expr = expr.strip()
+    if not expr or expr in ("(null)", "None assigned"):
+        return ()
+    try:
+        return tuple(hostlist.expand_hostlist(expr))
+    except hostlist.BadHostlist:
+        return (expr,)
+
+
+class SlurmBackend:
+    """`cluster status/logs/down` of a SLURM run, and the submit/follow steps of `up`."""
+    name = "slurm"
+
+    def __init__(self, commands: SlurmCommands | None = None, *, poll: float = 1.0,
+                 stop_timeout: float = 120.0, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.commands = commands or SlurmCommands()
+        self.poll = poll
+        self.stop_timeout = stop_timeout
+        self.sleep = sleep
+
+    def _run(self, *argv: str) -> Completed:
+        return self.commands.run(argv)
+
+    # -- submit, query, cancel --
+
+    def submit(self, script: Path) -> str:
+        r = self._run("sbatch", "--parsable", str(script))
+        if r.code != 0:
+            said = (r.stderr.strip() or r.stdout.strip() or "(no output)")
+            raise BackendError(f"sbatch refused the job script {script} (exit code {r.code}):\n{said}")
+        job_id = r.stdout.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise BackendError(f"sbatch {script} printed no job id: {r.stdout.strip()!r}")
+        return job_id
+
+    def queued(self, job_id: str) -> JobInfo | None:
+        """The job as squeue lists it; None once squeue no longer does."""
+        r = self._run("squeue", "-h", "-j", job_id, "-o", "%i|%T|%N|%r")
+        if r.code != 0:
+            if "invalid job id" in r.stderr.lower():
+                return None
+            raise BackendError(f"squeue -j {job_id} failed (exit code {r.code}): {r.stderr.strip()}")
+        for line in r.stdout.splitlines():
+            fields = line.split("|")
+            if len(fields) >= 4 and fields[0].strip() == job_id:
+                reason = fields[3].strip()
+                return JobInfo(job_id, fields[1].strip(), nodes=_nodes(fields[2]),
+                               reason="" if reason == "None" else reason, source="squeue")
+        return None
+
+    def finished(self, job_id: str) -> JobInfo:
+        """The final state: accounting (sacct), else the job completion file (`sacct -c`, and
+        the file itself when sacct -c leaves the state out, as SLURM 22.05 does), else the
+        controller's memory (`scontrol show job`, kept for MinJobAge)."""
+        for how in (self._sacct, self._sacct_completion, self._scontrol):
+            info = how(job_id)
+            if info is not None and info.state:
+                return info
+        return JobInfo(job_id, "UNKNOWN", source="none",
+                       reason="neither sacct, sacct -c nor scontrol knows this job")
+
+    def job(self, job_id: str) -> JobInfo:
+        return self.queued(job_id) or self.finished(job_id)
+
+    def _sacct(self, job_id: str) -> JobInfo | None:
+        r = self._run("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,State,ExitCode,NodeList")
+        return self._sacct_row(job_id, r, "sacct") if r.code == 0 else None
+
+    def _sacct_completion(self, job_id: str) -> JobInfo | None:
+        r = self._run("sacct", "-c", "-j", job_id, "-n", "-P", "-o", "JobID,State,ExitCode,NodeList")
+        info = self._sacct_row(job_id, r, "sacct -c") if r.code == 0 else None
+        if info is not None and not info.state:
+            state = self._jobcomp_state(job_id)
+            if state:
+                info = dataclasses.replace(info, state=state, source="sacct -c + jobcomp")
+        return info
+
+    @staticmethod
+    def _sacct_row(job_id: str, r: Completed, source: str) -> JobInfo | None:
+        found = None
+        for line in r.stdout.splitlines():           # the last row: a requeued job has several
+            fields = line.split("|")
+            if len(fields) >= 4 and fields[0].strip() == job_id:
+                code, sig = _exit(fields[2])
+                state = fields[1].split()[0] if fields[1].split() else ""
+                found = JobInfo(job_id, state, code, sig, _nodes(fields[3]), source=source)
+        return found
+
+    def _jobcomp_state(self, job_id: str) -> str:
+        """JobState= of the job's last line in the job completion file (JobCompLoc)."""
+        r = self._run("scontrol", "show", "config")
+        m = re.search(r"^JobCompLoc\s*=\s*(\S+)", r.stdout, re.M) if r.code == 0 else None
+        if not m:
+            return ""
+        try:
+            text = Path(m.group(1)).read_text(errors="replace")
+        except OSError:
+            return ""
+        state = ""
+        for line in text.splitlines():
+            if re.match(rf"JobId={re.escape(job_id)}\s", line):
+                found = re.search(r"\bJobState=(\S+)", line)
+                state = found.group(1) if found else state
+        return state
+
+    def _scontrol(self, job_id: str) -> JobInfo | None:
+        r = self._run("scontrol", "-o", "show", "job", job_id)
+        if r.code != 0:
+            return None
+
+        def field(key: str) -> str:
+            m = re.search(rf"(?:^|\s){key}=(\S*)", r.stdout)
+            return m.group(1) if m else ""
+        code, sig = _exit(field("ExitCode"))
+        reason = field("Reason")
+        return JobInfo(job_id, field("JobState"), code, sig, _nodes(field("NodeList")),
+                       reason="" if reason == "None" else reason, source="scontrol")
+
+    def cancel(self, job_id: str) -> None:
+        r = self._run("scancel", job_id)
+        if r.code != 0 and "invalid job id" not in r.stderr.lower():
+            raise BackendError(f"scancel {job_id} failed (exit code {r.code}): {r.stderr.strip()}")
+
+    def wait_gone(self, job_id: str, timeout: float) -> JobInfo | None:
+        """Poll squeue until it no longer lists the job; the last listing if it still does."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.queued(job_id)
+            if info is None or time.monotonic() >= deadline:
+                return info
+            self.sleep(min(self.poll, 0.5))
+
+    # -- the Backend protocol (recorded runs) --
+
+    def status(self, run: RunDir) -> list[NodeStatus]:
+        slurm = run.meta().get("slurm") or {}
+        job_id = slurm.get("job_id")
+        if not job_id:
+            return [NodeStatus(0, "job", "not submitted", detail="dry run" if run.meta().get("dry_run") else "")]
+        info = self.job(job_id)
+        remember_nodes(run, info)
+        detail = f"job {job_id} {info.state} ({info.source})" + (f": {info.reason}" if info.reason else "")
+        names = info.nodes or tuple(n["name"] for n in run.meta().get("nodes") or ())
+        state = info.state.lower()
+        if not names:
+            return [NodeStatus(0, f"job {job_id}", state, info.exit_code, detail=detail)]
+        return [NodeStatus(rank, name, state, info.exit_code, detail=detail)
+                for rank, name in enumerate(names)]
+
+    def logs(self, run: RunDir, *, node: str | None = None,
+             follow: bool = False) -> Iterator[tuple[str, bytes]]:
+        meta = run.meta()
+        slurm = meta.get("slurm") or {}
+        path, job_id = Path(slurm.get("output", "")), slurm.get("job_id")
+        names = [n["name"] for n in meta.get("nodes") or ()]
+        labeller = Labeller(names)
+        reader = OutputReader(path)
+        while True:
+            info = self.queued(job_id) if follow and job_id else None
+            if info is not None and info.nodes:
+                labeller.names = list(info.nodes)
+                remember_nodes(run, info)
+            for line in reader.lines():
+                label, text = labeller.split(line)
+                if node is None or label.split(" ")[0] == node:
+                    yield label, text + b"\n"
+            if info is None:
+                break
+            self.sleep(self.poll)
+        for line in reader.rest():
+            label, text = labeller.split(line)
+            if node is None or label.split(" ")[0] == node:
+                yield label, text + b"\n"
+
+    def stop_run(self, run: RunDir) -> dict[str, dict[str, Any]]:
+        job_id = (run.meta().get("slurm") or {}).get("job_id")
+        if not job_id:
+            return {"job": {"signalled": [], "error": "the run was never submitted"}}
+        label = f"job {job_id}"
+        before = self.queued(job_id)
+        if before is None:
+            return {label: {"signalled": [], "state": self.finished(job_id).state}}
+        self.cancel(job_id)
+        left = self.wait_gone(job_id, self.stop_timeout)
+        if left is not None:
+            return {label: {"signalled": [job_id],
+                            "error": f"still listed by squeue as {left.state} after "
+                                     f"{self.stop_timeout:.0f} s"}}
+        return {label: {"signalled": [job_id], "state": self.finished(job_id).state}}
+
+    def close(self) -> None:
+        """Nothing held: every command is one subprocess."""
+
+
+def remember_nodes(run: RunDir, info: JobInfo) -> None:
+    """Record the nodes SLURM gave the job (known once it starts) for `cluster logs --node`."""
+    nodes = [{"rank": i, "name": n, "address": n} for i, n in enumerate(info.nodes)]
+    if nodes and run.meta().get("nodes") != nodes:
+        run.update(nodes=nodes)
+
+
+# --- reading the output file ---------------------------------------------------------------
+
+
+class OutputReader:
+    """New complete lines of a growing file (the job's output), remembering the offset."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.buf = b""
+
+    def lines(self) -> list[bytes]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        self.buf += data
+        *done, self.buf = self.buf.split(b"\n")
+        return done
+
+    def rest(self) -> list[bytes]:
+        out = self.lines()
+        if self.buf.strip():
+            out.append(self.buf)
+        self.buf = b""
+        return out
+
+
+class Labeller:
+    """'1: text' (srun --label, task 1 = the second node) -> ('node2 1', b'text'); lines of the
+    batch shell itself (no task prefix) -> ('batch', line)."""
+
+    def __init__(self, names: Sequence[str] = ()) -> None:
+        self.names = list(names)
+
+    def split(self, line: bytes) -> tuple[str, bytes]:
+        m = _LABELLED.match(line)
+        if not m:
+            return "batch", line
+        task = int(m.group(1))
+        name = self.names[task] if task < len(self.names) else "task"
+        return f"{name} {task}", m.group(2)
+
+    def index(self, label: str) -> int:
+        return 0 if label == "batch" else int(label.rsplit(" ", 1)[1]) + 1
+
+
+# --- cluster up ----------------------------------------------------------------------------
+
+
+def up(inventory: Inventory, job: Job, templates: Templates, settings: SlurmSettings, *,
+       argv: list[str], console: Console, dry_run: bool = False, detach: bool = False,
+       nproc_per_node: int | None = None, backend: SlurmBackend | None = None,
+       cwd: str | None = None, runs_root: Path | None = None) -> int:
+    """render -> record -> (dry run: print, stop) -> sbatch -> follow until the job ends."""
+    if nproc_per_node is not None:
+        hosts = (inventory.master.replace(nproc_per_node=nproc_per_node), *inventory.hosts[1:])
+        inventory = dataclasses.replace(inventory, hosts=hosts)
+    plan = render_sbatch(inventory, job, templates, settings, cwd=cwd or os.getcwd())
+    run = RunDir.create(job.run_id, runs_root)
+    script = record(run, plan, inventory, settings, argv, dry_run=dry_run)
+    if dry_run:
+        console.raw(plan.script)
+        console.info(f"dry run {plan.run_id}: batch script in {script}; nothing was submitted")
+        return 0
+    backend = backend or SlurmBackend()
+    Path(plan.output).parent.mkdir(parents=True, exist_ok=True)   # SLURM will not create it
+    job_id = backend.submit(script)
+    run.update(slurm={**run.meta()["slurm"], "job_id": job_id, "submitted": time.time()})
+    console.info(f"run {plan.run_id}: submitted job {job_id} ({plan.nodes} node(s)); "
+                 f"output {plan.output}")
+    if detach:
+        console.info(f"detached; follow with `cluster logs -f {plan.run_id}`, "
+                     f"stop with `cluster down {plan.run_id}`")
+        return 0
+    try:
+        info, tail = follow(backend, run, job_id, Path(plan.output), console)
+    except KeyboardInterrupt:
+        console.info(f"interrupted: cancelling job {job_id} (use --detach to leave a job running)")
+        backend.cancel(job_id)
+        left = backend.wait_gone(job_id, backend.stop_timeout)
+        run.update(final={"state": "CANCELLED", "interrupted": True})
+        raise Interrupted(f"interrupted; job {job_id} of run {plan.run_id} was cancelled"
+                          + (f" but squeue still lists it as {left.state}" if left else "")) from None
+    run.update(final=dataclasses.asdict(info))
+    if info.state == "COMPLETED" and not info.exit_code:
+        console.info(f"run {plan.run_id}: {info.describe()} ({info.source})")
+        return 0
+    details = "\n".join(f"  | {line}" for line in tail)
+    raise RunFailed(f"run {plan.run_id}: {info.describe()} ({info.source}); "
+                    f"output: {plan.output}" + (f"; last {len(tail)} line(s):" if tail else ""),
+                    details=details)
+
+
+def record(run: RunDir, plan: SbatchPlan, inventory: Inventory, settings: SlurmSettings,
+           argv: list[str], *, dry_run: bool) -> Path:
+    """runs/<run-id>/: run.json (backend slurm), the batch script, inventory and environment."""
+    script = run.path / "scripts" / SCRIPT_NAME
+    script.write_text(plan.script)
+    (run.path / "inventory.yaml").write_text(
+        inv_mod.dump(dataclasses.replace(inventory, slurm=settings)))
+    if inventory.text:
+        (run.path / "inventory.source").write_text(inventory.text)
+    (run.path / "env.json").write_text(json.dumps({"slurm": dict(plan.env)}, indent=2) + "\n")
+    meta: dict[str, Any] = {
+        "run_id": plan.run_id, "backend": "slurm", "created": time.time(), "command": argv,
+        "cwd": plan.workdir, "git_commit": git_commit(), "master_port": plan.master_port,
+        "script": plan.command[0], "args": list(plan.command[1:]), "nodes": [],
+        "slurm": {"script": str(script.resolve()), "output": plan.output, "nodes": plan.nodes,
+                  "nproc_per_node": plan.nproc, "options": list(plan.options)},
+    }
+    if dry_run:
+        meta["dry_run"] = True
+    run.write_meta(meta)
+    return script
+
+
+def follow(backend: SlurmBackend, run: RunDir, job_id: str, output: Path,
+           console: Console) -> tuple[JobInfo, list[str]]:
+    """Print the job's output, prefixed by node, until squeue no longer lists the job; then
+    its final state and the last lines printed."""
+    reader, labeller = OutputReader(output), Labeller()
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    last_state = ""
+
+    def emit(lines: list[bytes]) -> None:
+        for raw in lines:
+            label, text = labeller.split(raw)
+            for shown in LineSplitter().feed(text + b"\n"):
+                tail.append(f"[{label}] {shown}")
+                console.node_line(label, labeller.index(label), shown)
+
+    while True:
+        info = backend.queued(job_id)
+        if info is not None and info.nodes and list(info.nodes) != labeller.names:
+            labeller.names = list(info.nodes)
+            remember_nodes(run, info)
+        if info is not None and info.state != last_state:
+            last_state = info.state
+            console.info(f"job {job_id}: {info.state}" + (f" ({info.reason})" if info.reason else ""))
+        emit(reader.lines())
+        if info is None:
+            break
+        backend.sleep(backend.poll)
+    emit(reader.rest())
+    return backend.finished(job_id), list(tail)
