@@ -1,0 +1,295 @@
+"""The SLURM backend against a fake command runner that answers by program name."""
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from cluster.backends.slurm import (Completed, Labeller, OutputReader, SlurmBackend, cli_settings,
+                                    up)
+from cluster.errors import BackendError, InputError, Interrupted, RunFailed
+from cluster.inventory import Host, Inventory, SlurmSettings
+from cluster.plan import Job, Templates
+from cluster.runs import RunDir
+from cluster.watch import Console
+
+Answer = Completed | Callable[[tuple[str, ...]], Completed]
+
+
+class FakeCommands:
+    """Answers each SLURM program from a script of replies; records every call."""
+
+    def __init__(self, **replies: Sequence[Answer] | Answer) -> None:
+        names = {"sacct_c": "sacct -c", "scontrol_config": "scontrol config"}
+        self.replies = {names.get(k, k): v for k, v in replies.items()}
+        self.calls: list[tuple[str, ...]] = []
+
+    def run(self, argv: Sequence[str]) -> Completed:
+        argv = tuple(argv)
+        self.calls.append(argv)
+        key = "sacct -c" if argv[:2] == ("sacct", "-c") else argv[0]
+        if key == "scontrol" and argv[1:3] == ("show", "config"):
+            key = "scontrol config"
+        reply = self.replies.get(key)
+        if reply is None:
+            return ok("", code=1, err=f"{key}: not expected by this test")
+        if isinstance(reply, list):
+            reply = reply.pop(0) if len(reply) > 1 else reply[0]
+        return reply(argv) if callable(reply) else reply
+
+    def called(self, program: str) -> list[tuple[str, ...]]:
+        return [c for c in self.calls if c[0] == program]
+
+
+def ok(out: str = "", *, code: int = 0, err: str = "") -> Completed:
+    return Completed((), code, out, err)
+
+
+GONE = ok("")
+INVALID = ok("", code=1, err="slurm_load_jobs error: Invalid job id specified")
+NO_ACCOUNTING = ok("", code=1, err="Slurm accounting storage is disabled")
+
+
+def console() -> tuple[Console, io.StringIO, io.StringIO]:
+    out, err = io.StringIO(), io.StringIO()
+    return Console(out=out, err=err, color=False), out, err
+
+
+def inventory() -> Inventory:
+    return Inventory(hosts=(Host(name="slurm", address="slurm", python="/venv/bin/python"),),
+                     backend="slurm")
+
+
+def backend(fake: FakeCommands) -> SlurmBackend:
+    return SlurmBackend(fake, poll=0.0, stop_timeout=1.0, sleep=lambda s: None)
+
+
+def run_up(tmp_path: Path, fake: FakeCommands, **kw: object) -> tuple[int, RunDir, str, str]:
+    c, out, err = console()
+    job = Job(run_id="r1", script="train.py", args=("--out", "runs/r1/train"))
+    code = up(inventory(), job, Templates(), SlurmSettings(nodes=2), argv=["cluster", "up"],
+              console=c, backend=backend(fake), cwd=str(tmp_path), runs_root=tmp_path / "runs",
+              **kw)  # type: ignore[arg-type]
+    return code, RunDir(tmp_path / "runs" / "r1"), out.getvalue(), err.getvalue()
+
+
+# --- cli_settings ---------------------------------------------------------------------------
+
+def test_cli_settings_override_the_inventory() -> None:
+    base = SlurmSettings(partition="gpu", nodes=4, time="01:00:00", max_requeues=3)
+    s = cli_settings(base, nodes=2, partition=None, time="00:10:00", account="a", max_requeues=0)
+    assert (s.nodes, s.partition, s.time, s.account, s.max_requeues) == (2, "gpu", "00:10:00", "a", 0)
+    with pytest.raises(InputError, match="--nodes"):
+        cli_settings(base, nodes=0)
+
+
+# --- up ------------------------------------------------------------------------------------
+
+def test_dry_run_records_and_prints_the_script_and_submits_nothing(tmp_path: Path) -> None:
+    fake = FakeCommands()
+    code, run, out, err = run_up(tmp_path, fake, dry_run=True)
+    assert code == 0 and fake.calls == []
+    script = (run.path / "scripts" / "sbatch.sh").read_text()
+    assert out == script and "#SBATCH --nodes=2" in script
+    meta = run.meta()
+    assert meta["backend"] == "slurm" and meta["dry_run"] is True
+    assert meta["slurm"]["output"] == str(tmp_path / "slurm-logs" / "r1.out")
+    assert "nothing was submitted" in err
+    assert json.loads((run.path / "env.json").read_text())["slurm"]["CLUSTER_RUN_ID"] == "r1"
+
+
+def test_sbatch_error_is_shown_as_is_with_the_script_path(tmp_path: Path) -> None:
+    fake = FakeCommands(sbatch=ok(code=1, err="sbatch: error: invalid partition specified: nope"))
+    with pytest.raises(BackendError) as exc:
+        run_up(tmp_path, fake)
+    assert exc.value.exit_code == 6
+    script = tmp_path / "runs" / "r1" / "scripts" / "sbatch.sh"
+    assert str(script) in str(exc.value)
+    assert "sbatch: error: invalid partition specified: nope" in str(exc.value)
+    assert fake.called("sbatch") == [("sbatch", "--parsable", str(script))]
+    assert (tmp_path / "slurm-logs").is_dir()      # created before submission
+
+
+def test_detach_submits_records_the_job_id_and_returns(tmp_path: Path) -> None:
+    fake = FakeCommands(sbatch=ok("77;cluster-a\n"))
+    code, run, out, err = run_up(tmp_path, fake, detach=True)
+    assert code == 0 and run.meta()["slurm"]["job_id"] == "77"
+    assert "submitted job 77" in err and "cluster down r1" in err
+    assert fake.called("squeue") == []
+
+
+def output_grows(tmp_path: Path, chunks: list[str]) -> Callable[[tuple[str, ...]], Completed]:
+    """A fake squeue: each call appends the next chunk to the job's output file; RUNNING
+    while chunks remain, then gone."""
+    path = tmp_path / "slurm-logs" / "r1.out"
+
+    def squeue(argv: tuple[str, ...]) -> Completed:
+        if not chunks:
+            return GONE
+        with open(path, "a") as f:
+            f.write(chunks.pop(0))
+        return ok("77|RUNNING|node[1-2]|None\n")
+    return squeue
+
+
+def test_follow_prints_lines_by_node_and_ends_completed(tmp_path: Path) -> None:
+    chunks = ["cluster: run r1 job 77\n0: hello from", " node1\n1: hello from node2\n", "1: bye\n"]
+    fake = FakeCommands(sbatch=ok("77\n"), squeue=output_grows(tmp_path, chunks),
+                        sacct=ok("77|COMPLETED|0:0|node[1-2]\n"))
+    code, run, out, err = run_up(tmp_path, fake)
+    assert code == 0
+    assert out.splitlines() == ["[batch] cluster: run r1 job 77", "[node1 0] hello from node1",
+                                "[node2 1] hello from node2", "[node2 1] bye"]
+    assert "job 77: RUNNING" in err and "COMPLETED" in err
+    meta = run.meta()
+    assert [n["name"] for n in meta["nodes"]] == ["node1", "node2"]
+    assert meta["final"]["state"] == "COMPLETED"
+
+
+def test_failed_job_raises_run_failed_naming_state_exit_code_and_tail(tmp_path: Path) -> None:
+    chunks = ["1: rank 1: failing on purpose\n"]
+    fake = FakeCommands(sbatch=ok("77\n"), squeue=output_grows(tmp_path, chunks),
+                        sacct=NO_ACCOUNTING, sacct_c=ok("77|FAILED|1:0|node[1-2]\n"))
+    with pytest.raises(RunFailed) as exc:
+        run_up(tmp_path, fake)
+    text = str(exc.value)
+    assert exc.value.exit_code == 4
+    assert "job 77 FAILED, exit code 1 (sacct -c)" in text
+    assert "[node2 1] rank 1: failing on purpose" in text
+
+
+def test_ctrl_c_while_following_cancels_the_job(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def squeue(argv: tuple[str, ...]) -> Completed:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return ok("77|RUNNING|node1|None\n") if calls["n"] < 3 else GONE
+    fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue, scancel=ok())
+    with pytest.raises(Interrupted, match="job 77 of run r1 was cancelled"):
+        run_up(tmp_path, fake)
+    assert fake.called("scancel") == [("scancel", "77")]
+
+
+# --- status: squeue -> sacct -> sacct -c (+ completion file) -> scontrol ---------------------
+
+def recorded_run(tmp_path: Path, job_id: str | None = "77") -> RunDir:
+    run = RunDir.create("r1", tmp_path / "runs")
+    slurm = {"output": str(tmp_path / "r1.out")}
+    if job_id:
+        slurm["job_id"] = job_id
+    run.write_meta({"run_id": "r1", "backend": "slurm", "nodes": [], "slurm": slurm})
+    return run
+
+
+def test_status_running_from_squeue_one_row_per_node(tmp_path: Path) -> None:
+    fake = FakeCommands(squeue=ok("77|RUNNING|node[1-2]|None\n"))
+    rows = backend(fake).status(recorded_run(tmp_path))
+    assert [(r.rank, r.name, r.state, r.code) for r in rows] == [
+        (0, "node1", "running", None), (1, "node2", "running", None)]
+    assert "squeue" in rows[0].detail
+
+
+def test_status_pending_shows_the_reason(tmp_path: Path) -> None:
+    fake = FakeCommands(squeue=ok("77|PENDING||Resources\n"))
+    rows = backend(fake).status(recorded_run(tmp_path))
+    assert [(r.name, r.state) for r in rows] == [("job 77", "pending")]
+    assert "Resources" in rows[0].detail
+
+
+def test_status_after_the_end_from_sacct(tmp_path: Path) -> None:
+    fake = FakeCommands(squeue=INVALID, sacct=ok("77|CANCELLED by 0|0:15|node[1-2]\n"))
+    rows = backend(fake).status(recorded_run(tmp_path))
+    assert [(r.name, r.state, r.code) for r in rows] == [("node1", "cancelled", 0),
+                                                        ("node2", "cancelled", 0)]
+
+
+def test_status_falls_back_to_sacct_c_without_accounting(tmp_path: Path) -> None:
+    fake = FakeCommands(squeue=GONE, sacct=NO_ACCOUNTING,
+                        sacct_c=ok("77|REQUEUED|0:15|node1\n77|FAILED|137:0|node[1-2]\n"))
+    rows = backend(fake).status(recorded_run(tmp_path))
+    assert {(r.state, r.code) for r in rows} == {("failed", 137)}
+    assert "(sacct -c)" in rows[0].detail
+
+
+def test_status_reads_the_completion_file_when_sacct_c_drops_the_state(tmp_path: Path) -> None:
+    # SLURM 22.05's sacct -c misreads a line whose JobName has a space: State comes back empty.
+    comp = tmp_path / "jobcomp.txt"
+    comp.write_text("JobId=76 UserId=root(0) Name=x JobState=COMPLETED ExitCode=0:0\n"
+                    "JobId=77 UserId=root(0) Name=my job JobState=FAILED NodeList=node[1-2] ExitCode=1:0\n")
+    fake = FakeCommands(squeue=GONE, sacct=NO_ACCOUNTING, sacct_c=ok("77||1:0|node[1-2]\n"),
+                        scontrol_config=ok(f"JobCompLoc              = {comp}\n"))
+    rows = backend(fake).status(recorded_run(tmp_path))
+    assert {(r.state, r.code) for r in rows} == {("failed", 1)}
+    assert "jobcomp" in rows[0].detail
+
+
+def test_status_last_resort_scontrol_show_job(tmp_path: Path) -> None:
+    fake = FakeCommands(squeue=GONE, sacct=NO_ACCOUNTING, sacct_c=ok("", code=1),
+                        scontrol=ok("JobId=77 JobName=my job JobState=TIMEOUT Reason=TimeLimit "
+                                    "ExitCode=0:15 NodeList=node[1-3]\n"))
+    rows = backend(fake).status(recorded_run(tmp_path))
+    assert [(r.name, r.state, r.code) for r in rows] == [
+        ("node1", "timeout", 0), ("node2", "timeout", 0), ("node3", "timeout", 0)]
+
+
+def test_status_of_a_dry_run(tmp_path: Path) -> None:
+    rows = backend(FakeCommands()).status(recorded_run(tmp_path, job_id=None))
+    assert [r.state for r in rows] == ["not submitted"]
+
+
+def test_squeue_failure_other_than_unknown_job_is_an_error(tmp_path: Path) -> None:
+    fake = FakeCommands(squeue=ok(code=1, err="slurm_load_jobs error: Unable to contact slurm controller"))
+    with pytest.raises(BackendError, match="Unable to contact"):
+        backend(fake).status(recorded_run(tmp_path))
+
+
+# --- down -----------------------------------------------------------------------------------
+
+def test_down_scancels_and_waits_until_squeue_no_longer_lists_the_job(tmp_path: Path) -> None:
+    fake = FakeCommands(squeue=[ok("77|RUNNING|node[1-2]|None\n"), ok("77|COMPLETING|node[1-2]|None\n"),
+                                GONE],
+                        scancel=ok(), sacct=ok("77|CANCELLED by 0|0:15|node[1-2]\n"))
+    report = backend(fake).stop_run(recorded_run(tmp_path))
+    assert fake.called("scancel") == [("scancel", "77")]
+    assert report == {"job 77": {"signalled": ["77"], "state": "CANCELLED"}}
+    assert len(fake.called("squeue")) == 3
+
+
+def test_down_reports_a_job_that_will_not_go(tmp_path: Path) -> None:
+    fake = FakeCommands(squeue=ok("77|COMPLETING|node1|None\n"), scancel=ok())
+    report = backend(fake).stop_run(recorded_run(tmp_path))
+    assert "still listed by squeue as COMPLETING" in report["job 77"]["error"]
+
+
+def test_down_of_a_finished_job_cancels_nothing(tmp_path: Path) -> None:
+    fake = FakeCommands(squeue=GONE, sacct=ok("77|COMPLETED|0:0|node1\n"))
+    report = backend(fake).stop_run(recorded_run(tmp_path))
+    assert fake.called("scancel") == [] and report["job 77"]["state"] == "COMPLETED"
+
+
+# --- logs -----------------------------------------------------------------------------------
+
+def test_logs_label_lines_by_node_and_filter_one_node(tmp_path: Path) -> None:
+    run = recorded_run(tmp_path)
+    (tmp_path / "r1.out").write_text("cluster: start\n0: a\n1: b\n0: c\npartial")
+    fake = FakeCommands(squeue=GONE)
+    meta = run.meta()
+    meta["nodes"] = [{"rank": 0, "name": "gpu7"}, {"rank": 1, "name": "gpu9"}]
+    run.write_meta(meta)
+    got = list(backend(fake).logs(run))
+    assert got == [("batch", b"cluster: start\n"), ("gpu7 0", b"a\n"), ("gpu9 1", b"b\n"),
+                   ("gpu7 0", b"c\n"), ("batch", b"partial\n")]
+    assert [t for _, t in backend(fake).logs(run, node="gpu9")] == [b"b\n"]
+
+
+def test_output_reader_and_labeller() -> None:
+    lab = Labeller(["n1"])
+    assert lab.split(b"0: x") == ("n1 0", b"x")
+    assert lab.split(b" 12: y") == ("task 12", b"y")
+    assert lab.split(b"srun: error: x") == ("batch", b"srun: error: x")
+    assert OutputReader(Path("/nonexistent/file")).lines() == []
