@@ -187,6 +187,7 @@ def test_per_node_values_only_inside_the_quoted_step(name: str) -> None:
 FAKE_SRUN = r"""#!/bin/bash
 # fake srun: run the command once per "node" with that node's SLURM_NODEID, like srun would.
 echo "$@" > "$FAKE_DIR/srun.args"
+echo $$ > "$FAKE_DIR/srun.pid"
 while [ "$1" != bash ]; do shift; done
 pids=()
 for i in $(seq 0 $((SLURM_NNODES - 1))); do
@@ -197,6 +198,14 @@ trap 'echo TERM > "$FAKE_DIR/srun.signal"; kill "${pids[@]}" 2>/dev/null; exit 1
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 exit $rc
+"""
+FAKE_SQUEUE = r"""#!/bin/bash
+printf '42.0\n42.batch\n'
+"""
+FAKE_SCANCEL = r"""#!/bin/bash
+# fake scancel --signal=TERM 42.0: the step's tasks get it (here: through the fake srun)
+echo "$@" >> "$FAKE_DIR/scancel.args"
+kill -TERM "$(cat "$FAKE_DIR/srun.pid")"
 """
 FAKE_SCONTROL = r"""#!/bin/bash
 case "$1 $2" in
@@ -221,6 +230,7 @@ def fake_slurm(tmp_path: Path, name: str) -> tuple[Path, dict[str, str]]:
     bindir.mkdir()
     keys = [k for k, _ in NASTY]
     for prog, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
+                       ("squeue", FAKE_SQUEUE), ("scancel", FAKE_SCANCEL),
                        ("python", FAKE_PYTHON % keys)):
         (bindir / prog).write_text(text)
         (bindir / prog).chmod(0o755)
@@ -272,7 +282,8 @@ def test_signal_stops_the_step_and_requeues_under_the_cap(restarts: str, requeue
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=20)
-    assert (tmp_path / "srun.signal").read_text().strip() == "TERM"   # forwarded to the step
+    assert (tmp_path / "scancel.args").read_text().split() == ["--signal=TERM", "42.0"]
+    assert (tmp_path / "srun.signal").read_text().strip() == "TERM"   # the step's tasks got it
     assert proc.returncode != 0
     if requeued:
         assert (tmp_path / "scontrol.requeue").read_text().split() == ["requeue", "42"]

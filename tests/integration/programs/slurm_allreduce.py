@@ -1,6 +1,7 @@
 """Under torchrun: gloo all_reduce of rank+1; rank 0 checks the sum. Every rank prints one JSON
 line (rank, world, sum, hostname, SLURM_NODEID). `--fail-rank R` makes rank R exit 3 after it;
-`--sleep S` waits S seconds first (for `cluster down` tests)."""
+`--sleep S` waits S seconds after it (for `cluster down` tests); `--sleep-first S` only in the
+first attempt of a SLURM job (SLURM_RESTART_COUNT unset or 0), for requeue tests."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--fail-rank", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--sleep-first", type=float, default=0.0)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -27,9 +29,12 @@ def main() -> int:
                       "hostname": socket.gethostname(),
                       "slurm_nodeid": os.environ.get("SLURM_NODEID"),
                       "cluster_node_rank": os.environ.get("CLUSTER_NODE_RANK"),
-                      "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}), flush=True)
+                      "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+                      "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}), flush=True)
     if args.sleep:
         time.sleep(args.sleep)
+    if args.sleep_first and int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
+        time.sleep(args.sleep_first)
     if args.fail_rank is not None and rank == args.fail_rank:
         print(f"rank {rank}: failing on purpose", file=sys.stderr, flush=True)
         return 3
