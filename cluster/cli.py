@@ -171,9 +171,11 @@ def _command(command: tuple[str, ...], backend: str,
              run_id: str) -> tuple[str, tuple[str, ...], str | None]:
     """The script and its arguments; with none given, the reference trainer. For SSH the
     trainer's directory is synced to the nodes, so the path is relative to the workdir."""
-    if command:
-        return command[0], tuple(command[1:]), None
     train_dir = default_train_dir()
+    if command:
+        # `-- cluster-train/train.py ARGS` over SSH: the built-in trainer with your arguments.
+        synced = str(train_dir) if backend == "ssh" and command[0].startswith("cluster-train/") else None
+        return command[0], tuple(command[1:]), synced
     if backend == "ssh":
         return "cluster-train/train.py", ("--out", f".cluster/{run_id}/train"), str(train_dir)
     if backend == "slurm":

@@ -175,12 +175,11 @@ class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
     A changed key never reaches a policy: paramiko raises BadHostKeyException first."""
 
     def __init__(self, known: KnownHosts, warn: Callable[[str], None]) -> None:
-        self.known: KnownHosts | None = None     # the files checked, once connecting
+        self.known = known
         self.warn = warn
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         self.known.add(hostname, key)
-        client.get_host_keys().add(hostname, key.get_name(), key)
         self.warn(f"added the {key.get_name()} host key of {hostname} ({fingerprint(key)}) "
                   f"to {self.known.write_to}")
 

@@ -25,6 +25,7 @@ import threading
 import time
 
 GRACE = 3.0
+LAUNCHER_GRACE = 0.5
 
 
 def main(argv=None):
@@ -164,17 +165,24 @@ def terminate(d, grace):
         return sorted(pids)
 
     first = targets()
+    group = set()
     if pgid:
+        group = set(group_members(pgid))
         try:
             os.killpg(pgid, signal.SIGTERM)
         except (ProcessLookupError, PermissionError):
             pass
-    kill_all(first, signal.SIGTERM)
+    # One TERM each: a second one interrupts torchrun's own shutdown of its workers.
+    kill_all([p for p in first if p not in group], signal.SIGTERM)
     deadline = time.time() + grace
     left = targets()
     while left and time.time() < deadline:
         time.sleep(0.05)
         left = targets()
+        if pgid and left == [pgid]:
+            # Only the launcher (torchrun) is left, its workers are gone: it has nothing more to
+            # save, and its interpreter takes over a second to exit. A short grace, then KILL.
+            deadline = min(deadline, time.time() + LAUNCHER_GRACE)
     killed = list(left)
     kill_all(left, signal.SIGKILL)
     deadline = time.time() + 2.0

@@ -1,0 +1,173 @@
+"""Shared fixtures for the integration tests: fake SSH nodes and the real `cluster` CLI.
+
+    ssh_nodes4   module-scoped SshNodes(4) (network namespaces, one sshd each)
+    ssh_home     a fresh HOME whose ~/.ssh/known_hosts holds every node's key
+    cli          runs `python -m cluster ...` as a user would (cwd: a temp dir, so runs/ lands
+                 there; HOME: ssh_home); at teardown kills what it started, here and on the nodes
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+try:
+    from tests.integration.fixtures import (SshNodes, kill_pids, processes_with_env)
+except ImportError:  # run with tests/integration on sys.path
+    from fixtures import SshNodes, kill_pids, processes_with_env  # type: ignore
+
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+
+
+def _have(*names: str) -> bool:
+    return all(shutil.which(n) or os.path.exists(f"/usr/sbin/{n}") for n in names)
+
+
+def skip_unless_ssh_nodes() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    if not _have("ip", "unshare", "sshd", "ssh", "ssh-keygen"):
+        pytest.skip("needs iproute2, util-linux and openssh")
+
+
+@pytest.fixture(scope="module")
+def ssh_nodes4():
+    skip_unless_ssh_nodes()
+    with SshNodes(4) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def ssh_home(tmp_path: Path, ssh_nodes4: SshNodes) -> Path:
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True, mode=0o700)
+    shutil.copy(ssh_nodes4.known_hosts_path, home / ".ssh" / "known_hosts")
+    return home
+
+
+class Proc:
+    """A running `cluster` command whose stdout/stderr lines are collected by threads."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.cond = threading.Condition()
+        self.threads = [threading.Thread(target=self._pump, args=(s, l), daemon=True)
+                        for s, l in ((popen.stdout, self.out), (popen.stderr, self.err))]
+        for t in self.threads:
+            t.start()
+
+    def _pump(self, stream, lines: list[str]) -> None:
+        for line in stream:
+            with self.cond:
+                lines.append(line.rstrip("\n"))
+                self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait_for(self, pred: Callable[["Proc"], bool], timeout: float, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not pred(self):
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.popen.poll() is not None and not any(t.is_alive() for t in self.threads)):
+                    if pred(self):
+                        return
+                    raise AssertionError(f"timed out waiting for {what or pred}\n{self.dump()}")
+                self.cond.wait(min(left, 0.2))
+
+    def wait(self, timeout: float) -> int:
+        code = self.popen.wait(timeout=timeout)
+        for t in self.threads:
+            t.join(timeout=5)
+        return code
+
+    @property
+    def stdout(self) -> str:
+        return "\n".join(self.out)
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(self.err)
+
+    def run_id(self) -> str | None:
+        m = re.search(r"run (\d{8}-\d{6}-[0-9a-f]{4})", self.stderr)
+        return m.group(1) if m else None
+
+    def dump(self) -> str:
+        return f"--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}"
+
+
+class Cli:
+    """The `cluster` command, run in `cwd` with HOME=`home`."""
+
+    def __init__(self, cwd: Path, home: Path) -> None:
+        self.cwd = cwd
+        self.home = home
+        self.started: list[Proc] = []
+        self.env = dict(os.environ, HOME=str(home), COLUMNS="200", NO_COLOR="1",
+                        PYTHONUNBUFFERED="1")
+        self.env.pop("SSH_AUTH_SOCK", None)
+        self.env.pop("CLUSTER_RUNS_DIR", None)
+
+    def start(self, *args: str) -> Proc:
+        popen = subprocess.Popen([sys.executable, "-m", "cluster", *args], cwd=self.cwd,
+                                 env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = Proc(popen)
+        self.started.append(proc)
+        return proc
+
+    def run(self, *args: str, timeout: float = 180) -> Proc:
+        proc = self.start(*args)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"cluster {' '.join(args)} did not end in {timeout} s\n{proc.dump()}")
+        return proc
+
+    def run_ids(self) -> list[str]:
+        runs = self.cwd / "runs"
+        return sorted(p.name for p in runs.iterdir()) if runs.is_dir() else []
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            if proc.popen.poll() is None:
+                try:
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.popen.wait(timeout=10)
+        for run_id in self.run_ids():
+            kill_pids(processes_with_env("CLUSTER_RUN_ID", run_id))
+
+
+@pytest.fixture
+def cli(tmp_path: Path, ssh_home: Path):
+    work = tmp_path / "work"
+    work.mkdir()
+    c = Cli(work, ssh_home)
+    try:
+        yield c
+    finally:
+        c.cleanup()
+
+
+def wait_until(pred: Callable[[], object], timeout: float, interval: float = 0.05) -> float | None:
+    """Seconds until pred() held, or None if it did not within timeout."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(interval)
+    return None

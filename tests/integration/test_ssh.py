@@ -1,0 +1,256 @@
+"""The SSH backend end to end: the real `cluster` CLI against real sshd nodes (one network
+namespace each, see fixtures/sshnodes.py), real torchrun with gloo.
+
+Every test runs `python -m cluster ...` in a temp dir with HOME pointing at a temp home whose
+~/.ssh it controls; the `cli` fixture kills whatever a test left behind, here and on the nodes.
+Timings are printed and recorded as junit properties.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import PROGRAMS, Cli, Proc, wait_until
+
+try:
+    from tests.integration.fixtures import processes_with_env
+except ImportError:
+    from fixtures import processes_with_env  # type: ignore
+
+pytestmark = [pytest.mark.integration]
+
+ALLREDUCE = ["--sync", str(PROGRAMS), "--", "allreduce.py"]
+
+
+def report(record_property, name: str, seconds: float) -> None:
+    record_property(name, round(seconds, 3))
+    sys.stderr.write(f"\n[ssh timing] {name}: {seconds:.2f} s\n")
+
+
+def results(proc: Proc) -> list[dict]:
+    """The JSON lines the all-reduce program printed, by rank."""
+    out = []
+    for line in proc.out:
+        _, _, text = line.partition("] ")
+        if text.startswith("{") and '"sum"' in text:
+            out.append(json.loads(text))
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def inventory(ssh_nodes4, cli: Cli, name: str = "inv.yaml", **overrides) -> str:
+    return ssh_nodes4.write_inventory(cli.home / name, **overrides)
+
+
+def run_procs(run_id: str) -> list[int]:
+    return processes_with_env("CLUSTER_RUN_ID", run_id)
+
+
+def sleeping_ranks(n: int):
+    return lambda p: sum('"sleeping"' in line for line in p.out) >= n
+
+
+# --- 1. all-reduce on 2 and 4 nodes; the default trainer ----------------------------------
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_allreduce(ssh_nodes4, cli, nodes, record_property):
+    inv = inventory(ssh_nodes4, cli)
+    t0 = time.monotonic()
+    proc = cli.run("up", "-i", inv, "--nodes", str(nodes), *ALLREDUCE)
+    report(record_property, f"allreduce_{nodes}_nodes_s", time.monotonic() - t0)
+    assert proc.popen.returncode == 0, proc.dump()
+    got = results(proc)
+    want_sum = nodes * (nodes + 1) / 2
+    assert [r["rank"] for r in got] == list(range(nodes)), proc.dump()
+    for r in got:
+        assert r["world_size"] == nodes and r["sum"] == want_sum
+        assert r["host"] == f"node{r['rank'] + 1}" == r["node"]
+    # synced into each node's workdir
+    for i in range(1, nodes + 1):
+        assert (Path(ssh_nodes4.workdir(i)) / "allreduce.py").is_file()
+
+
+def test_default_trainer_with_ssh_config(ssh_nodes4, cli, record_property):
+    """The built-in trainer is synced to <workdir>/cluster-train. User, key and
+    known_hosts come from ~/.ssh/config alone (the inventory names none)."""
+    shutil.copy(ssh_nodes4.ssh_config_path, cli.home / ".ssh" / "config")
+    (cli.home / ".ssh" / "known_hosts").unlink()
+    inv = inventory(ssh_nodes4, cli, user=None, identity_file=None, port=None)
+    t0 = time.monotonic()
+    proc = cli.run("up", "-i", inv, "--nodes", "2", "--", "cluster-train/train.py",
+                   "--epochs", "1", "--no-resume", "--out", "out", timeout=300)
+    report(record_property, "trainer_2_nodes_s", time.monotonic() - t0)
+    assert proc.popen.returncode == 0, proc.dump()
+    final = [line for line in proc.out if "FINAL" in line]
+    assert final, proc.dump()
+    info = json.loads(final[-1].split("FINAL", 1)[1])
+    assert info.get("world_size") == 2, final[-1]
+    assert (Path(ssh_nodes4.workdir(2)) / "cluster-train" / "train.py").is_file()
+
+
+# --- 2. kill -9 of one worker: fail fast, nothing left --------------------------------------
+
+
+def test_worker_killed_stops_every_node(ssh_nodes4, cli, record_property):
+    inv = inventory(ssh_nodes4, cli)
+    proc = cli.start("up", "-i", inv, "--nodes", "3", "--sync", str(PROGRAMS), "--",
+                     "allreduce.py", "--sleep", "120")
+    proc.wait_for(sleeping_ranks(3), 120, "every rank asleep")
+    run_id = proc.run_id()
+    victim = next(r for r in results(proc) if r["node"] == "node2")
+    assert victim["pid"] in run_procs(run_id)
+    os.kill(victim["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    gone = wait_until(lambda: not run_procs(run_id), 20)
+    assert gone is not None, f"left: {run_procs(run_id)}\n{proc.dump()}"
+    report(record_property, "kill9_to_all_gone_s", gone)
+    assert gone < 3.0
+    assert proc.wait(60) == 4, proc.dump()
+    report(record_property, "kill9_to_cluster_exit_s", time.monotonic() - t0)
+    assert "node [node2 1] failed first" in proc.stderr, proc.dump()
+
+
+# --- 3. Ctrl-C ------------------------------------------------------------------------------
+
+
+def test_sigint_stops_every_node(ssh_nodes4, cli):
+    inv = inventory(ssh_nodes4, cli)
+    proc = cli.start("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--",
+                     "allreduce.py", "--sleep", "120")
+    proc.wait_for(sleeping_ranks(2), 120, "every rank asleep")
+    run_id = proc.run_id()
+    assert run_procs(run_id)
+    os.kill(proc.popen.pid, signal.SIGINT)
+    assert proc.wait(60) == 130, proc.dump()
+    assert run_procs(run_id) == []
+
+
+# --- the controlling process dies: the supervisors see EOF and stop -------------------------
+
+
+def test_sigkill_of_cluster_up_stops_remote(ssh_nodes4, cli, record_property):
+    inv = inventory(ssh_nodes4, cli)
+    proc = cli.start("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--",
+                     "allreduce.py", "--sleep", "120")
+    proc.wait_for(sleeping_ranks(2), 120, "every rank asleep")
+    run_id = proc.run_id()
+    proc.popen.kill()
+    t0 = time.monotonic()
+    proc.wait(10)
+    gone = wait_until(lambda: not run_procs(run_id), 20)
+    assert gone is not None, f"left after SIGKILL of cluster up: {run_procs(run_id)}"
+    report(record_property, "sigkill_up_to_remote_gone_s", time.monotonic() - t0)
+
+
+# --- 4. one unreachable node: nothing starts -------------------------------------------------
+
+
+def test_unreachable_node_starts_nothing(ssh_nodes4, cli):
+    inv = inventory(ssh_nodes4, cli)
+    ssh_nodes4.stop_sshd(3)
+    try:
+        proc = cli.run("up", "-i", inv, "--nodes", "3", *ALLREDUCE, timeout=60)
+    finally:
+        ssh_nodes4.start_sshd(3)
+    assert proc.popen.returncode == 3, proc.dump()
+    assert "node3" in proc.stderr and "refused" in proc.stderr, proc.dump()
+    assert "nothing was started" in proc.stderr
+    run_id = cli.run_ids()[-1]
+    assert run_procs(run_id) == []
+    for i in (1, 2):
+        assert not list(Path(ssh_nodes4.workdir(i)).glob(f".cluster/{run_id}/*/pgid"))
+
+
+# --- 5. detach, status, logs -f, down ---------------------------------------------------------
+
+
+def status_states(cli: Cli, run_id: str) -> dict[str, str]:
+    proc = cli.run("status", run_id, timeout=60)
+    assert proc.popen.returncode == 0, proc.dump()
+    states = {}
+    for line in proc.out:
+        parts = line.split("│")
+        if len(parts) < 6:
+            continue
+        cells = [c.strip() for c in parts[1:-1]]
+        if cells[1].startswith("node"):
+            states[cells[1]] = f"{cells[2]} {cells[3]}".strip()
+    return states
+
+
+def test_detach_status_logs_down(ssh_nodes4, cli):
+    inv = inventory(ssh_nodes4, cli)
+    up = cli.run("up", "-i", inv, "--nodes", "2", "--detach", *ALLREDUCE, "--sleep", "6")
+    assert up.popen.returncode == 0, up.dump()
+    run_id = up.run_id()
+    assert status_states(cli, run_id) == {"node1": "running", "node2": "running"}
+    logs = cli.run("logs", "-f", run_id, timeout=120)
+    assert logs.popen.returncode == 0, logs.dump()
+    for node in ("node1", "node2"):
+        assert any(line.startswith(f"[{node} ") and '"sum": 3.0' in line for line in logs.out), logs.dump()
+    assert wait_until(lambda: status_states(cli, run_id) == {"node1": "exited 0", "node2": "exited 0"},
+                      30, 0.5) is not None, status_states(cli, run_id)
+
+    long = cli.run("up", "-i", inv, "--nodes", "2", "--detach", *ALLREDUCE, "--sleep", "300")
+    assert long.popen.returncode == 0, long.dump()
+    long_id = long.run_id()
+    assert wait_until(lambda: len(run_procs(long_id)) >= 4, 60) is not None
+    down = cli.run("down", long_id, timeout=60)
+    assert down.popen.returncode == 0, down.dump()
+    assert run_procs(long_id) == []
+    assert set(status_states(cli, long_id).values()) <= {"exited"} | {f"exited {c}" for c in range(256)}
+
+
+# --- 6. two runs on the same nodes: down A leaves B alone -----------------------------------
+
+
+def test_two_runs_down_one(ssh_nodes4, cli):
+    inv = inventory(ssh_nodes4, cli)
+    a = cli.run("up", "-i", inv, "--nodes", "2", "--detach", *ALLREDUCE, "--sleep", "300")
+    b = cli.run("up", "-i", inv, "--nodes", "2", "--detach", *ALLREDUCE, "--sleep", "8")
+    assert a.popen.returncode == 0 and b.popen.returncode == 0, a.dump() + b.dump()
+    a_id, b_id = a.run_id(), b.run_id()
+    assert a_id != b_id
+    assert wait_until(lambda: len(run_procs(a_id)) >= 4 and len(run_procs(b_id)) >= 4, 60) is not None
+    down = cli.run("down", a_id, timeout=60)
+    assert down.popen.returncode == 0, down.dump()
+    assert run_procs(a_id) == []
+    assert run_procs(b_id), "run B was stopped too"
+    assert wait_until(lambda: status_states(cli, b_id) == {"node1": "exited 0", "node2": "exited 0"},
+                      120, 1.0) is not None, status_states(cli, b_id)
+
+
+# --- 7. host keys ---------------------------------------------------------------------------
+
+
+def test_host_key_policies(ssh_nodes4, cli):
+    inv = inventory(ssh_nodes4, cli)
+    known = cli.home / ".ssh" / "known_hosts"
+    known.write_text("")
+    strict = cli.run("up", "-i", inv, "--nodes", "1", *ALLREDUCE, timeout=60)
+    assert strict.popen.returncode == 3, strict.dump()
+    assert "known_hosts" in strict.stderr and "ssh-keyscan" in strict.stderr, strict.dump()
+    assert "accept-new" in strict.stderr
+
+    accept = cli.run("up", "-i", inv, "--nodes", "1", "--host-key-policy", "accept-new",
+                     *ALLREDUCE, timeout=120)
+    assert accept.popen.returncode == 0, accept.dump()
+    node1 = ssh_nodes4.nodes[0]
+    assert node1.hostkey_pub.split()[1] in known.read_text()
+    again = cli.run("up", "-i", inv, "--nodes", "1", *ALLREDUCE, timeout=120)  # now strict passes
+    assert again.popen.returncode == 0, again.dump()
+
+    # a changed key (node2's key recorded for node1) is refused even under accept-new
+    known.write_text(f"{node1.address} {ssh_nodes4.nodes[1].hostkey_pub}\n")
+    changed = cli.run("up", "-i", inv, "--nodes", "1", "--host-key-policy", "accept-new",
+                      *ALLREDUCE, timeout=60)
+    assert changed.popen.returncode == 3, changed.dump()
+    assert "HOST KEY CHANGED" in changed.stderr and f"{known} line 1" in changed.stderr, changed.dump()
+    assert known.read_text().count("\n") == 1
