@@ -1,0 +1,181 @@
+"""`cluster up/status/down --backend slurm` against a real SLURM 22.05 (two slurmd, one per
+network namespace, started by the SlurmCluster fixture). The real CLI runs as a subprocess with
+the fixture's environment (SLURM_CONF), in tmp_path: every node sees the same filesystem and
+jobs run as root, so the job's output file and working directory are shared.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+try:
+    from tests.integration.fixtures import SlurmCluster, processes_with_env
+except ImportError:  # run with tests/integration on sys.path
+    from fixtures import SlurmCluster, processes_with_env  # type: ignore
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = ROOT / "tests" / "integration" / "programs" / "slurm_allreduce.py"
+PYTHON = "/opt/cluster-venv/bin/python"
+TRAIN_PY = PYTHON if os.path.exists(PYTHON) else sys.executable
+
+
+def _have(*names: str) -> bool:
+    return all(shutil.which(n) or os.path.exists(f"/usr/sbin/{n}") for n in names)
+
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slurm,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)"),
+    pytest.mark.skipif(not _have("ip", "unshare", "nsenter", "slurmctld", "slurmd", "sbatch",
+                                 "munged", "munge"), reason="needs iproute2, slurm-wlm, munge"),
+]
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    with SlurmCluster(2) as sc:
+        yield sc
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "inventory.yaml").write_text(
+        "backend: slurm\n"
+        f"defaults: {{python: {TRAIN_PY}, nproc_per_node: 1}}\n"
+        "hosts: [slurm]\n"
+        "slurm: {nodes: 2, time: '00:05:00'}\n")
+    return tmp_path
+
+
+def cluster(slurm, cwd: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    env = dict(slurm.env, NO_COLOR="1", CLUSTER_RUNS_DIR=str(cwd / "runs"))
+    return subprocess.run([sys.executable, "-m", "cluster", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def up(slurm, cwd: Path, *command: str, extra: tuple[str, ...] = (), timeout: float = 150):
+    return cluster(slurm, cwd, "up", "-i", "inventory.yaml", *extra, "--", *command,
+                   timeout=timeout)
+
+
+def reports(stdout: str) -> list[dict]:
+    """The JSON line each rank printed, from '[node1 0] {...}' lines."""
+    return [json.loads(m.group(1)) for m in re.finditer(r"^\[\S+ \d+\] (\{.*\})$", stdout, re.M)]
+
+
+def job_id(cwd: Path) -> str:
+    (run,) = [p for p in (cwd / "runs").iterdir() if (p / "run.json").is_file()]
+    return json.loads((run / "run.json").read_text())["slurm"]["job_id"]
+
+
+def test_two_node_allreduce(slurm, workdir: Path, record_property) -> None:
+    t0 = time.monotonic()
+    r = up(slurm, workdir, str(PROGRAM))
+    seconds = time.monotonic() - t0
+    record_property("slurm_2_node_up_s", round(seconds, 2))
+    print(f"\n[timing] 2-node cluster up --backend slurm (all_reduce): {seconds:.1f} s", file=sys.stderr)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = sorted(reports(r.stdout), key=lambda d: d["rank"])
+    assert [d["rank"] for d in got] == [0, 1]
+    assert {d["world"] for d in got} == {2} and {d["sum"] for d in got} == {3}
+    assert sorted(d["hostname"] for d in got) == ["node1", "node2"]
+    # per-node values expanded on each node, not once in the batch shell
+    assert sorted(d["slurm_nodeid"] for d in got) == ["0", "1"]
+    assert sorted(d["cluster_node_rank"] for d in got) == ["0", "1"]
+    assert {d["gloo_ifname"] for d in got} == {"eth0"}        # detected per node
+    assert re.search(r"^\[node1 0\] ", r.stdout, re.M) and re.search(r"^\[node2 1\] ", r.stdout, re.M)
+    assert "COMPLETED" in r.stderr
+    status = cluster(slurm, workdir, "status")
+    assert status.returncode == 0 and status.stdout.count("completed") == 2, status.stdout
+
+
+def test_two_node_train(slurm, workdir: Path, record_property) -> None:
+    t0 = time.monotonic()
+    r = up(slurm, workdir, str(ROOT / "train" / "train.py"), "--epochs", "1", "--no-resume",
+           timeout=200)
+    record_property("slurm_2_node_train_s", round(time.monotonic() - t0, 2))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr
+    final = [line for line in r.stdout.splitlines() if "FINAL" in line]
+    assert final and '"world_size": 2' in final[0], r.stdout[-3000:]
+
+
+def test_failing_rank_ends_failed_with_exit_code(slurm, workdir: Path) -> None:
+    r = up(slurm, workdir, str(PROGRAM), "--fail-rank", "1")
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert re.search(r"job \d+ FAILED, exit code [1-9]\d*", r.stderr), r.stderr
+    assert "[node2 1] rank 1: failing on purpose" in r.stdout
+    assert "line(s):\n  | [" in r.stderr                          # the tail, as evidence
+    status = cluster(slurm, workdir, "status")
+    assert status.returncode == 0
+    rows = [line for line in status.stdout.splitlines() if "failed" in line]
+    assert len(rows) == 2 and all(re.search(r"failed\s*\S\s*[1-9]\d*", row) for row in rows), status.stdout
+
+
+def test_down_cancels_a_running_job_and_leaves_no_process(slurm, workdir: Path) -> None:
+    r = up(slurm, workdir, str(PROGRAM), "--sleep", "300", extra=("--detach",))
+    assert r.returncode == 0, r.stderr
+    jid = job_id(workdir)
+    run_id = next((workdir / "runs").iterdir()).name
+    out = workdir / "slurm-logs" / f"{run_id}.out"          # created when the job starts
+    deadline = time.monotonic() + 90
+    while not out.exists() or out.read_text().count('"world": 2') < 2:   # both ranks run
+        assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
+        time.sleep(0.5)
+    assert processes_with_env("SLURM_JOB_ID", jid)
+    st = cluster(slurm, workdir, "status")
+    assert st.stdout.count("running") == 2, st.stdout
+    t0 = time.monotonic()
+    down = cluster(slurm, workdir, "down")
+    print(f"\n[timing] cluster down of a 2-node job: {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    assert down.returncode == 0, down.stderr
+    assert f"[job {jid}] stopped" in down.stderr
+    assert slurm.run(["squeue", "-h", "-j", jid]).stdout.strip() == ""
+    deadline = time.monotonic() + 10
+    while processes_with_env("SLURM_JOB_ID", jid):
+        assert time.monotonic() < deadline, processes_with_env("SLURM_JOB_ID", jid)
+        time.sleep(0.2)
+    st = cluster(slurm, workdir, "status")
+    assert st.stdout.count("cancelled") == 2, st.stdout
+
+
+def test_preemption_signal_requeues_and_the_job_completes(slurm, workdir: Path) -> None:
+    """B:USR2 to the batch shell (what SLURM sends before the time limit or on preemption):
+    the step gets SIGTERM, the job is requeued, its second attempt completes. SLURM holds a
+    requeued job for about two minutes (BeginTime); the test releases it at once."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster", "up", "-i", "inventory.yaml", "--", str(PROGRAM),
+         "--sleep-first", "300"], cwd=workdir, env=dict(slurm.env, NO_COLOR="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert time.monotonic() < deadline and proc.poll() is None, "job did not start"
+            outs = list((workdir / "slurm-logs").glob("*.out")) if (workdir / "slurm-logs").is_dir() else []
+            if outs and outs[0].read_text().count('"world": 2') >= 2:
+                break
+            time.sleep(0.5)
+        jid = job_id(workdir)
+        assert slurm.run(["scancel", "--signal=USR2", "--batch", jid]).returncode == 0
+        while "BeginTime" not in slurm.run(["squeue", "-h", "-j", jid, "-o", "%r"]).stdout:
+            assert time.monotonic() < deadline + 60, "job was not requeued"
+            time.sleep(0.3)
+        slurm.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"])
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr
+    assert "got SIGUSR2; stopping the step" in stdout
+    assert "requeueing job" in stdout
+    assert "SignalException" in stdout                  # torchrun got SIGTERM, not SIGKILL
+    restarts = sorted(d["restart"] for d in reports(stdout))
+    assert restarts == [0, 0, 1, 1], stdout[-3000:]
