@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import PROGRAMS, Cli, Proc, wait_until
-
 try:
+    from tests.integration.conftest import PROGRAMS, Cli, Proc, wait_until
     from tests.integration.fixtures import processes_with_env
-except ImportError:
+except ImportError:  # run with tests/integration on sys.path
+    from conftest import PROGRAMS, Cli, Proc, wait_until  # type: ignore
     from fixtures import processes_with_env  # type: ignore
 
 pytestmark = [pytest.mark.integration]

@@ -1,0 +1,162 @@
+"""The SSH backend without a network: host-key policies against a fake known_hosts, exception
+translation, sync file selection."""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+import paramiko
+import pytest
+from paramiko.ssh_exception import NoValidConnectionsError
+
+from cluster.backends.ssh import (AcceptNewPolicy, Attempt, AuthFailed, HostKeyChanged,
+                                  HostKeyUnknown, KnownHosts, OffPolicy, SshBackend, SshError,
+                                  StrictPolicy, Unreachable, UnknownKey, known_hosts_for,
+                                  local_files, sftp_path, translate)
+from cluster.errors import ClusterError, PreflightError
+
+
+@pytest.fixture(scope="module")
+def keys() -> tuple[paramiko.PKey, paramiko.PKey]:
+    return paramiko.ECDSAKey.generate(), paramiko.ECDSAKey.generate()
+
+
+AT = Attempt(name="gpu1", hostname="10.0.0.1", port=22, user="alice",
+             keys=("/home/alice/.ssh/id_ed25519",), agent=False, timeout=10.0,
+             known_hosts=("/home/alice/.ssh/known_hosts",))
+
+
+def client_with(known: KnownHosts) -> paramiko.SSHClient:
+    client = paramiko.SSHClient()
+    known.load_into(client.get_host_keys())
+    return client
+
+
+# --- policies ------------------------------------------------------------------------------
+
+
+def test_strict_refuses_unknown(tmp_path, keys):
+    known = KnownHosts([str(tmp_path / "known_hosts")], str(tmp_path / "known_hosts"))
+    with pytest.raises(UnknownKey) as info:
+        StrictPolicy().missing_host_key(client_with(known), "10.0.0.1", keys[0])
+    err = translate(info.value, AT, known)
+    assert isinstance(err, HostKeyUnknown) and isinstance(err, PreflightError)
+    text = str(err)
+    assert "gpu1" in text and "ssh-keyscan -H 10.0.0.1 >>" in text and "accept-new" in text
+    assert not (tmp_path / "known_hosts").exists()
+
+
+def test_strict_keyscan_hint_has_port(keys):
+    at = Attempt(name="gpu1", hostname="h", port=2222, user="u", keys=(), agent=False, timeout=1)
+    assert "ssh-keyscan -p 2222 -H h" in str(translate(UnknownKey("[h]:2222", keys[0]), at))
+
+
+def test_accept_new_records_key(tmp_path, keys):
+    path = tmp_path / "ssh" / "known_hosts"       # the directory does not exist yet
+    known = KnownHosts([str(path)], str(path))
+    said: list[str] = []
+    AcceptNewPolicy(known, said.append).missing_host_key(client_with(known), "10.0.0.1", keys[0])
+    AcceptNewPolicy(known, said.append).missing_host_key(client_with(known), "[h]:2222", keys[1])
+    lines = path.read_text().splitlines()
+    assert lines == [f"10.0.0.1 {keys[0].get_name()} {keys[0].get_base64()}",
+                     f"[h]:2222 {keys[1].get_name()} {keys[1].get_base64()}"]
+    reloaded = paramiko.HostKeys(str(path))
+    assert reloaded.lookup("10.0.0.1")[keys[0].get_name()] == keys[0]
+    assert len(said) == 2 and str(path) in said[0]
+    assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+
+
+def test_off_accepts_anything(keys):
+    assert OffPolicy().missing_host_key(paramiko.SSHClient(), "x", keys[0]) is None
+
+
+def test_changed_key_names_the_line(tmp_path, keys):
+    path = tmp_path / "known_hosts"
+    hashed = paramiko.HostKeys.hash_host("10.0.0.1")
+    path.write_text(f"# comment\nother {keys[0].get_name()} {keys[0].get_base64()}\n"
+                    f"{hashed} {keys[0].get_name()} {keys[0].get_base64()}\n")
+    known = KnownHosts([str(path)], str(path))
+    assert known.lines_for("10.0.0.1") == [(str(path), 3, keys[0].get_name())]
+    exc = paramiko.BadHostKeyException("10.0.0.1", keys[1], keys[0])
+    err = translate(exc, AT, known)
+    assert isinstance(err, HostKeyChanged)
+    text = str(err)
+    assert "HOST KEY CHANGED" in text and f"{path} line 3" in text
+    assert "man-in-the-middle" in text and f"ssh-keygen -R 10.0.0.1 -f {path}" in text
+
+
+def test_known_hosts_files_from_ssh_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    k = known_hosts_for({"userknownhostsfile": "~/a ~/b"})
+    assert k.files[:3] == [str(tmp_path / "a"), str(tmp_path / "b"),
+                           str(tmp_path / ".ssh" / "known_hosts")]
+    assert k.write_to == str(tmp_path / "a")
+    d = known_hosts_for({})
+    assert d.write_to == str(tmp_path / ".ssh" / "known_hosts")
+
+
+# --- exception translation -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exc, cls, words", [
+    (NoValidConnectionsError({("10.0.0.1", 22): OSError(errno.ECONNREFUSED, "refused")}),
+     Unreachable, ["gpu1", "connection refused"]),
+    (NoValidConnectionsError({("10.0.0.1", 22): OSError(errno.EHOSTUNREACH, "unreach")}),
+     Unreachable, ["no route"]),
+    (socket.timeout("timed out"), Unreachable, ["timed out after 10 s", "connect_timeout"]),
+    (socket.gaierror(-2, "Name or service not known"), Unreachable, ["cannot resolve"]),
+    (OSError(errno.ENETUNREACH, "x"), Unreachable, ["network unreachable"]),
+    (paramiko.AuthenticationException("Authentication failed."), AuthFailed,
+     ["user 'alice'", "/home/alice/.ssh/id_ed25519", "identity_file"]),
+    (paramiko.SSHException("Error reading SSH protocol banner"), Unreachable, ["banner"]),
+    (paramiko.SSHException("something else"), SshError, ["something else"]),
+    (EOFError(), Unreachable, ["closed the connection"]),
+])
+def test_translate(exc, cls, words):
+    err = translate(exc, AT)
+    assert type(err) is cls and isinstance(err, ClusterError)
+    assert err.exit_code == 3
+    text = str(err)
+    assert text.startswith("gpu1 (alice@10.0.0.1:22)")
+    for w in words:
+        assert w in text, text
+
+
+# --- sync selection, paths, construction ---------------------------------------------------
+
+
+def test_local_files_skips_caches(tmp_path):
+    for rel in ("a.py", "pkg/b.py", "pkg/__pycache__/b.cpython-311.pyc", "c.pyc", ".git/HEAD",
+                "runs/x/run.json", "pkg/runs/keep.txt", ".cluster/r/x"):
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(rel)
+    os.chmod(tmp_path / "a.py", 0o755)
+    files = {f.rel: f for f in local_files(tmp_path)}
+    assert sorted(files) == ["a.py", "pkg/b.py", "pkg/runs/keep.txt"]
+    assert files["a.py"].mode == 0o755 and files["a.py"].size == 4
+
+
+def test_sftp_path():
+    assert sftp_path("~/x/y") == "x/y" and sftp_path("~") == "." and sftp_path("/abs") == "/abs"
+
+
+def test_backend_sync_targets_and_policy():
+    b = SshBackend(sync=["/src", ("/train", "cluster-train")], host_key_policy="accept-new")
+    try:
+        assert b.sync == [("/src", "."), ("/train", "cluster-train")]
+        assert b.policy == "accept-new" and b.name == "ssh"
+    finally:
+        b.close()
+    with pytest.raises(ClusterError, match="valid: strict, accept-new, off"):
+        SshBackend(host_key_policy="yes")
+
+
+def test_only_ssh_module_imports_paramiko():
+    root = Path(__file__).resolve().parents[2] / "cluster"
+    offenders = [p for p in root.rglob("*.py") if p.name != "ssh.py"
+                 and any(w in p.read_text() for w in ("import paramiko", "import fabric",
+                                                      "from paramiko", "from fabric"))]
+    assert offenders == []
