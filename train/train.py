@@ -180,6 +180,8 @@ def register_comm_hook(model: DDP, kind: str, args, total_steps: int, info) -> N
     if kind == "fp16":
         model.register_comm_hook(None, dh.fp16_compress_hook)
     elif kind == "bf16":
+        if info.backend != "nccl":
+            raise SystemExit("--grad-compression bf16 needs NCCL (CUDA); on gloo use fp16 or powersgd")
         model.register_comm_hook(None, dh.bf16_compress_hook)
     elif kind == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
@@ -303,7 +305,10 @@ def train(args, info) -> int:
     model = models_mod.build_model(args.model, spec.in_channels, spec.num_classes,
                                    batch_norm=args.bn, width=args.width)
     if args.sync_bn and info.distributed:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if is_cuda:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        elif info.is_main:
+            print("warning: --sync-bn needs CUDA; keeping per-process BatchNorm", file=sys.stderr)
     model.to(device)
     if args.channels_last:
         model.to(memory_format=torch.channels_last)

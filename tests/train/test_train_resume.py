@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_helpers import (checkpoints, final_weights, kill_tree, load_ckpt,  # noqa: E402
                            max_abs_diff, run_train, start_train, wait_for)
 
-EPOCHS, SPE = 3, 22  # digits: 1438 train images, 2 ranks x batch 32 -> 22 steps/epoch
+EPOCHS, SPE = 2, 22  # digits: 1438 train images, 2 ranks x batch 32 -> 22 steps/epoch
 ARGS = ["--epochs", str(EPOCHS), "--ckpt-every", "10", "--log-every", "5", "--no-plot", "--seed", "1"]
 WEIGHT_ATOL = 1e-6  # same computation replayed: observed difference is 0
 
@@ -54,10 +54,12 @@ def test_resume_after_max_steps(uninterrupted, tmp_path):
 
 
 def test_no_resume_starts_fresh(tmp_path):
-    run_train(1, ["--epochs", "1", "--max-steps", "3", "--no-plot", "--out", str(tmp_path)])
+    # An unloadable "newest checkpoint": resume would have to warn about it.
+    (tmp_path / "ckpt_step00000099.pt").write_bytes(b"not a checkpoint")
     final = run_train(1, ["--epochs", "1", "--max-steps", "2", "--no-plot", "--out", str(tmp_path),
                           "--no-resume"])
     assert final["resumed_from"] is None and final["steps"] == 2
+    assert "cannot load" not in final["_stdout"]
 
 
 def test_resume_after_sigkill_mid_run(uninterrupted, tmp_path):
