@@ -25,7 +25,7 @@ import threading
 import time
 
 GRACE = 3.0
-LAUNCHER_GRACE = 0.5
+LAUNCHER_GRACE = 0.25
 
 
 def main(argv=None):

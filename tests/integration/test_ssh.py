@@ -108,7 +108,7 @@ def test_worker_killed_stops_every_node(ssh_nodes4, cli, record_property):
     assert victim["pid"] in run_procs(run_id)
     os.kill(victim["pid"], signal.SIGKILL)
     t0 = time.monotonic()
-    gone = wait_until(lambda: not run_procs(run_id), 20)
+    gone = wait_until(lambda: not run_procs(run_id), 20, interval=0.1)
     assert gone is not None, f"left: {run_procs(run_id)}\n{proc.dump()}"
     report(record_property, "kill9_to_all_gone_s", gone)
     assert gone < 3.0
