@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -69,12 +68,14 @@ if __package__ in (None, ""):
     import dist_utils as du
     import metrics as metrics_mod
     import models as models_mod
+    import schedule as schedule_mod
 else:
     from . import checkpoint as ckpt_mod
     from . import data as data_mod
     from . import dist_utils as du
     from . import metrics as metrics_mod
     from . import models as models_mod
+    from . import schedule as schedule_mod
 
 import torch
 import torch.nn as nn
@@ -153,24 +154,6 @@ def resolve_precision(p: str, device: torch.device) -> str:
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "fp32"
-
-
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up over `warmup` steps, then cosine decay to min_ratio at `total`."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-class LRLambda:
-    """Picklable schedule (LambdaLR saves callable objects' __dict__ in its state)."""
-
-    def __init__(self, warmup: int, total: int, min_ratio: float):
-        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
-
-    def __call__(self, step: int) -> float:
-        return lr_factor(step, self.warmup, self.total, self.min_ratio)
 
 
 def register_comm_hook(model: DDP, kind: str, args, total_steps: int, info) -> None:
@@ -317,7 +300,7 @@ def train(args, info) -> int:
                               weight_decay=args.weight_decay, nesterov=args.momentum > 0)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, LRLambda(warmup, total_steps, args.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule_mod.LRLambda(warmup, total_steps, args.min_lr_ratio))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     # ---- resume ---------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Fast in-process checks of the pieces of train/: atomic checkpoints, LR schedule,
 the resumable sampler's data order."""
-import math
 import os
 import sys
 
@@ -45,7 +44,7 @@ def test_rng_state_roundtrip():
 
 
 def test_lr_schedule_warmup_then_cosine():
-    tr = load_train_module("train")
+    tr = load_train_module("schedule")
     f = [tr.lr_factor(s, warmup=10, total=110, min_ratio=0.0) for s in range(111)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert all(b > a for a, b in zip(f[:9], f[1:10]))            # linear ramp up
