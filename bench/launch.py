@@ -36,6 +36,7 @@ import os, socket
 import torch.distributed as dist
 dist.init_process_group("gloo")
 print(dist.get_rank(), dist.get_world_size(), socket.gethostname(), flush=True)
+dist.barrier()  # no rank may leave while another is still connecting its mesh
 dist.destroy_process_group()
 """
 
@@ -93,7 +94,7 @@ def main() -> int:
                                 str(prog), "--", "trivial.py"], cwd=work, env=env,
                                capture_output=True, text=True)
             if r.returncode != 0:
-                raise SystemExit(f"cluster up failed:\n{r.stderr[-2000:]}")
+                raise SystemExit(f"cluster up failed (logs: {work}/runs/):\n{r.stderr[-2000:]}")
 
         port = [29400]
 
