@@ -13,8 +13,9 @@ process per GPU / CPU slot; NCCL on CUDA, gloo on CPU)::
     python -m cluster.train.train --help                     # installed as a package
 
 Default: scikit-learn's 8x8 handwritten digits (1797 images, 10 classes, offline) with
-a fixed stratified 80/20 held-out split, small CNN, 10 epochs; two CPU processes reach
->= 95% held-out accuracy in a few seconds of training.
+a fixed stratified 80/20 held-out split (1438 / 359), small CNN, 10 epochs of 22 steps;
+two CPU processes reach ~98% held-out accuracy (about 20 s wall on 2 idle cores, most
+of it process start-up).
 
 Flags (see --help for every default)
   data      --dataset digits|cifar10|synthetic   --data-dir DIR (cifar10: used if present,
@@ -302,6 +303,11 @@ def train(args, info) -> int:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule_mod.LRLambda(warmup, total_steps, args.min_lr_ratio))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    if scaler.is_enabled():
+        # The scaler skips optimizer steps whose gradients overflowed; the schedule
+        # still advances by one per step on purpose, so PyTorch's ordering warning is noise.
+        import warnings
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
 
     # ---- resume ---------------------------------------------------------------------
     resume_path, state = resolve_resume(args, info)
