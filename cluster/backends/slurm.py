@@ -240,6 +240,12 @@ class SlurmBackend:
         return JobInfo(job_id, field("JobState"), code, sig, _nodes(field("NodeList")),
                        reason="" if reason == "None" else reason, source="scontrol")
 
+    def coming_back(self, job_id: str) -> JobInfo | None:
+        """A job squeue stopped listing for a moment while it is requeued: the controller
+        still knows it in a state that is not final."""
+        info = self._scontrol(job_id)
+        return info if info is not None and info.state and not info.done else None
+
     def cancel(self, job_id: str) -> None:
         r = self._run("scancel", job_id)
         if r.code != 0 and "invalid job id" not in r.stderr.lower():
@@ -468,7 +474,9 @@ def follow(backend: SlurmBackend, run: RunDir, job_id: str, output: Path,
             console.info(f"job {job_id}: {info.state}" + (f" ({info.reason})" if info.reason else ""))
         emit(reader.lines())
         if info is None:
-            break
+            info = backend.coming_back(job_id)
+            if info is None:
+                break
         backend.sleep(backend.poll)
     emit(reader.rest())
     return backend.finished(job_id), list(tail)

@@ -149,6 +149,28 @@ def test_follow_prints_lines_by_node_and_ends_completed(tmp_path: Path) -> None:
     assert meta["final"]["state"] == "COMPLETED"
 
 
+def test_follow_keeps_going_while_a_requeued_job_is_briefly_unlisted(tmp_path: Path) -> None:
+    # squeue drops the job for a moment while SLURM requeues it; the controller still knows
+    # it as PENDING, so following goes on until the second attempt completes.
+    path = tmp_path / "slurm-logs" / "r1.out"
+    listings = iter(["first", None, "second", None])
+
+    def squeue(argv: tuple[str, ...]) -> Completed:
+        attempt = next(listings, None)
+        if attempt is None:
+            return GONE
+        with open(path, "a") as f:
+            f.write(f"0: {attempt} attempt\n")
+        return ok("77|RUNNING|node[1-2]|None\n")
+    scontrol = [ok("JobId=77 JobState=PENDING Reason=BeginTime ExitCode=0:0 NodeList=(null)\n"),
+                ok("JobId=77 JobState=COMPLETED Reason=None ExitCode=0:0 NodeList=node[1-2]\n")]
+    fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue, scontrol=scontrol,
+                        sacct=ok("77|COMPLETED|0:0|node[1-2]\n"))
+    code, _run, out, _err = run_up(tmp_path, fake)
+    assert code == 0
+    assert "[node1 0] first attempt" in out and "[node1 0] second attempt" in out
+
+
 def test_failed_job_raises_run_failed_naming_state_exit_code_and_tail(tmp_path: Path) -> None:
     chunks = ["1: rank 1: failing on purpose\n"]
     fake = FakeCommands(sbatch=ok("77\n"), squeue=output_grows(tmp_path, chunks),
