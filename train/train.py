@@ -234,7 +234,11 @@ def main(argv=None) -> int:
     du.install_signal_handlers()
     info = du.init_distributed(args.device)
     try:
-        return train(args, info)
+        code = train(args, info)
+        # Every rank leaves together: a rank tearing gloo down while rank 0 still writes its
+        # plot has been seen to abort ("terminate called without an active exception").
+        du.barrier(info)
+        return code
     finally:
         du.cleanup_distributed()
 
