@@ -14,6 +14,13 @@ import torch
 import torch.distributed as dist
 
 
+def say(record: dict) -> None:
+    # One write per line: ranks of a node share its output pipe, and print() writes the
+    # text and the newline separately, which lets two ranks' lines interleave.
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--sleep", type=float, default=0.0)
@@ -23,14 +30,13 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    print(json.dumps({"rank": rank, "world_size": world, "sum": t.item(),
-                      "host": socket.gethostname(), "pid": os.getpid(),
-                      "node": os.environ.get("CLUSTER_NODE")}), flush=True)
+    say({"rank": rank, "world_size": world, "sum": t.item(), "host": socket.gethostname(),
+         "pid": os.getpid(), "node": os.environ.get("CLUSTER_NODE")})
     if rank == args.fail_rank:
         return 3
     dist.barrier()
     if args.sleep:
-        print(json.dumps({"rank": rank, "sleeping": args.sleep}), flush=True)
+        say({"rank": rank, "sleeping": args.sleep})
         time.sleep(args.sleep)
         dist.barrier()
     dist.destroy_process_group()
