@@ -167,15 +167,23 @@ def main() -> int:
 
 
 def report(todo: list[Case]) -> None:
+    """Efficiency per repeat, against that repeat's own 1-GPU figure (pairs cancel the
+    machine's drift between repeats), then the median over repeats."""
     one = next((c for c in todo if c.gpus == 1 and "one host" in c.name), None)
-    print("\n| case | GPUs | images/s | scaling efficiency |\n|---|---|---|---|")
+    print("\n| case | GPUs | images/s (median) | scaling efficiency (median of repeats) | per repeat |")
+    print("|---|---|---|---|---|")
     for c in todo:
-        eff = f"{100 * c.median / (c.gpus * one.median):.1f}%" if one and c.gpus > 1 else ""
-        print(f"| {c.name} | {c.gpus} | {c.median:,.0f} | {eff} |")
+        effs = ([100 * r / (c.gpus * base) for r, base in zip(c.results, one.results)]
+                if one and c.gpus > 1 else [])
+        eff = f"{statistics.median(effs):.1f}%" if effs else ""
+        each = ", ".join(f"{e:.1f}%" for e in effs)
+        print(f"| {c.name} | {c.gpus} | {c.median:,.0f} | {eff} | {each} |")
     bare = next((c for c in todo if c.name.startswith("bare torchrun")), None)
     ours = next((c for c in todo if "paired with bare" in c.name), None)
     if bare and ours:
-        print(f"\ncluster up / bare torchrun, steady-state images/s: {ours.median / bare.median:.3f}")
+        ratios = [o / b for o, b in zip(ours.results, bare.results)]
+        print(f"\ncluster up / bare torchrun, steady-state images/s: median {statistics.median(ratios):.3f} "
+              f"(per repeat: {', '.join(f'{r:.3f}' for r in ratios)})")
 
 
 if __name__ == "__main__":
