@@ -23,7 +23,7 @@ except ImportError:  # run with tests/integration on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = ROOT / "tests" / "integration" / "programs" / "slurm_allreduce.py"
-PYTHON = "/opt/cluster-venv/bin/python"
+PYTHON = os.environ.get("CLUSTER_TEST_PYTHON", "/opt/cluster-venv/bin/python")
 TRAIN_PY = PYTHON if os.path.exists(PYTHON) else sys.executable
 
 
