@@ -272,6 +272,8 @@ def down(run: str | None) -> None:
         elif rep.get("left"):
             bad = True
             console.info(f"[{name}] still alive after SIGKILL: {rep['left']}")
+        elif "state" in rep:       # a scheduler job: its state after the cancel
+            console.info(f"[{name}] {rep['state']}")
         else:
             console.info(f"[{name}] stopped ({len(rep.get('signalled', []))} process(es) signalled)")
     if bad:
