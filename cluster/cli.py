@@ -121,7 +121,7 @@ def _parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
     env: dict[str, str] = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")
-        if not eq or not inv_mod._ENV_KEY.match(key):
+        if not eq or not inv_mod.ENV_KEY.match(key):
             raise InputError(f"Invalid value for --env: {pair!r} (expected KEY=VALUE, KEY an identifier)")
         env[key] = value
     return env

@@ -5,11 +5,9 @@ name the file, the line and the key, and suggest the nearest valid key.
 """
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,8 @@ import hostlist
 import yaml
 
 from .errors import InputError, InventoryError, did_you_mean
+from .spec import (ENV_KEY, HOSTNAME, Host, Inventory, Network, SlurmSettings, SshSettings,
+                   dump, expand_names, host_from_dict, slurm_from_dict, ssh_from_dict)
 
 HOST_SETTINGS = ("user", "port", "identity_file", "workdir", "python", "nproc_per_node",
                  "master_port", "rendezvous", "network", "env", "gpus")
@@ -29,115 +29,7 @@ SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "cpus_pe
 BACKENDS = ("ssh", "slurm", "local")
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_-]{1,63})*$")
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _IFNAME = re.compile(r"^[=^]?[A-Za-z0-9_.:@-]+(,[A-Za-z0-9_.:@-]+)*$")
-
-
-@dataclass(frozen=True)
-class Network:
-    ifname: str | None = None     # None: chosen on the node at start (the one holding its address)
-    ib: str = "auto"              # auto | on | off
-
-
-@dataclass(frozen=True)
-class Host:
-    name: str
-    address: str
-    user: str | None = None
-    port: int | None = None       # None: ~/.ssh/config or 22
-    identity_file: str | None = None
-    workdir: str = "~/cluster-runs"
-    python: str = "python3"
-    nproc_per_node: int | str = "auto"
-    master_port: int | None = None  # None: derived from the run id
-    rendezvous: str = "c10d"
-    network: Network = Network()
-    env: tuple[tuple[str, str], ...] = ()
-    gpus: int | None = None
-    line: int | None = None       # where it was defined, for later messages
-
-    def replace(self, **changes: Any) -> "Host":
-        return dataclasses.replace(self, **changes)
-
-
-@dataclass(frozen=True)
-class SshSettings:
-    host_key_policy: str = "strict"
-    connect_timeout: float = 10.0
-    config: str | None = "~/.ssh/config"
-
-
-@dataclass(frozen=True)
-class SlurmSettings:
-    partition: str | None = None
-    account: str | None = None
-    time: str | None = None
-    nodes: int | None = None
-    gpus_per_node: int | None = None
-    cpus_per_task: int | None = None
-    gpu_style: str = "gpus"        # gpus: --gpus-per-node; gres: --gres=gpu:N (older clusters)
-    signal: str = "USR2@90"
-    max_requeues: int = 3
-    output_dir: str = "slurm-logs"
-    job_name: str | None = None
-    constraint: str | None = None
-
-
-@dataclass(frozen=True)
-class Inventory:
-    hosts: tuple[Host, ...]
-    source: str | None = None
-    backend: str = "ssh"
-    ssh: SshSettings = SshSettings()
-    slurm: SlurmSettings = SlurmSettings()
-    text: str = ""                 # the file as read, recorded in the run directory
-
-    @property
-    def master(self) -> Host:
-        return self.hosts[0]
-
-    def select(self, *, nodes: int | None = None, hosts: str | None = None,
-               exclude: str | None = None) -> "Inventory":
-        """Narrow to --hosts (names or hostlists), minus --exclude, then the first --nodes."""
-        chosen = list(self.hosts)
-        by_name = {h.name: h for h in self.hosts}
-        if hosts:
-            names = expand_names(hosts, "--hosts")
-            unknown = [n for n in names if n not in by_name]
-            if unknown:
-                raise InputError(f"Invalid value for --hosts: {', '.join(unknown)} not in "
-                                 f"{self.source or 'the inventory'} (hosts: {', '.join(by_name)})")
-            chosen = [by_name[n] for n in names]
-        if exclude:
-            drop = set(expand_names(exclude, "--exclude"))
-            unknown = drop - set(by_name)
-            if unknown:
-                raise InputError(f"Invalid value for --exclude: {', '.join(sorted(unknown))} "
-                                 f"not in {self.source or 'the inventory'}")
-            chosen = [h for h in chosen if h.name not in drop]
-        if nodes is not None:
-            if nodes < 1:
-                raise InputError("Invalid value for --nodes: must be at least 1")
-            if nodes > len(chosen):
-                raise InputError(f"Invalid value for --nodes: {nodes} requested but only "
-                                 f"{len(chosen)} host(s) selected from {self.source or 'the inventory'}")
-            chosen = chosen[:nodes]
-        if not chosen:
-            raise InputError("no hosts left to run on after --hosts/--exclude")
-        return dataclasses.replace(self, hosts=tuple(chosen))
-
-
-def expand_names(expr: str, what: str) -> list[str]:
-    """'gpu[01-02],cpu1' -> ['gpu01', 'gpu02', 'cpu1'] (SLURM hostlist syntax)."""
-    try:
-        names = hostlist.expand_hostlist(expr.strip())
-    except hostlist.BadHostlist as exc:
-        raise InputError(f"Invalid value for {what}: {expr!r} is not a host list ({exc})") from None
-    for n in names:
-        if not _HOSTNAME.match(n):
-            raise InputError(f"Invalid value for {what}: {n!r} is not a valid host name")
-    return names
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -213,7 +105,7 @@ def _expand(expr: str, source: str, lineno: int | None, key: str) -> list[str]:
     except hostlist.BadHostlist as exc:
         raise InventoryError(source, lineno, key, f"{expr!r} is not a valid host list ({exc})") from None
     for n in names:
-        if not _HOSTNAME.match(n):
+        if not HOSTNAME.match(n):
             raise InventoryError(source, lineno, key, f"{n!r} is not a valid host name",
                                  hint="letters, digits, '-', '_' and '.'")
     return names
@@ -375,7 +267,7 @@ class _Parser:
     def env(self, m: _Map) -> dict[str, str]:
         out: dict[str, str] = {}
         for key, value in m.items():
-            if not _ENV_KEY.match(key):
+            if not ENV_KEY.match(key):
                 raise self.fail(m, key, f"environment variable name {key!r} is not a valid identifier",
                                 "letters, digits and '_', not starting with a digit")
             if value is None or isinstance(value, (_Map, _List)):
@@ -460,7 +352,7 @@ class _Parser:
             return value
         except ValueError:
             pass
-        if not _HOSTNAME.match(value):
+        if not HOSTNAME.match(value):
             raise self.fail(m, "address", f"{value!r} is neither an IP address nor a host name")
         return value
 
@@ -479,38 +371,6 @@ def _check_unique(hosts: tuple[Host, ...], source: str | None) -> None:
         seen_addrs[h.address] = h
 
 
-def dump(inv: Inventory) -> str:
-    """The inventory as loaded (every default applied), as YAML, for the run directory."""
-    def host(h: Host) -> dict[str, Any]:
-        d = dataclasses.asdict(h)
-        d["env"] = dict(h.env)
-        d.pop("line")
-        return d
-    data = {"source": inv.source, "backend": inv.backend,
-            "ssh": dataclasses.asdict(inv.ssh), "slurm": dataclasses.asdict(inv.slurm),
-            "hosts": [host(h) for h in inv.hosts]}
-    return yaml.safe_dump(data, sort_keys=False)
-
-
-def host_from_dict(d: Mapping[str, Any]) -> Host:
-    """Inverse of dump() for one host: read back from a run directory."""
-    d = dict(d)
-    d["network"] = Network(**d.get("network") or {})
-    d["env"] = tuple((d.get("env") or {}).items())
-    return Host(**d)
-
-
-def ssh_from_dict(d: Mapping[str, Any]) -> SshSettings:
-    return SshSettings(**d)
-
-
-def slurm_from_dict(d: Mapping[str, Any]) -> SlurmSettings:
-    return SlurmSettings(**d)
-
-
-def default_field(cls: type, name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
-
-
 __all__ = ["Host", "Inventory", "Network", "SlurmSettings", "SshSettings", "load", "parse_yaml",
-           "parse_hostfile", "from_hostnames", "expand_names", "dump", "field"]
+           "parse_hostfile", "from_hostnames", "expand_names", "dump", "host_from_dict",
+           "ssh_from_dict", "slurm_from_dict"]

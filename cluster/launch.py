@@ -6,7 +6,7 @@ from typing import Any
 
 from .backends import Backend
 from .errors import Interrupted, NodeLost, PreflightError, RunFailed
-from .inventory import Inventory
+from .spec import Inventory
 from .plan import Job, LaunchPlan, Templates, derived_port, render
 from .runs import RunDir
 from .watch import Console, Watcher

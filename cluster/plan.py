@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 
 from .errors import InputError
-from .inventory import Host, Inventory
+from .spec import Host, Inventory
 
 PORT_BASE, PORT_SPAN = 29500, 1000
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import inventory as inv_mod
+from . import spec
 from .errors import InputError
 from .plan import LaunchPlan, NodePlan
 
@@ -70,9 +70,9 @@ class RunDir:
 
     # -- writing --
 
-    def record(self, plan: LaunchPlan, inventory: inv_mod.Inventory, backend: str,
+    def record(self, plan: LaunchPlan, inventory: spec.Inventory, backend: str,
                argv: list[str], extra: dict[str, Any] | None = None) -> None:
-        (self.path / "inventory.yaml").write_text(inv_mod.dump(inventory))
+        (self.path / "inventory.yaml").write_text(spec.dump(inventory))
         if inventory.text:
             (self.path / "inventory.source").write_text(inventory.text)
         for node in plan.nodes:
@@ -110,19 +110,19 @@ class RunDir:
     def meta(self) -> dict[str, Any]:
         return json.loads((self.path / "run.json").read_text())
 
-    def hosts(self) -> list[inv_mod.Host]:
+    def hosts(self) -> list[spec.Host]:
         import yaml
         data = yaml.safe_load((self.path / "inventory.yaml").read_text())
-        return [inv_mod.host_from_dict(h) for h in data["hosts"]]
+        return [spec.host_from_dict(h) for h in data["hosts"]]
 
-    def inventory(self) -> inv_mod.Inventory:
+    def inventory(self) -> spec.Inventory:
         import yaml
         data = yaml.safe_load((self.path / "inventory.yaml").read_text())
-        return inv_mod.Inventory(
-            hosts=tuple(inv_mod.host_from_dict(h) for h in data["hosts"]),
+        return spec.Inventory(
+            hosts=tuple(spec.host_from_dict(h) for h in data["hosts"]),
             source=data.get("source"), backend=data.get("backend", "ssh"),
-            ssh=inv_mod.ssh_from_dict(data.get("ssh") or {}),
-            slurm=inv_mod.slurm_from_dict(data.get("slurm") or {}))
+            ssh=spec.ssh_from_dict(data.get("ssh") or {}),
+            slurm=spec.slurm_from_dict(data.get("slurm") or {}))
 
 
 def git_commit(cwd: str | None = None) -> str | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError
-from .inventory import Inventory, SlurmSettings
+from .spec import Inventory, SlurmSettings
 from .plan import Job, Templates, derived_port
 
 TEMPLATE = "sbatch.sh.j2"

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
-from ..inventory import Host, Inventory, Network
+from ..spec import Host, Inventory, Network
 from .supervised import Result, SupervisedBackend
 
 

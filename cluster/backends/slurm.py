@@ -30,9 +30,9 @@ from typing import Any
 
 import hostlist
 
-from .. import inventory as inv_mod
+from .. import spec
 from ..errors import BackendError, InputError, Interrupted, RunFailed
-from ..inventory import Inventory, SlurmSettings
+from ..spec import Inventory, SlurmSettings
 from ..plan import Job, Templates
 from ..runs import RunDir, git_commit
 from ..sbatch import SbatchPlan, render_sbatch
@@ -432,7 +432,7 @@ def record(run: RunDir, plan: SbatchPlan, inventory: Inventory, settings: SlurmS
     script = run.path / "scripts" / SCRIPT_NAME
     script.write_text(plan.script)
     (run.path / "inventory.yaml").write_text(
-        inv_mod.dump(dataclasses.replace(inventory, slurm=settings)))
+        spec.dump(dataclasses.replace(inventory, slurm=settings)))
     if inventory.text:
         (run.path / "inventory.source").write_text(inventory.text)
     (run.path / "env.json").write_text(json.dumps({"slurm": dict(plan.env)}, indent=2) + "\n")

@@ -38,7 +38,7 @@ from fabric import Config, Connection
 from paramiko.hostkeys import HostKeyEntry, HostKeys
 
 from ..errors import ClusterError, PreflightError
-from ..inventory import Host, SshSettings
+from ..spec import Host, SshSettings
 from ..plan import LaunchPlan, NodePlan, shpath
 from .supervised import Result, SupervisedBackend
 

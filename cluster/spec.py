@@ -1,0 +1,159 @@
+"""The backend-free model: hosts, settings and the inventory, typed and validated.
+
+cluster.inventory builds these from files (and checks them there, once); everything downstream
+takes them as they are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import hostlist
+import yaml
+
+from .errors import InputError
+
+HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_-]{1,63})*$")
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Network:
+    ifname: str | None = None     # None: chosen on the node at start (the one holding its address)
+    ib: str = "auto"              # auto | on | off
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str
+    user: str | None = None
+    port: int | None = None       # None: ~/.ssh/config or 22
+    identity_file: str | None = None
+    workdir: str = "~/cluster-runs"
+    python: str = "python3"
+    nproc_per_node: int | str = "auto"
+    master_port: int | None = None  # None: derived from the run id
+    rendezvous: str = "c10d"
+    network: Network = Network()
+    env: tuple[tuple[str, str], ...] = ()
+    gpus: int | None = None
+    line: int | None = None       # where it was defined, for later messages
+
+    def replace(self, **changes: Any) -> "Host":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SshSettings:
+    host_key_policy: str = "strict"
+    connect_timeout: float = 10.0
+    config: str | None = "~/.ssh/config"
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    gpu_style: str = "gpus"        # gpus: --gpus-per-node; gres: --gres=gpu:N (older clusters)
+    signal: str = "USR2@90"
+    max_requeues: int = 3
+    output_dir: str = "slurm-logs"
+    job_name: str | None = None
+    constraint: str | None = None
+
+
+@dataclass(frozen=True)
+class Inventory:
+    hosts: tuple[Host, ...]
+    source: str | None = None
+    backend: str = "ssh"
+    ssh: SshSettings = SshSettings()
+    slurm: SlurmSettings = SlurmSettings()
+    text: str = ""                 # the file as read, recorded in the run directory
+
+    @property
+    def master(self) -> Host:
+        return self.hosts[0]
+
+    def select(self, *, nodes: int | None = None, hosts: str | None = None,
+               exclude: str | None = None) -> "Inventory":
+        """Narrow to --hosts (names or hostlists), minus --exclude, then the first --nodes."""
+        chosen = list(self.hosts)
+        by_name = {h.name: h for h in self.hosts}
+        if hosts:
+            names = expand_names(hosts, "--hosts")
+            unknown = [n for n in names if n not in by_name]
+            if unknown:
+                raise InputError(f"Invalid value for --hosts: {', '.join(unknown)} not in "
+                                 f"{self.source or 'the inventory'} (hosts: {', '.join(by_name)})")
+            chosen = [by_name[n] for n in names]
+        if exclude:
+            drop = set(expand_names(exclude, "--exclude"))
+            unknown = drop - set(by_name)
+            if unknown:
+                raise InputError(f"Invalid value for --exclude: {', '.join(sorted(unknown))} "
+                                 f"not in {self.source or 'the inventory'}")
+            chosen = [h for h in chosen if h.name not in drop]
+        if nodes is not None:
+            if nodes < 1:
+                raise InputError("Invalid value for --nodes: must be at least 1")
+            if nodes > len(chosen):
+                raise InputError(f"Invalid value for --nodes: {nodes} requested but only "
+                                 f"{len(chosen)} host(s) selected from {self.source or 'the inventory'}")
+            chosen = chosen[:nodes]
+        if not chosen:
+            raise InputError("no hosts left to run on after --hosts/--exclude")
+        return dataclasses.replace(self, hosts=tuple(chosen))
+
+
+def expand_names(expr: str, what: str) -> list[str]:
+    """'gpu[01-02],cpu1' -> ['gpu01', 'gpu02', 'cpu1'] (SLURM hostlist syntax)."""
+    try:
+        names = hostlist.expand_hostlist(expr.strip())
+    except hostlist.BadHostlist as exc:
+        raise InputError(f"Invalid value for {what}: {expr!r} is not a host list ({exc})") from None
+    for n in names:
+        if not HOSTNAME.match(n):
+            raise InputError(f"Invalid value for {what}: {n!r} is not a valid host name")
+    return names
+
+
+
+
+def dump(inv: Inventory) -> str:
+    """The inventory as loaded (every default applied), as YAML, for the run directory."""
+    def host(h: Host) -> dict[str, Any]:
+        d = dataclasses.asdict(h)
+        d["env"] = dict(h.env)
+        d.pop("line")
+        return d
+    data = {"source": inv.source, "backend": inv.backend,
+            "ssh": dataclasses.asdict(inv.ssh), "slurm": dataclasses.asdict(inv.slurm),
+            "hosts": [host(h) for h in inv.hosts]}
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def host_from_dict(d: Mapping[str, Any]) -> Host:
+    """Inverse of dump() for one host: read back from a run directory."""
+    d = dict(d)
+    d["network"] = Network(**d.get("network") or {})
+    d["env"] = tuple((d.get("env") or {}).items())
+    return Host(**d)
+
+
+def ssh_from_dict(d: Mapping[str, Any]) -> SshSettings:
+    return SshSettings(**d)
+
+
+def slurm_from_dict(d: Mapping[str, Any]) -> SlurmSettings:
+    return SlurmSettings(**d)
+
+
