@@ -208,7 +208,7 @@ def _recorded_backend(run: RunDir):
 @main.command(context_settings=CONTEXT)
 @click.argument("run", required=False)
 def status(run: str | None) -> None:
-    """Each node of RUN (default: the newest): running / exited with code / lost."""
+    """Each node of RUN (default: the newest): running / exited with code / stopped / lost."""
     from rich.console import Console as RichConsole
     from rich.table import Table
     rd = RunDir.find(run)

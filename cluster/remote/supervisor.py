@@ -266,7 +266,8 @@ def run(args):
     leftovers = terminate(d, args.grace)
     pump.join(timeout=2.0)
     result = {"code": code if code >= 0 else None, "signal": -code if code < 0 else None,
-              "ended": time.time(), "leftovers": leftovers["signalled"], "stopped": stopping.is_set()}
+              "ended": time.time(), "leftovers": leftovers["signalled"],
+              "stopped": stopping.is_set() or os.path.exists(path(d, "stop-requested"))}
     write_atomic(d, "exit", json.dumps(result))
     return code if code >= 0 else 128 - code
 
@@ -322,6 +323,8 @@ def copy_output(pipe, log, to_stdout, on_lost):
 # --- stop, status, logs ------------------------------------------------------------------------
 
 def stop(d, grace):
+    # Tell the running supervisor (another process) that this end was asked for.
+    write_atomic(d, "stop-requested", repr(time.time()))
     return terminate(d, grace)
 
 
@@ -331,7 +334,8 @@ def status(d):
     info["started"] = started
     ended = read_json(d, "exit")
     if ended is not None:
-        info.update(state="exited", code=ended.get("code"), signal=ended.get("signal"),
+        info.update(state="stopped" if ended.get("stopped") else "exited",
+                    code=ended.get("code"), signal=ended.get("signal"),
                     ended=ended.get("ended"))
         return info
     sup = read_int(d, "supervisor.pid")

@@ -104,7 +104,7 @@ def test_stop_reaches_escaped_processes_and_verifies(tmp_path: Path) -> None:
     assert report["killed"], "the TERM-ignoring escapee needed SIGKILL"
     assert wait_for(lambda: not tagged_pids(RUN_ID, "n1"), 5)
     p.communicate(timeout=30)
-    assert sup("status", str(d))["state"] == "exited"
+    assert sup("status", str(d))["state"] == "stopped", "a stop asked for reads as stopped"
 
 
 def test_stop_leaves_other_nodes_and_runs_alone(tmp_path: Path) -> None:
@@ -167,7 +167,7 @@ def test_detach_status_logs_and_stop(tmp_path: Path) -> None:
     assert sup("stop", str(d), "--grace", "0.5")["left"] == []
     out, _ = logs.communicate(timeout=10)
     assert out == b"started\n"
-    assert wait_for(lambda: sup("status", str(d))["state"] == "exited")
+    assert wait_for(lambda: sup("status", str(d))["state"] == "stopped")
 
 
 def test_probe_reports_port_and_torch(tmp_path: Path) -> None:
