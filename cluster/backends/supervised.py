@@ -190,14 +190,18 @@ class SupervisedBackend:
             facts = remote.prepare(node, probe)
             self._nodes[node.host.name] = remote
             return facts
-        results = self.each(plan.nodes, one)
+        return {n.host.name: r for n, r in self.each_or_fail(plan.nodes, one)}
+
+    def each_or_fail(self, nodes: Any, fn: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
+        """A check on every node at once; if any fails, one PreflightError listing each."""
+        results = self.each(nodes, fn)
         failures = {n.label: str(r) for n, r in results if isinstance(r, Exception)}
         if failures:
             lines = "\n".join(f"  {label}: {why}" for label, why in failures.items())
-            ok = len(plan.nodes) - len(failures)
-            raise PreflightError(f"{len(failures)} of {len(plan.nodes)} node(s) failed the checks; "
+            ok = len(nodes) - len(failures)
+            raise PreflightError(f"{len(failures)} of {len(nodes)} node(s) failed the checks; "
                                  f"nothing was started ({ok} ready)", details=lines)
-        return {n.host.name: r for n, r in results}
+        return results
 
     def start(self, plan: LaunchPlan, *, detach: bool = False) -> list[Any]:
         results = self.each(plan.nodes, lambda n: self._nodes[n.host.name].start(n, detach))

@@ -1,0 +1,96 @@
+"""SSH backend: every node over SSH. This package alone imports Fabric and paramiko.
+
+Fabric supplies the ~/.ssh/config handling (User, Port, IdentityFile, HostName, ProxyJump,
+ProxyCommand); the inventory's own user, port and identity_file win when they are set. Channels
+and SFTP are plain paramiko on the connection Fabric opened.
+
+    transport.py   SshTransport, one node: run / spawn / put / upload, connected at first
+                   use (so in parallel, from the backend's thread pool), never prompting
+    hostkeys.py    known_hosts and the three host-key policies
+    errors.py      paramiko/socket exceptions -> the project's errors
+    __init__.py    SshBackend: SupervisedBackend over SshTransport, plus `--sync` in the
+                   check phase (cluster/backends/sync.py)
+
+Host keys (never paramiko's AutoAddPolicy):
+    strict      the key must already be in known_hosts; unknown -> refused, with the fix
+    accept-new  an unknown key is accepted and appended to known_hosts; a changed one refused
+    off         anything is accepted, with one warning
+
+paramiko and socket exceptions are translated here, at the boundary, into the ClusterError
+subclasses below; each message names the host and what was tried.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ...errors import ClusterError
+from ...plan import LaunchPlan, NodePlan
+from ...spec import Host, SshSettings
+from ..supervised import SupervisedBackend
+from ..sync import local_files, sync_dir
+from .errors import (Attempt, AuthFailed, HostKeyChanged, HostKeyUnknown, SshError, Unreachable,
+                     translate)
+from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, UnknownKey,
+                       known_hosts_for)
+from .transport import SshChannel, SshTransport, fabric_config, sftp_path
+
+TRAINER_SUBDIR = "cluster-train"
+
+__all__ = ["AcceptNewPolicy", "Attempt", "AuthFailed", "HostKeyChanged", "HostKeyUnknown",
+           "KnownHosts", "OffPolicy", "SshBackend", "SshChannel", "SshError", "SshTransport",
+           "StrictPolicy", "UnknownKey", "Unreachable", "known_hosts_for", "local_files",
+           "sftp_path", "translate"]
+
+
+def _stderr_warn(text: str) -> None:
+    sys.stderr.write(f"cluster: {text}\n")
+    sys.stderr.flush()
+
+
+class SshBackend(SupervisedBackend):
+    """Every node over SSH, each running cluster/remote/supervisor.py.
+
+    sync: directories copied to every node in the check phase. A plain path lands in the
+    node's workdir; a (path, subdir) pair in <workdir>/<subdir> (the built-in trainer goes to
+    <workdir>/cluster-train, which is where `cluster up` with no script points torchrun).
+    """
+
+    name = "ssh"
+
+    def __init__(self, settings: SshSettings | None = None, *, host_key_policy: str | None = None,
+                 sync: Iterable[str | tuple[str, str]] = (), warn: Callable[[str], None] | None = None,
+                 max_workers: int = 64) -> None:
+        self.settings = settings or SshSettings()
+        self.policy = host_key_policy or self.settings.host_key_policy
+        if self.policy not in ("strict", "accept-new", "off"):
+            raise ClusterError(f"unknown host key policy {self.policy!r} "
+                               f"(valid: strict, accept-new, off)")
+        self.warn = warn or _stderr_warn
+        self.sync: list[tuple[str, str]] = [(s, ".") if isinstance(s, str) else (s[0], s[1])
+                                            for s in sync]
+        self.config = fabric_config(self.settings.config)
+        self.synced: dict[str, list[dict[str, Any]]] = {}
+        super().__init__(self._connect, max_workers=max_workers)
+
+    def _connect(self, host: Host) -> SshTransport:
+        return SshTransport(host, self.settings, self.policy, self.config, self.warn)
+
+    def check(self, plan: LaunchPlan) -> dict[str, dict[str, Any]]:
+        if self.sync:
+            self._sync_all(plan)
+        return super().check(plan)
+
+    def _sync_all(self, plan: LaunchPlan) -> None:
+        def one(node: NodePlan) -> list[dict[str, Any]]:
+            transport = self.transport(node.host)
+            reports = []
+            for local, sub in self.sync:
+                remote = node.host.workdir.rstrip("/") or "/"
+                if sub not in ("", "."):
+                    remote = f"{remote}/{sub}"
+                reports.append(sync_dir(transport, local, remote))
+            return reports
+        results = self.each_or_fail(plan.nodes, one)
+        self.synced = {n.host.name: r for n, r in results}

@@ -1,0 +1,105 @@
+"""paramiko and socket exceptions, translated once, here, into the project's errors. Each
+message names the host, the user and keys tried, and what to do."""
+from __future__ import annotations
+
+import errno
+import socket
+from dataclasses import dataclass
+
+import paramiko
+
+from ...errors import ClusterError, PreflightError
+from .hostkeys import KnownHosts, UnknownKey, fingerprint
+
+# All exit code 3 (PreflightError): a node that cannot be reached or trusted fails the checks.
+
+
+class SshError(PreflightError):
+    """Connecting to a node failed."""
+
+
+class Unreachable(SshError):
+    """Refused, timed out, no route, name does not resolve, not an SSH server."""
+
+
+class AuthFailed(SshError):
+    """The server refused every key we offered."""
+
+
+class HostKeyUnknown(SshError):
+    """strict policy and the host's key is not in known_hosts."""
+
+
+class HostKeyChanged(SshError):
+    """known_hosts has another key for this host: refused under every policy but off."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What a connection tried, for the messages."""
+    name: str
+    hostname: str
+    port: int
+    user: str
+    keys: tuple[str, ...]
+    agent: bool
+    timeout: float
+    known_hosts: tuple[str, ...] = ()
+
+    @property
+    def where(self) -> str:
+        target = f"{self.user}@{self.hostname}:{self.port}"
+        return target if self.name == self.hostname else f"{self.name} ({target})"
+
+
+def translate(exc: BaseException, at: Attempt, known: KnownHosts | None = None) -> ClusterError:
+    """A paramiko/socket exception from connecting -> the matching ClusterError."""
+    if isinstance(exc, ClusterError):
+        return exc
+    if isinstance(exc, UnknownKey):
+        scan = f"ssh-keyscan{' -p ' + str(at.port) if at.port != 22 else ''} -H {at.hostname}"
+        target = known.write_to if known else "~/.ssh/known_hosts"
+        return HostKeyUnknown(
+            f"{at.where}: host key not in known_hosts ({', '.join(at.known_hosts) or target}); "
+            f"server offers {exc.key.get_name()} {fingerprint(exc.key)}. Verify it, then add it: "
+            f"`{scan} >> {target}`, or run with --host-key-policy accept-new")
+    if isinstance(exc, paramiko.BadHostKeyException):
+        lines = known.lines_for(exc.hostname) if known else []
+        where = "; ".join(f"{f} line {n} ({t})" for f, n, t in lines) or "known_hosts"
+        return HostKeyChanged(
+            f"{at.where}: HOST KEY CHANGED: the server sent {exc.key.get_name()} "
+            f"{fingerprint(exc.key)}, which does not match {where}. Someone may be intercepting "
+            f"the connection (man-in-the-middle), or the host was reinstalled. Refusing to "
+            f"connect. If the change is expected, remove the old key with "
+            f"`ssh-keygen -R {exc.hostname}"
+            f"{' -f ' + lines[0][0] if lines else ''}` and connect again")
+    if isinstance(exc, paramiko.AuthenticationException):
+        keys = ", ".join(at.keys) if at.keys else "none given"
+        extra = " and the ssh agent" if at.agent else ""
+        return AuthFailed(f"{at.where}: authentication failed for user {at.user!r} "
+                          f"(keys tried: {keys}{extra}; no password prompts in batch mode): {exc}. "
+                          f"Set 'user'/'identity_file' in the inventory or ~/.ssh/config")
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+        codes = {getattr(e, "errno", None) for e in exc.errors.values()}
+        why = "connection refused (is sshd running there?)" if errno.ECONNREFUSED in codes \
+            else "no route to host"
+        return Unreachable(f"{at.where}: {why}")
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return Unreachable(f"{at.where}: timed out after {at.timeout:g} s "
+                           f"(ssh.connect_timeout in the inventory)")
+    if isinstance(exc, socket.gaierror):
+        return Unreachable(f"{at.where}: cannot resolve {at.hostname!r}: {exc.strerror}")
+    if isinstance(exc, OSError):
+        reasons = {errno.ECONNREFUSED: "connection refused (is sshd running there?)",
+                   errno.EHOSTUNREACH: "no route to host", errno.ENETUNREACH: "network unreachable",
+                   errno.ETIMEDOUT: "timed out", errno.ECONNRESET: "connection reset"}
+        return Unreachable(f"{at.where}: {reasons.get(exc.errno or 0, exc.strerror or str(exc))}")
+    if isinstance(exc, paramiko.SSHException):
+        text = str(exc)
+        if "banner" in text.lower():
+            return Unreachable(f"{at.where}: no SSH banner ({text}); not an SSH server, "
+                               f"or it is overloaded (MaxStartups)")
+        return SshError(f"{at.where}: SSH failed: {text}")
+    if isinstance(exc, EOFError):
+        return Unreachable(f"{at.where}: the server closed the connection")
+    return SshError(f"{at.where}: {type(exc).__name__}: {exc}")

@@ -1,0 +1,300 @@
+"""One node over SSH: connect (at first use, never prompting), run, stream, write files."""
+from __future__ import annotations
+
+import os
+import posixpath
+import select
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import paramiko
+from fabric import Config, Connection
+
+from ...errors import ClusterError
+from ...spec import Host, SshSettings
+from ..supervised import Result
+from .errors import Attempt, SshError, translate
+from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, _off_warned,
+                       _split_files, known_hosts_for)
+
+KEEPALIVE_S = 5.0
+KEEPALIVE_MISSES = 3                  # no answer for 3 intervals: the node is gone
+
+
+def fabric_config(path: str | None) -> Config:
+    """Fabric's config with the given ssh config file (missing is fine) and the system one."""
+    user = os.path.expanduser(path) if path else os.devnull
+    system = "/etc/ssh/ssh_config" if path else os.devnull
+    return Config(user_ssh_path=user, system_ssh_path=system)
+
+
+class SshChannel:
+    """A streaming remote command: combined output, exit status, None when the link broke.
+    Its stdin is kept open: when `cluster up` dies, sshd closes it and the supervisor stops."""
+
+    def __init__(self, chan: paramiko.Channel) -> None:
+        self.chan = chan
+
+    def read(self) -> bytes:
+        try:
+            return self.chan.recv(65536)
+        except (OSError, EOFError, paramiko.SSHException):
+            return b""
+
+    def wait(self) -> int | None:
+        self.chan.status_event.wait()
+        code = self.chan.exit_status
+        if code != -1:
+            return code
+        transport = self.chan.get_transport()
+        if transport is None or not transport.is_active():
+            return None
+        # closed without an exit status: sshd sent exit-signal (paramiko drops it)
+        return 255
+
+    def close(self) -> None:
+        try:
+            self.chan.close()
+        except Exception:
+            pass
+
+
+class SshTransport:
+    """One node over SSH. Connects at first use; every method is safe from several threads."""
+
+    def __init__(self, host: Host, settings: SshSettings, policy: str, config: Config,
+                 warn: Callable[[str], None]) -> None:
+        self.host = host
+        self.label = host.name
+        self.settings = settings
+        self.policy = policy
+        self.config = config
+        self.known: KnownHosts | None = None     # the files checked, once connecting
+        self.warn = warn
+        self._lock = threading.Lock()
+        self._conn: Connection | None = None
+        self._sftp: paramiko.SFTPClient | None = None
+        self._error: ClusterError | None = None
+        self._closed = threading.Event()
+        self.attempt: Attempt | None = None
+
+    # -- connecting --
+
+    def _connection(self) -> Connection:
+        with self._lock:
+            if self._conn is not None and self._conn.transport is not None \
+                    and self._conn.transport.is_active():
+                return self._conn
+            if self._conn is not None:       # it was connected and broke: no silent reconnect
+                raise SshError(f"{self.attempt.where if self.attempt else self.label}: "
+                               f"the connection was lost")
+            if self._error is not None:
+                raise self._error
+            try:
+                self._conn = self._open()
+            except ClusterError as exc:
+                self._error = exc
+                raise
+            return self._conn
+
+    def _open(self) -> Connection:
+        timeout = float(self.settings.connect_timeout)
+        conn = self._make(self.host.address, self.host.user, self.host.port, timeout)
+        at = self.attempt = self._attempt(conn, timeout)
+        try:
+            conn.open()
+        except BaseException as exc:  # noqa: BLE001 - translated, never swallowed
+            try:
+                conn.close()
+            except Exception:
+                pass
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise translate(exc, at, self.known) from None
+        transport = conn.transport
+        transport.set_keepalive(int(KEEPALIVE_S))
+        threading.Thread(target=self._heartbeat, args=(transport,), daemon=True,
+                         name=f"ssh-heartbeat-{self.label}").start()
+        return conn
+
+    def _make(self, address: str, user: str | None, port: int | None, timeout: float) -> Connection:
+        ssh_cfg = self.config.base_ssh_config.lookup(address)
+        keys = [os.path.expanduser(self.host.identity_file)] if self.host.identity_file else []
+        keys += [k for k in _split_files(ssh_cfg.get("identityfile")) if k not in keys]
+        only = str(ssh_cfg.get("identitiesonly", "no")).lower() == "yes"
+        connect_kwargs: dict[str, Any] = {
+            "timeout": timeout, "banner_timeout": timeout, "auth_timeout": timeout,
+            "channel_timeout": timeout, "allow_agent": not only, "look_for_keys": not only,
+            "passphrase": None, "password": None,
+        }
+        present = [k for k in keys if os.path.exists(k)]
+        if present:
+            connect_kwargs["key_filename"] = present
+        conn = Connection(address, user=user, port=port, config=self.config,
+                          connect_kwargs=connect_kwargs)
+        conn.connect_timeout = None          # the timeout travels in connect_kwargs (a float)
+        self.known = self._secure(conn, ssh_cfg)
+        gateway = conn.gateway
+        while isinstance(gateway, Connection):
+            gateway.connect_kwargs = {**gateway.connect_kwargs, "timeout": timeout,
+                                      "banner_timeout": timeout, "auth_timeout": timeout,
+                                      "passphrase": None, "password": None}
+            gateway.connect_timeout = None
+            self._secure(gateway, gateway.ssh_config)
+            gateway = gateway.gateway
+        return conn
+
+    def _secure(self, conn: Connection, ssh_cfg: Any) -> KnownHosts | None:
+        """Our host key policy on this connection's client, with known_hosts loaded into it."""
+        client = conn.client
+        if self.policy == "off":
+            client.set_missing_host_key_policy(OffPolicy())
+            if not _off_warned.is_set():
+                _off_warned.set()
+                self.warn("WARNING: host keys are not checked (--host-key-policy off); "
+                          "anyone on the network path can impersonate the nodes")
+            return None
+        known = known_hosts_for(ssh_cfg)
+        known.load_into(client.get_host_keys())
+        if self.policy == "accept-new":
+            client.set_missing_host_key_policy(AcceptNewPolicy(known, self.warn))
+        else:
+            client.set_missing_host_key_policy(StrictPolicy())
+        return known
+
+    def _attempt(self, conn: Connection, timeout: float) -> Attempt:
+        kw = conn.connect_kwargs
+        keys = tuple(kw.get("key_filename") or ())
+        if kw.get("look_for_keys", True):
+            keys += ("~/.ssh/id_*",)
+        files = tuple(self.known.files) if self.known else ()
+        return Attempt(name=self.host.name, hostname=conn.host, port=conn.port, user=conn.user,
+                       keys=keys, agent=bool(kw.get("allow_agent", True)
+                                             and os.environ.get("SSH_AUTH_SOCK")),
+                       timeout=timeout, known_hosts=files)
+
+    def _heartbeat(self, transport: paramiko.Transport) -> None:
+        """Ask for a reply every KEEPALIVE_S; none for KEEPALIVE_MISSES intervals closes the
+        transport, which ends every channel (Channel.wait() -> None: the node is lost)."""
+        while not self._closed.wait(KEEPALIVE_S):
+            if not transport.is_active():
+                return
+            answered = threading.Event()
+
+            def ask() -> None:
+                try:
+                    transport.global_request("keepalive@openssh.com", wait=True)
+                finally:
+                    answered.set()
+            threading.Thread(target=ask, daemon=True).start()
+            if not answered.wait(KEEPALIVE_S * KEEPALIVE_MISSES):
+                self.warn(f"[{self.label}] no answer over SSH for "
+                          f"{KEEPALIVE_S * KEEPALIVE_MISSES:g} s; treating the node as lost")
+                transport.close()
+                return
+
+    def _session(self) -> paramiko.Channel:
+        conn = self._connection()
+        try:
+            return conn.transport.open_session(timeout=float(self.settings.connect_timeout))
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise SshError(f"{self.attempt.where if self.attempt else self.label}: "
+                           f"cannot open a session: {exc}") from None
+
+    # -- the Transport protocol --
+
+    def run(self, command: str, *, timeout: float | None = None) -> Result:
+        chan = self._session()
+        chan.exec_command(command)
+        chan.shutdown_write()
+        out, err = bytearray(), bytearray()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+            try:
+                select.select([chan], [], [], left)
+            except (OSError, ValueError):
+                time.sleep(0.01)
+            while chan.recv_ready():
+                out += chan.recv(65536)
+            while chan.recv_stderr_ready():
+                err += chan.recv_stderr(65536)
+            if chan.exit_status_ready():
+                while chan.recv_ready():
+                    out += chan.recv(65536)
+                while chan.recv_stderr_ready():
+                    err += chan.recv_stderr(65536)
+                code = chan.exit_status
+                transport = chan.get_transport()
+                chan.close()
+                if code == -1:
+                    lost = transport is None or not transport.is_active()
+                    return Result(None if lost else 255, bytes(out), bytes(err))
+                return Result(code, bytes(out), bytes(err))
+            if deadline is not None and time.monotonic() >= deadline:
+                chan.close()
+                return Result(None, bytes(out), bytes(err) + b"timed out")
+
+    def spawn(self, command: str) -> SshChannel:
+        chan = self._session()
+        chan.set_combine_stderr(True)
+        chan.exec_command(command)
+        return SshChannel(chan)
+
+    def sftp(self) -> paramiko.SFTPClient:
+        conn = self._connection()
+        with self._lock:
+            if self._sftp is None:
+                try:
+                    self._sftp = conn.client.open_sftp()
+                except (paramiko.SSHException, EOFError, OSError) as exc:
+                    raise SshError(f"{self.label}: cannot start SFTP: {exc}") from None
+            return self._sftp
+
+    def put(self, data: bytes, path: str, mode: int) -> None:
+        sftp = self.sftp()
+        target = sftp_path(path)
+        tmp = posixpath.join(posixpath.dirname(target), f".{posixpath.basename(target)}.tmp")
+        try:
+            with sftp.open(tmp, "wb") as f:
+                f.set_pipelined(True)
+                f.write(data)
+            sftp.chmod(tmp, mode)
+            sftp.posix_rename(tmp, target)
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            raise ClusterError(f"{self.label}: cannot write {path}: {exc}") from None
+
+    def upload(self, local: Path, path: str, mode: int, mtime: int) -> None:
+        """Copy a local file to path, with its mode and modification time (for --sync)."""
+        sftp = self.sftp()
+        try:
+            with open(local, "rb") as src, sftp.open(path, "wb") as dst:
+                dst.set_pipelined(True)
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            sftp.chmod(path, mode)
+            sftp.utime(path, (mtime, mtime))
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            raise ClusterError(f"sync: cannot copy {local} to {self.label}:{path}: {exc}") from None
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            conn, self._conn = self._conn, None
+            sftp, self._sftp = self._sftp, None
+        for thing in (sftp, conn):
+            if thing is not None:
+                try:
+                    thing.close()
+                except Exception:
+                    pass
+
+
+def sftp_path(path: str) -> str:
+    """SFTP starts in the home directory: '~/x' is 'x' there."""
+    if path == "~":
+        return "."
+    return path[2:] if path.startswith("~/") else path
