@@ -8,7 +8,7 @@
               presses Ctrl-C wants the run stopped. `--detach` is the way to leave it running.
     status    squeue while the job is queued or running, the final state afterwards.
     logs      the job's one combined output file; srun --label prefixes each line with the task
-              (= node) number, which is turned into the node's name.
+              (= node) number, which is turned into the node's name (slurm_output.py).
     down      scancel, then wait until squeue no longer lists the job.
 
 Every SLURM program runs through one `SlurmCommands` object, given to `SlurmBackend` through its
@@ -22,7 +22,6 @@ import os
 import re
 import subprocess
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,14 +35,14 @@ from ..spec import Inventory, SlurmSettings
 from ..plan import Job, Templates
 from ..runs import RunDir, git_commit
 from ..sbatch import SbatchPlan, render_sbatch
-from ..watch import TAIL_LINES, Console, LineSplitter
+from ..watch import Console
 from . import NodeStatus
+from .slurm_output import Labeller, OutputReader, follow, remember_nodes
 
 # States after which a job never runs again (REQUEUED and PREEMPTED may come back).
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                       "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
 SCRIPT_NAME = "sbatch.sh"
-_LABELLED = re.compile(rb"^\s*(\d+): ?(.*)$", re.S)
 
 
 # --- the seam ------------------------------------------------------------------------------
@@ -322,63 +321,6 @@ class SlurmBackend:
         """Nothing held: every command is one subprocess."""
 
 
-def remember_nodes(run: RunDir, info: JobInfo) -> None:
-    """Record the nodes SLURM gave the job (known once it starts) for `cluster logs --node`."""
-    nodes = [{"rank": i, "name": n, "address": n} for i, n in enumerate(info.nodes)]
-    if nodes and run.meta().get("nodes") != nodes:
-        run.update(nodes=nodes)
-
-
-# --- reading the output file ---------------------------------------------------------------
-
-
-class OutputReader:
-    """New complete lines of a growing file (the job's output), remembering the offset."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.buf = b""
-
-    def lines(self) -> list[bytes]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        self.offset += len(data)
-        self.buf += data
-        *done, self.buf = self.buf.split(b"\n")
-        return done
-
-    def rest(self) -> list[bytes]:
-        out = self.lines()
-        if self.buf.strip():
-            out.append(self.buf)
-        self.buf = b""
-        return out
-
-
-class Labeller:
-    """'1: text' (srun --label, task 1 = the second node) -> ('node2 1', b'text'); lines of the
-    batch shell itself (no task prefix) -> ('batch', line)."""
-
-    def __init__(self, names: Sequence[str] = ()) -> None:
-        self.names = list(names)
-
-    def split(self, line: bytes) -> tuple[str, bytes]:
-        m = _LABELLED.match(line)
-        if not m:
-            return "batch", line
-        task = int(m.group(1))
-        name = self.names[task] if task < len(self.names) else "task"
-        return f"{name} {task}", m.group(2)
-
-    def index(self, label: str) -> int:
-        return 0 if label == "batch" else int(label.rsplit(" ", 1)[1]) + 1
-
-
 # --- cluster up ----------------------------------------------------------------------------
 
 
@@ -447,36 +389,3 @@ def record(run: RunDir, plan: SbatchPlan, inventory: Inventory, settings: SlurmS
         meta["dry_run"] = True
     run.write_meta(meta)
     return script
-
-
-def follow(backend: SlurmBackend, run: RunDir, job_id: str, output: Path,
-           console: Console) -> tuple[JobInfo, list[str]]:
-    """Print the job's output, prefixed by node, until squeue no longer lists the job; then
-    its final state and the last lines printed."""
-    reader, labeller = OutputReader(output), Labeller()
-    tail: deque[str] = deque(maxlen=TAIL_LINES)
-    last_state = ""
-
-    def emit(lines: list[bytes]) -> None:
-        for raw in lines:
-            label, text = labeller.split(raw)
-            for shown in LineSplitter().feed(text + b"\n"):
-                tail.append(f"[{label}] {shown}")
-                console.node_line(label, labeller.index(label), shown)
-
-    while True:
-        info = backend.queued(job_id)
-        if info is not None and info.nodes and list(info.nodes) != labeller.names:
-            labeller.names = list(info.nodes)
-            remember_nodes(run, info)
-        if info is not None and info.state != last_state:
-            last_state = info.state
-            console.info(f"job {job_id}: {info.state}" + (f" ({info.reason})" if info.reason else ""))
-        emit(reader.lines())
-        if info is None:
-            info = backend.coming_back(job_id)
-            if info is None:
-                break
-        backend.sleep(backend.poll)
-    emit(reader.rest())
-    return backend.finished(job_id), list(tail)

@@ -1,0 +1,104 @@
+"""A SLURM job's output file: read it as it grows, label each line with its node (srun
+--label), and follow it until the job ends."""
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..runs import RunDir
+from ..watch import TAIL_LINES, Console, LineSplitter
+
+if TYPE_CHECKING:
+    from .slurm import JobInfo, SlurmBackend
+
+_LABELLED = re.compile(rb"^\s*(\d+): ?(.*)$", re.S)
+
+
+def remember_nodes(run: RunDir, info: "JobInfo") -> None:
+    """Record the nodes SLURM gave the job (known once it starts) for `cluster logs --node`."""
+    nodes = [{"rank": i, "name": n, "address": n} for i, n in enumerate(info.nodes)]
+    if nodes and run.meta().get("nodes") != nodes:
+        run.update(nodes=nodes)
+
+
+class OutputReader:
+    """New complete lines of a growing file (the job's output), remembering the offset."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.buf = b""
+
+    def lines(self) -> list[bytes]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        self.buf += data
+        *done, self.buf = self.buf.split(b"\n")
+        return done
+
+    def rest(self) -> list[bytes]:
+        out = self.lines()
+        if self.buf.strip():
+            out.append(self.buf)
+        self.buf = b""
+        return out
+
+
+class Labeller:
+    """'1: text' (srun --label, task 1 = the second node) -> ('node2 1', b'text'); lines of the
+    batch shell itself (no task prefix) -> ('batch', line)."""
+
+    def __init__(self, names: Sequence[str] = ()) -> None:
+        self.names = list(names)
+
+    def split(self, line: bytes) -> tuple[str, bytes]:
+        m = _LABELLED.match(line)
+        if not m:
+            return "batch", line
+        task = int(m.group(1))
+        name = self.names[task] if task < len(self.names) else "task"
+        return f"{name} {task}", m.group(2)
+
+    def index(self, label: str) -> int:
+        return 0 if label == "batch" else int(label.rsplit(" ", 1)[1]) + 1
+
+
+def follow(backend: "SlurmBackend", run: RunDir, job_id: str, output: Path,
+           console: Console) -> tuple["JobInfo", list[str]]:
+    """Print the job's output, prefixed by node, until squeue no longer lists the job; then
+    its final state and the last lines printed."""
+    reader, labeller = OutputReader(output), Labeller()
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    last_state = ""
+
+    def emit(lines: list[bytes]) -> None:
+        for raw in lines:
+            label, text = labeller.split(raw)
+            for shown in LineSplitter().feed(text + b"\n"):
+                tail.append(f"[{label}] {shown}")
+                console.node_line(label, labeller.index(label), shown)
+
+    while True:
+        info = backend.queued(job_id)
+        if info is not None and info.nodes and list(info.nodes) != labeller.names:
+            labeller.names = list(info.nodes)
+            remember_nodes(run, info)
+        if info is not None and info.state != last_state:
+            last_state = info.state
+            console.info(f"job {job_id}: {info.state}" + (f" ({info.reason})" if info.reason else ""))
+        emit(reader.lines())
+        if info is None:
+            info = backend.coming_back(job_id)
+            if info is None:
+                break
+        backend.sleep(backend.poll)
+    emit(reader.rest())
+    return backend.finished(job_id), list(tail)
