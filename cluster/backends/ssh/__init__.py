@@ -11,7 +11,7 @@ and SFTP are plain paramiko on the connection Fabric opened.
     __init__.py    SshBackend: SupervisedBackend over SshTransport, plus `--sync` in the
                    check phase (cluster/backends/sync.py)
 
-Host keys (never paramiko's AutoAddPolicy):
+Host keys (an unknown key is never added silently):
     strict      the key must already be in known_hosts; unknown -> refused, with the fix
     accept-new  an unknown key is accepted and appended to known_hosts; a changed one refused
     off         anything is accepted, with one warning
