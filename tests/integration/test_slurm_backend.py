@@ -137,7 +137,7 @@ def test_down_cancels_a_running_job_and_leaves_no_process(slurm, workdir: Path) 
     down = cluster(slurm, workdir, "down")
     print(f"\n[timing] cluster down of a 2-node job: {time.monotonic() - t0:.1f} s", file=sys.stderr)
     assert down.returncode == 0, down.stderr
-    assert f"[job {jid}] stopped" in down.stderr
+    assert f"[job {jid}] CANCELLED" in down.stderr
     assert slurm.run(["squeue", "-h", "-j", jid]).stdout.strip() == ""
     deadline = time.monotonic() + 10
     while processes_with_env("SLURM_JOB_ID", jid):
