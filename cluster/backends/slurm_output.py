@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,10 @@ if TYPE_CHECKING:
     from .slurm import JobInfo, SlurmBackend
 
 _LABELLED = re.compile(rb"^\s*(\d+): ?(.*)$", re.S)
+# What templates/sbatch.sh.j2 prints just before `scontrol requeue`. From then on the job may
+# leave squeue, and even read as finished, for a moment before it is pending again.
+REQUEUE_MARK = b"cluster: requeueing job"
+REQUEUE_WAIT = 60.0
 
 
 def remember_nodes(run: RunDir, info: "JobInfo") -> None:
@@ -78,10 +83,14 @@ def follow(backend: "SlurmBackend", run: RunDir, job_id: str, output: Path,
     reader, labeller = OutputReader(output), Labeller()
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     last_state = ""
+    requeued_at: float | None = None
 
     def emit(lines: list[bytes]) -> None:
+        nonlocal requeued_at
         for raw in lines:
             label, text = labeller.split(raw)
+            if label == "batch" and text.startswith(REQUEUE_MARK):
+                requeued_at = time.monotonic()
             for shown in LineSplitter().feed(text + b"\n"):
                 tail.append(f"[{label}] {shown}")
                 console.node_line(label, labeller.index(label), shown)
@@ -95,10 +104,13 @@ def follow(backend: "SlurmBackend", run: RunDir, job_id: str, output: Path,
             last_state = info.state
             console.info(f"job {job_id}: {info.state}" + (f" ({info.reason})" if info.reason else ""))
         emit(reader.lines())
+        if info is not None and info.state == "PENDING":
+            requeued_at = None                  # the next attempt is queued: follow it
         if info is None:
             info = backend.coming_back(job_id)
-            if info is None:
-                break
+        waiting = requeued_at is not None and time.monotonic() - requeued_at < REQUEUE_WAIT
+        if info is None and not waiting:
+            break
         backend.sleep(backend.poll)
     emit(reader.rest())
     return backend.finished(job_id), list(tail)

@@ -171,6 +171,26 @@ def test_follow_keeps_going_while_a_requeued_job_is_briefly_unlisted(tmp_path: P
     assert "[node1 0] first attempt" in out and "[node1 0] second attempt" in out
 
 
+def test_follow_waits_for_an_announced_requeue_even_if_the_job_reads_finished(tmp_path: Path) -> None:
+    # After the batch script says it requeues, SLURM may drop the job from squeue and even
+    # report the first attempt as FAILED for a moment; following waits for the next attempt.
+    path = tmp_path / "slurm-logs" / "r1.out"
+    steps = iter([("RUNNING", "cluster: requeueing job 77 (restart 1 of 3)\n"), (None, ""),
+                  (None, ""), ("PENDING", ""), ("RUNNING", "0: second attempt\n"), (None, "")])
+
+    def squeue(argv: tuple[str, ...]) -> Completed:
+        state, line = next(steps, (None, ""))
+        with open(path, "a") as f:
+            f.write(line)
+        return ok(f"77|{state}|node[1-2]|None\n") if state else GONE
+    failed = ok("JobId=77 JobState=FAILED Reason=None ExitCode=1:0 NodeList=node[1-2]\n")
+    fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue, scontrol=failed,
+                        sacct=ok("77|COMPLETED|0:0|node[1-2]\n"))
+    code, _run, out, err = run_up(tmp_path, fake)
+    assert code == 0, err
+    assert "job 77: PENDING" in err and "[node1 0] second attempt" in out
+
+
 def test_failed_job_raises_run_failed_naming_state_exit_code_and_tail(tmp_path: Path) -> None:
     chunks = ["1: rank 1: failing on purpose\n"]
     fake = FakeCommands(sbatch=ok("77\n"), squeue=output_grows(tmp_path, chunks),

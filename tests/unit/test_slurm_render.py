@@ -210,7 +210,9 @@ kill -TERM "$(cat "$FAKE_DIR/srun.pid")"
 FAKE_SCONTROL = r"""#!/bin/bash
 case "$1 $2" in
   "show hostnames") printf 'nodeA\nnodeB\n' ;;
-  requeue*) echo "$@" >> "$FAKE_DIR/scontrol.requeue" ;;
+  requeue*) # like SLURM: record the requeue, then stop the job's step (SIGTERM to its tasks)
+            echo "$@" >> "$FAKE_DIR/scontrol.requeue"
+            kill -TERM "$(cat "$FAKE_DIR/srun.pid")" ;;
 esac
 """
 FAKE_PYTHON = r"""#!/usr/bin/env python3
@@ -269,7 +271,7 @@ def test_script_runs_one_step_per_node_with_its_own_node_id(name: str, tmp_path:
 
 
 @pytest.mark.parametrize("restarts,requeued", [("0", True), ("5", False)])
-def test_signal_stops_the_step_and_requeues_under_the_cap(restarts: str, requeued: bool,
+def test_signal_requeues_under_the_cap_else_stops_the_step(restarts: str, requeued: bool,
                                                           tmp_path: Path) -> None:
     script, env = fake_slurm(tmp_path, "requeue_custom_signal")       # TERM, max_requeues 5
     env.update(FAKE_SLEEP="30", SLURM_RESTART_COUNT=restarts)
@@ -282,12 +284,13 @@ def test_signal_stops_the_step_and_requeues_under_the_cap(restarts: str, requeue
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=20)
-    assert (tmp_path / "scancel.args").read_text().split() == ["--signal=TERM", "42.0"]
     assert (tmp_path / "srun.signal").read_text().strip() == "TERM"   # the step's tasks got it
     assert proc.returncode != 0
-    if requeued:
+    if requeued:   # SLURM stops the step as part of the requeue
         assert (tmp_path / "scontrol.requeue").read_text().split() == ["requeue", "42"]
+        assert not (tmp_path / "scancel.args").exists()
         assert "requeueing job 42 (restart 1 of 5)" in err
-    else:
+    else:          # the last restart: the script stops the step itself, gracefully
         assert not (tmp_path / "scontrol.requeue").exists()
-        assert "not requeueing job 42: restarted 5 of 5" in err
+        assert (tmp_path / "scancel.args").read_text().split() == ["--signal=TERM", "42.0"]
+        assert "not requeueing (restarted 5 of 5 time(s))" in err

@@ -81,13 +81,17 @@ exec "$PYTHON" -m torch.distributed.run \
 CLUSTER_STEP_END
 
 # Preemption or the time limit: SLURM sends SIGUSR2 to this shell (B:USR2@90).
-# Stop the step gracefully: SIGTERM to its tasks (torchrun passes it to its workers; not to
-# srun itself, which would SIGKILL them). Once the step has ended, requeue the job while it has
-# been restarted fewer than 3 time(s); the trainer resumes from its newest checkpoint.
-CLUSTER_SIGNALLED=0
+# While the job has been restarted fewer than 3 time(s), requeue it: SLURM then
+# stops the step itself (SIGTERM to its tasks, SIGKILL after KillWait) and runs the job again;
+# the trainer resumes from its newest checkpoint. After the last restart, stop the step
+# gracefully instead: SIGTERM to its tasks (torchrun passes it to its workers; not to srun
+# itself, which would SIGKILL them).
 cluster_on_signal() {
-  CLUSTER_SIGNALLED=1
-  echo "cluster: job $SLURM_JOB_ID got SIGUSR2; stopping the step (SIGTERM to its tasks)" >&2
+  if [ "${SLURM_RESTART_COUNT:-0}" -lt 3 ]; then
+    echo "cluster: requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of 3) on SIGUSR2" >&2
+    scontrol requeue "$SLURM_JOB_ID" && return
+  fi
+  echo "cluster: job $SLURM_JOB_ID got SIGUSR2; not requeueing (restarted ${SLURM_RESTART_COUNT:-0} of 3 time(s)); stopping the step (SIGTERM to its tasks)" >&2
   local step stopped=0
   for step in $(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null | grep -E '[.][0-9]+$'); do
     scancel --signal=TERM "$step" && stopped=1
@@ -115,12 +119,4 @@ while :; do
   fi
   break
 done
-if [ "$CLUSTER_SIGNALLED" = 1 ]; then
-  if [ "${SLURM_RESTART_COUNT:-0}" -lt 3 ]; then
-    echo "cluster: requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )) of 3)" >&2
-    scontrol requeue "$SLURM_JOB_ID"
-  else
-    echo "cluster: not requeueing job $SLURM_JOB_ID: restarted ${SLURM_RESTART_COUNT:-0} of 3 time(s)" >&2
-  fi
-fi
 exit "$CLUSTER_RC"
