@@ -20,6 +20,7 @@ _LABELLED = re.compile(rb"^\s*(\d+): ?(.*)$", re.S)
 # leave squeue, and even read as finished, for a moment before it is pending again.
 REQUEUE_MARK = b"cluster: requeueing job"
 REQUEUE_WAIT = 60.0
+ATTEMPT_MARK = b"cluster: run "               # the batch script's first line, every attempt
 
 
 def remember_nodes(run: RunDir, info: "JobInfo") -> None:
@@ -91,6 +92,8 @@ def follow(backend: "SlurmBackend", run: RunDir, job_id: str, output: Path,
             label, text = labeller.split(raw)
             if label == "batch" and text.startswith(REQUEUE_MARK):
                 requeued_at = time.monotonic()
+            elif label == "batch" and text.startswith(ATTEMPT_MARK):
+                requeued_at = None              # the next attempt has started: follow it
             for shown in LineSplitter().feed(text + b"\n"):
                 tail.append(f"[{label}] {shown}")
                 console.node_line(label, labeller.index(label), shown)

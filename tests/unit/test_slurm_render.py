@@ -124,7 +124,7 @@ def test_consensus_options() -> None:
     assert "srun --kill-on-bad-exit=1 --wait=60" in text
     step = step_text(text)
     for part in ('--nnodes="$SLURM_NNODES"', "--nproc_per_node=8", "--rdzv_backend=c10d",
-                 '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv_id="$SLURM_JOB_ID"',
+                 '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv_id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
                  "-m torch.distributed.run"):
         assert part in step
 
@@ -260,7 +260,7 @@ def test_script_runs_one_step_per_node_with_its_own_node_id(name: str, tmp_path:
         assert r["env"]["MASTER_ADDR"] == "nodeA"
         assert r["env"]["CLUSTER_RUN_ID"] == RUN_ID
         assert r["argv"][:3] == ["-m", "torch.distributed.run", "--nnodes=2"]
-        assert "--rdzv_id=42" in r["argv"] and "--rdzv_endpoint=nodeA:" + r["env"]["MASTER_PORT"] in r["argv"]
+        assert "--rdzv_id=42-0" in r["argv"] and "--rdzv_endpoint=nodeA:" + r["env"]["MASTER_PORT"] in r["argv"]
         _, _, j = CASES[name]
         assert r["argv"][-len(j.args) - 1:] == [j.script, *j.args]   # argv arrives intact
     if name == "nasty_env":

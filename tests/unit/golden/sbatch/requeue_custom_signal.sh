@@ -23,7 +23,9 @@ export CLUSTER_NNODES="$SLURM_NNODES"
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 export MASTER_ADDR
-export MASTER_PORT=30057
+# A requeued attempt gets a port and rendezvous of its own: the last attempt's processes may
+# still be shutting down on the first node, holding the old rendezvous store.
+export MASTER_PORT=$(( 30057 + ${SLURM_RESTART_COUNT:-0} ))
 # Lines reach the output file (and `cluster up`/`cluster logs`) as they are printed.
 export PYTHONUNBUFFERED=1
 
@@ -59,7 +61,7 @@ exec "$PYTHON" -m torch.distributed.run \
   --nproc_per_node=2 \
   --rdzv_backend=c10d \
   --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
-  --rdzv_id="$SLURM_JOB_ID" \
+  --rdzv_id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \
   ${NODE_ADDR:+--local_addr="$NODE_ADDR"} \
   "$@"
 CLUSTER_STEP_END
