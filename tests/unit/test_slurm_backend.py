@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -189,6 +190,28 @@ def test_follow_waits_for_an_announced_requeue_even_if_the_job_reads_finished(tm
     code, _run, out, err = run_up(tmp_path, fake)
     assert code == 0, err
     assert "job 77: PENDING" in err and "[node1 0] second attempt" in out
+
+
+def test_follow_ends_promptly_once_the_requeued_attempt_has_run(tmp_path: Path) -> None:
+    # The next attempt's first line ends the wait for the requeue: once that attempt is done,
+    # following ends at once instead of waiting out REQUEUE_WAIT.
+    path = tmp_path / "slurm-logs" / "r1.out"
+    steps = iter([("RUNNING", "cluster: requeueing job 77 (restart 1 of 3) on SIGUSR2\n"),
+                  (None, ""), ("RUNNING", "cluster: run r1 job 77 on node[1-2] (restart 1)\n"),
+                  ("RUNNING", "0: done\n"), (None, "")])
+
+    def squeue(argv: tuple[str, ...]) -> Completed:
+        state, line = next(steps, (None, ""))
+        with open(path, "a") as f:
+            f.write(line)
+        return ok(f"77|{state}|node[1-2]|None\n") if state else GONE
+    fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue,
+                        scontrol=ok("JobId=77 JobState=COMPLETED Reason=None ExitCode=0:0\n"),
+                        sacct=ok("77|COMPLETED|0:0|node[1-2]\n"))
+    t0 = time.monotonic()
+    code, _run, out, _err = run_up(tmp_path, fake)
+    assert code == 0 and "[node1 0] done" in out
+    assert time.monotonic() - t0 < 5, "following waited for a requeue that had already happened"
 
 
 def test_failed_job_raises_run_failed_naming_state_exit_code_and_tail(tmp_path: Path) -> None:
