@@ -155,7 +155,7 @@ def terminate(d, grace):
     """TERM every process of the run on this node, wait up to `grace`, KILL, verify."""
     tag = read_json(d, "tag") or {}
     ended = os.path.exists(path(d, "exit"))
-    pgid = None if ended else read_int(d, "pgid")  # an ended run's group id may be reused
+    pgid = None if ended else read_number(d, "pgid")  # an ended run's group id may be reused
 
     def targets():
         pids = set(tagged(tag.get("run_id"), tag.get("node"))) if tag else set()
@@ -192,10 +192,11 @@ def terminate(d, grace):
     return {"signalled": first, "killed": killed, "left": left}
 
 
-def read_int(d, name):
+def read_number(d, name, kind=int):
+    """The number in one of the run directory's small files, or None."""
     try:
         with open(path(d, name)) as f:
-            return int(f.read().strip())
+            return kind(f.read().strip())
     except (OSError, ValueError):
         return None
 
@@ -280,7 +281,7 @@ def daemonize(d):
         while time.time() < deadline and not os.path.exists(path(d, "pgid")):
             time.sleep(0.02)
         os.waitpid(pid, 0)
-        print(read_int(d, "pgid"))
+        print(read_number(d, "pgid"))
         return True
     os.setsid()
     if os.fork() > 0:
@@ -329,8 +330,8 @@ def stop(d, grace):
 
 
 def status(d):
-    info = {"pgid": read_int(d, "pgid"), "started": None, "state": "unknown"}
-    started = read_float(d, "started")
+    info = {"pgid": read_number(d, "pgid"), "started": None, "state": "unknown"}
+    started = read_number(d, "started", float)
     info["started"] = started
     ended = read_json(d, "exit")
     if ended is not None:
@@ -338,21 +339,13 @@ def status(d):
                     code=ended.get("code"), signal=ended.get("signal"),
                     ended=ended.get("ended"))
         return info
-    sup = read_int(d, "supervisor.pid")
+    sup = read_number(d, "supervisor.pid")
     if sup and alive(sup):
         info["state"] = "running"
         info["uptime"] = time.time() - started if started else None
     elif sup:
         info["state"] = "lost"
     return info
-
-
-def read_float(d, name):
-    try:
-        with open(path(d, name)) as f:
-            return float(f.read().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def logs(d, follow):
