@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.fixtures import processes_with_env
+
 REPO = Path(__file__).resolve().parents[2]
 ALLREDUCE = REPO / "tests" / "integration" / "programs" / "allreduce.py"
 
@@ -39,18 +41,7 @@ def reports(stdout: str) -> list[tuple[str, dict]]:
 
 
 def run_processes(run_id: str) -> list[int]:
-    want = f"CLUSTER_RUN_ID={run_id}".encode()
-    pids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                env = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
-                state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if want in env and state != "Z":
-                pids.append(int(name))
-    return pids
+    return processes_with_env("CLUSTER_RUN_ID", run_id)
 
 
 def only_run(tmp_path: Path) -> Path:
