@@ -111,9 +111,10 @@ class Proc:
 class Cli:
     """The `cluster` command, run in `cwd` with HOME=`home`."""
 
-    def __init__(self, cwd: Path, home: Path) -> None:
+    def __init__(self, cwd: Path, home: Path, command: list[str] | None = None) -> None:
         self.cwd = cwd
         self.home = home
+        self.command = command or [sys.executable, "-m", "cluster"]
         self.started: list[Proc] = []
         self.env = dict(os.environ, HOME=str(home), COLUMNS="200", NO_COLOR="1",
                         PYTHONUNBUFFERED="1")
@@ -121,7 +122,7 @@ class Cli:
         self.env.pop("CLUSTER_RUNS_DIR", None)
 
     def start(self, *args: str) -> Proc:
-        popen = subprocess.Popen([sys.executable, "-m", "cluster", *args], cwd=self.cwd,
+        popen = subprocess.Popen([*self.command, *args], cwd=self.cwd,
                                  env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
         proc = Proc(popen)
