@@ -11,48 +11,54 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import ClusterError, InputError
 from ..spec import Host, Inventory, Network
 from .supervised import Result, SupervisedBackend
 
 
-def gpu_count() -> int:
-    """GPUs on this machine, without importing torch (slow): nvidia-smi -L, else 0."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-        return 0
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (indices or UUIDs),
+    without importing torch (slow): the variable when set, else every GPU nvidia-smi lists."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        # CUDA stops at the first invalid entry; an empty variable hides every GPU.
+        names = [v.strip() for v in visible.split(",")]
+        return names[:names.index("")] if "" in names else names
     smi = shutil.which("nvidia-smi")
     if not smi:
-        return 0
+        return []
     try:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return 0
-    count = sum(1 for line in out.splitlines() if line.startswith("GPU"))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        count = min(count, len([v for v in visible.split(",") if v.strip()]))
-    return count
+        return []
+    return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU"))]
+
+
+def gpu_count() -> int:
+    return len(visible_gpus())
 
 
 def local_inventory(nodes: int = 1, nproc_per_node: int | None = None,
-                    gpus: int | None = None, python: str | None = None,
+                    gpus: list[str] | None = None, python: str | None = None,
                     env: dict[str, str] | None = None) -> Inventory:
-    """N simulated nodes on 127.0.0.1. GPUs are split between them with CUDA_VISIBLE_DEVICES;
-    without GPUs each node runs CPU processes with gloo (2 for one node, else 1 per node)."""
+    """N simulated nodes on 127.0.0.1. The visible GPUs are split between them with
+    CUDA_VISIBLE_DEVICES (keeping the names the launching shell gave them); without GPUs each
+    node runs CPU processes with gloo (2 for one node, else 1 per node)."""
     if nodes < 1:
         raise InputError("Invalid value for --nodes: must be at least 1")
-    gpus = gpu_count() if gpus is None else gpus
-    if gpus and gpus < nodes:
-        raise InputError(f"Invalid value for --nodes: {gpus} GPU(s) cannot be split over {nodes} "
-                         f"simulated nodes (use at most {gpus}, or hide the GPUs with CUDA_VISIBLE_DEVICES=)")
+    devices = visible_gpus() if gpus is None else list(gpus)
+    if devices and len(devices) < nodes:
+        raise InputError(f"Invalid value for --nodes: {len(devices)} GPU(s) cannot be split over "
+                         f"{nodes} simulated nodes (use at most {len(devices)}, or hide the GPUs "
+                         f"with CUDA_VISIBLE_DEVICES=)")
     hosts = []
     for rank in range(nodes):
         host_env = dict(env or {})
-        if gpus:
-            first, last = rank * gpus // nodes, (rank + 1) * gpus // nodes
+        if devices:
+            mine = devices[rank * len(devices) // nodes:(rank + 1) * len(devices) // nodes]
             if nodes > 1:
-                host_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(first, last))
-            nproc = nproc_per_node or (last - first)
+                host_env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+            nproc = nproc_per_node or len(mine)
         else:
             nproc = nproc_per_node or (2 if nodes == 1 else 1)
         hosts.append(Host(
@@ -75,6 +81,14 @@ class LocalChannel:
         assert self.proc.stdout is not None
         return os.read(self.proc.stdout.fileno(), 65536)
 
+    def write(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError) as exc:
+            raise ClusterError(f"cannot write to the node: {exc}") from None
+
     def wait(self) -> int | None:
         code = self.proc.wait()
         return code if code >= 0 else 128 - code
@@ -88,10 +102,10 @@ class LocalChannel:
 class LocalTransport:
     label = "localhost"
 
-    def run(self, command: str, *, timeout: float | None = None) -> Result:
+    def run(self, command: str, *, timeout: float | None = None, input: bytes = b"") -> Result:
         try:
             out = subprocess.run(["/bin/sh", "-c", command], capture_output=True,
-                                 timeout=timeout, stdin=subprocess.DEVNULL)
+                                 timeout=timeout, input=input)
         except subprocess.TimeoutExpired as exc:
             return Result(None, exc.stdout or b"", b"timed out")
         return Result(out.returncode, out.stdout, out.stderr)
@@ -106,6 +120,15 @@ class LocalTransport:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.chmod(tmp, mode)
+        tmp.replace(target)
+
+    def upload(self, local: Path, path: str, mode: int, mtime: int) -> None:
+        """Copy a file with its mode and mtime, atomically (as SshTransport.upload does)."""
+        target = Path(os.path.expanduser(path))
+        tmp = target.with_name(f".{target.name}.cluster-tmp-{os.getpid()}")
+        shutil.copyfile(local, tmp)
+        os.chmod(tmp, mode)
+        os.utime(tmp, (mtime, mtime))
         tmp.replace(target)
 
     def close(self) -> None:
