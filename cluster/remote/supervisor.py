@@ -3,20 +3,32 @@
 Standard library only, Python 3.8+, because it runs on whatever interpreter the node has.
 
     supervisor.py probe DIR [--port P --addr A]   facts for the preflight check, as JSON
-    supervisor.py run DIR --run-id ID --node NAME [--detach] [--grace S]
+    supervisor.py run DIR --run-id ID --node NAME [--detach] [--grace S] [--keepalive S]
     supervisor.py stop DIR [--grace S]            stop the run on this node; JSON report
-    supervisor.py status DIR                      JSON: running / exited / lost
+    supervisor.py status DIR                      JSON: running / exited / stopped / lost
     supervisor.py logs DIR [--follow]             the node's output, following until it ends
 
 `run` starts launch.sh in a session (process group) of its own, with the run id and node name
 in its environment. Every process of the run inherits that environment, even the workers that
 torchrun puts in sessions of their own, so stopping finds them all by identity, never by name.
-Without --detach the supervisor also stops the run when its standard input closes: the
-connection to `cluster up` is gone, and the work must not outlive it.
+
+Standard input is the launcher's control channel. Its first line is a JSON object: {"env":
+{NAME: VALUE}} holds the secret environment, which therefore never touches a disk or a command
+line. Then, without --detach, the launcher writes a heartbeat (any bytes) every few seconds. The
+supervisor stops the run when that input closes (the launcher is gone) and, with --keepalive S,
+when nothing has arrived for S seconds (the launcher is cut off: its connection may never close
+if the network is down, and the work must not go on holding the node's GPUs). A detached run
+has no launcher by design: it ignores its input after the first line and runs until it ends or
+`stop` is asked for.
+
+Stopping is by identity, verified before every signal: a process is signalled only if its
+environment carries this run's id and node name, or it belongs to the run's process group while
+that group is known to be ours (this supervisor is alive, or is the one stopping it).
 """
 import argparse
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -24,12 +36,14 @@ import sys
 import threading
 import time
 
-GRACE = 3.0
+GRACE = 30.0
 LAUNCHER_GRACE = 0.25
+CONFIG_TIMEOUT = 30.0
 
 
 def main(argv=None):
     args = parse(argv)
+    os.umask(0o077)                      # logs and status files may hold what the run prints
     os.makedirs(args.dir, exist_ok=True)
     if args.cmd == "probe":
         return probe(args)
@@ -49,7 +63,8 @@ def main(argv=None):
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="supervisor.py")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd")
+    sub.required = True
     pr = sub.add_parser("probe")
     pr.add_argument("dir")
     pr.add_argument("--port", type=int)
@@ -60,6 +75,8 @@ def parse(argv):
     r.add_argument("--node", required=True)
     r.add_argument("--detach", action="store_true")
     r.add_argument("--grace", type=float, default=GRACE)
+    r.add_argument("--keepalive", type=float, default=0.0,
+                   help="stop when the launcher has sent nothing for this long (0: never)")
     s = sub.add_parser("stop")
     s.add_argument("dir")
     s.add_argument("--grace", type=float, default=GRACE)
@@ -79,7 +96,8 @@ def path(d, name):
 
 def write_atomic(d, name, text):
     tmp = path(d, "." + name + ".tmp")
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path(d, name))
 
@@ -88,6 +106,15 @@ def read_json(d, name):
     try:
         with open(path(d, name)) as f:
             return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_number(d, name, kind=int):
+    """The number in one of the run directory's small files, or None."""
+    try:
+        with open(path(d, name)) as f:
+            return kind(f.read().strip())
     except (OSError, ValueError):
         return None
 
@@ -116,89 +143,104 @@ def all_pids():
             yield int(name)
 
 
-def tagged(run_id, node):
-    """Live pids whose environment carries this run id and node name."""
-    want = [("CLUSTER_RUN_ID=%s" % run_id).encode(), ("CLUSTER_NODE=%s" % node).encode()]
-    me = os.getpid()
-    found = []
-    for pid in all_pids():
-        if pid == me:
-            continue
+class Identity:
+    """This run on this node: its tagged environment, and its process group while trusted."""
+
+    def __init__(self, run_id, node, pgid=None, group_trusted=False):
+        self.want = [("CLUSTER_RUN_ID=%s" % run_id).encode(), ("CLUSTER_NODE=%s" % node).encode()]
+        self.pgid = pgid
+        self.group_trusted = bool(pgid) and group_trusted
+
+    def tagged(self, pid):
         try:
             with open("/proc/%d/environ" % pid, "rb") as f:
                 env = f.read().split(b"\0")
         except OSError:
-            continue
-        if all(w in env for w in want) and alive(pid):
-            found.append(pid)
-    return found
+            return False
+        return all(w in env for w in self.want)
 
-
-def group_members(pgid):
-    out = []
-    for pid in all_pids():
+    def owns(self, pid):
+        if not alive(pid):
+            return False
+        if self.tagged(pid):
+            return True
         st = proc_state(pid)
-        if st and st[1] == pgid and st[0] not in ("Z", "X"):
-            out.append(pid)
-    return out
+        return self.group_trusted and st is not None and st[1] == self.pgid
 
+    def members(self):
+        """Every live process of the run on this node (never this supervisor)."""
+        me = os.getpid()
+        return sorted(pid for pid in all_pids() if pid != me and self.owns(pid))
 
-def kill_all(pids, sig):
-    for pid in pids:
+    def signal(self, pid, sig):
+        """Send sig to pid only if it is still ours, checked on a handle to the process itself
+        (a pidfd) where the kernel offers one, so a pid reused meanwhile is never hit."""
+        fd = None
         try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            fd = None
+        try:
+            if not self.owns(pid):
+                return False
+            if fd is not None and hasattr(signal, "pidfd_send_signal"):
+                signal.pidfd_send_signal(fd, sig)
+            else:
+                os.kill(pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError, OSError):
+            return False
+        finally:
+            if fd is not None:
+                os.close(fd)
 
 
-def terminate(d, grace):
-    """TERM every process of the run on this node, wait up to `grace`, KILL, verify."""
-    tag = read_json(d, "tag") or {}
+def identity(d, trust_group):
+    """The run's identity from its directory; None before the run was ever started here."""
+    tag = read_json(d, "tag")
+    if not tag:
+        return None
     ended = os.path.exists(path(d, "exit"))
-    pgid = None if ended else read_number(d, "pgid")  # an ended run's group id may be reused
+    pgid = None if ended else read_number(d, "pgid")
+    return Identity(tag.get("run_id"), tag.get("node"), pgid, trust_group and not ended)
 
-    def targets():
-        pids = set(tagged(tag.get("run_id"), tag.get("node"))) if tag else set()
-        if pgid:
-            pids.update(group_members(pgid))
-        pids.discard(os.getpid())
-        return sorted(pids)
 
-    first = targets()
-    group = set()
-    if pgid:
-        group = set(group_members(pgid))
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
+def supervisor_alive(d):
+    """The supervisor that started the run in d is still running (so its group id is ours)."""
+    pid = read_number(d, "supervisor.pid")
+    if not pid or not alive(pid):
+        return False
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            cmdline = f.read().split(b"\0")
+    except OSError:
+        return False
+    return os.path.abspath(d).encode() in cmdline and b"run" in cmdline
+
+
+def terminate(d, grace, we_supervise=False):
+    """TERM every process of the run on this node, wait up to `grace`, KILL, verify."""
+    ident = identity(d, we_supervise or supervisor_alive(d))
+    if ident is None:
+        return {"signalled": [], "killed": [], "left": []}
+    first = ident.members()
     # One TERM each: a second one interrupts torchrun's own shutdown of its workers.
-    kill_all([p for p in first if p not in group], signal.SIGTERM)
+    signalled = [pid for pid in first if ident.signal(pid, signal.SIGTERM)]
     deadline = time.time() + grace
-    left = targets()
+    left = ident.members()
     while left and time.time() < deadline:
         time.sleep(0.05)
-        left = targets()
-        if pgid and left == [pgid]:
+        left = ident.members()
+        if ident.pgid and left == [ident.pgid]:
             # Only the launcher (torchrun) is left, its workers are gone: it has nothing more to
             # save, and its interpreter takes over a second to exit. A short grace, then KILL.
             deadline = min(deadline, time.time() + LAUNCHER_GRACE)
-    killed = list(left)
-    kill_all(left, signal.SIGKILL)
+    killed = [pid for pid in left if ident.signal(pid, signal.SIGKILL)]
     deadline = time.time() + 2.0
     while left and time.time() < deadline:
         time.sleep(0.05)
-        left = targets()
-    return {"signalled": first, "killed": killed, "left": left}
-
-
-def read_number(d, name, kind=int):
-    """The number in one of the run directory's small files, or None."""
-    try:
-        with open(path(d, name)) as f:
-            return kind(f.read().strip())
-    except (OSError, ValueError):
-        return None
+        left = ident.members()
+    return {"signalled": signalled, "killed": killed, "left": left}
 
 
 # --- probe -----------------------------------------------------------------------------------
@@ -213,31 +255,64 @@ def probe(args):
         run_py = os.path.join(os.path.dirname(spec.origin), "distributed", "run.py")
         facts["torch"] = run_py if os.path.exists(run_py) else None
     if args.port:
-        facts["port_free"] = port_free(args.addr or "0.0.0.0", args.port)
+        facts["port_free"] = port_free(args.addr or "", args.port)
     print(json.dumps(facts))
     return 0
 
 
 def port_free(addr, port):
-    s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    """Whether torchrun's rendezvous store could listen on port: it binds every address with
+    SO_REUSEADDR, so a port whose last connections sit in TIME_WAIT is free. Only a listener
+    that holds the port (EADDRINUSE), or a port this user may not bind (EACCES), is busy."""
+    import errno
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
     try:
-        s.bind((addr, port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", port))
+        s.listen(1)
         return True
-    except OSError:
-        return False
+    except OSError as exc:
+        return exc.errno not in (errno.EADDRINUSE, errno.EACCES)
     finally:
         s.close()
 
 
 # --- run -------------------------------------------------------------------------------------
 
+def read_config(fd, timeout):
+    """The launcher's first line on standard input (a JSON object); {} if none comes."""
+    data = b""
+    deadline = time.time() + timeout
+    while not data.endswith(b"\n"):
+        left = deadline - time.time()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return {}
+        try:
+            chunk = os.read(fd, 1)       # byte by byte: what follows the line is heartbeats
+        except OSError:
+            return {}
+        if not chunk:
+            break
+        data += chunk
+    try:
+        config = json.loads(data.decode() or "{}")
+    except ValueError:
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def run(args):
     d = os.path.abspath(args.dir)
+    config = read_config(0, CONFIG_TIMEOUT)
+    secret_env = {str(k): str(v) for k, v in (config.get("env") or {}).items()}
     write_atomic(d, "tag", json.dumps({"run_id": args.run_id, "node": args.node}))
     if args.detach and daemonize(d):
         return 0
-    env = dict(os.environ, CLUSTER_RUN_ID=args.run_id, CLUSTER_NODE=args.node)
-    log = open(path(d, "output.log"), "ab", buffering=0)
+    env = dict(os.environ, **secret_env)
+    env.update(CLUSTER_RUN_ID=args.run_id, CLUSTER_NODE=args.node)
+    log = os.fdopen(os.open(path(d, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
+                    "ab", buffering=0)
     child = subprocess.Popen(["bash", path(d, "launch.sh")], stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                              start_new_session=True)
@@ -246,31 +321,46 @@ def run(args):
     write_atomic(d, "started", repr(time.time()))
 
     stopping = threading.Event()
+    why = []
 
-    def stop_async(*_):
+    def stop_async(reason):
         if not stopping.is_set():
+            why.append(reason)
             stopping.set()
-            threading.Thread(target=terminate, args=(d, args.grace), daemon=True).start()
+            threading.Thread(target=terminate, args=(d, args.grace, True), daemon=True).start()
+
+    def on_signal(signum, _frame):
+        stop_async("supervisor got %s" % signal_name(signum))
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, stop_async)
+        signal.signal(sig, on_signal)
     if not args.detach:
         header = ("@@cluster pgid=%d\n" % child.pid).encode()
         sys.stdout.buffer.write(header)
         sys.stdout.buffer.flush()
-        threading.Thread(target=watch_stdin, args=(stop_async,), daemon=True).start()
+        threading.Thread(target=watch_launcher, args=(0, args.keepalive, stop_async),
+                         daemon=True).start()
     pump = threading.Thread(target=copy_output, args=(child.stdout, log, not args.detach, stop_async),
                             daemon=True)
     pump.start()
     code = child.wait()
     # torchrun's workers live in sessions of their own: if it died hard they are orphans now.
-    leftovers = terminate(d, args.grace)
+    leftovers = terminate(d, args.grace, True)
     pump.join(timeout=2.0)
+    requested = os.path.exists(path(d, "stop-requested"))
     result = {"code": code if code >= 0 else None, "signal": -code if code < 0 else None,
               "ended": time.time(), "leftovers": leftovers["signalled"],
-              "stopped": stopping.is_set() or os.path.exists(path(d, "stop-requested"))}
+              "stopped": stopping.is_set() or requested,
+              "reason": (why[0] if why else ("stop requested" if requested else None))}
     write_atomic(d, "exit", json.dumps(result))
     return code if code >= 0 else 128 - code
+
+
+def signal_name(num):
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return "signal %d" % num
 
 
 def daemonize(d):
@@ -292,13 +382,19 @@ def daemonize(d):
     return False
 
 
-def watch_stdin(on_eof):
-    try:
-        while os.read(0, 4096):
-            pass
-    except OSError:
-        pass
-    on_eof()
+def watch_launcher(fd, keepalive, on_lost):
+    """Stop the run when the launcher's input closes, or stays silent for `keepalive` s."""
+    while True:
+        try:
+            ready = select.select([fd], [], [], keepalive if keepalive > 0 else None)[0]
+            if not ready:
+                on_lost("lost the launcher: no heartbeat for %g s" % keepalive)
+                return
+            if not os.read(fd, 4096):
+                break
+        except (OSError, ValueError):
+            break
+    on_lost("the launcher's connection closed")
 
 
 def copy_output(pipe, log, to_stdout, on_lost):
@@ -318,7 +414,7 @@ def copy_output(pipe, log, to_stdout, on_lost):
                 out.flush()
             except OSError:
                 out = None
-                on_lost()
+                on_lost("the launcher's connection closed")
 
 
 # --- stop, status, logs ------------------------------------------------------------------------
@@ -337,7 +433,7 @@ def status(d):
     if ended is not None:
         info.update(state="stopped" if ended.get("stopped") else "exited",
                     code=ended.get("code"), signal=ended.get("signal"),
-                    ended=ended.get("ended"))
+                    ended=ended.get("ended"), reason=ended.get("reason"))
         return info
     sup = read_number(d, "supervisor.pid")
     if sup and alive(sup):

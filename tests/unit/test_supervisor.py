@@ -51,13 +51,17 @@ def node_dir(tmp_path: Path, body: str) -> Path:
     return d
 
 
-def start(d: Path, node: str = "n1", detach: bool = False) -> subprocess.Popen:
+def start(d: Path, node: str = "n1", detach: bool = False, config: dict | None = None,
+          keepalive: float = 0.0) -> subprocess.Popen:
     args = [sys.executable, str(SUPERVISOR), "run", str(d), "--run-id", RUN_ID, "--node", node,
-            "--grace", "1"]
+            "--grace", "1", "--keepalive", str(keepalive)]
     if detach:
         args.append("--detach")
-    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    p.stdin.write((json.dumps(config or {}) + "\n").encode())   # the launcher's first line
+    p.stdin.flush()
+    return p
 
 
 def finish(p: subprocess.Popen) -> bytes:
@@ -182,4 +186,118 @@ def test_probe_reports_port_and_torch(tmp_path: Path) -> None:
         s.close()
     assert facts["port_free"] is False
     assert facts["home"] == os.path.expanduser("~")
-    assert ("torch" in facts)
+    assert facts["executable"] == sys.executable
+    import importlib.util
+    have_torch = importlib.util.find_spec("torch") is not None
+    assert bool(facts["torch"]) == have_torch
+    if have_torch:
+        assert facts["torch"].endswith("torch/distributed/run.py")
+
+
+def test_probe_counts_a_port_in_time_wait_as_free(tmp_path: Path) -> None:
+    """After a run, the master port's closed connections sit in TIME_WAIT for a minute.
+    torchrun's store binds with SO_REUSEADDR and can listen there: so must the probe."""
+    import socket
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()               # the server side closes first: it is the one left in TIME_WAIT
+    client.close()
+    server.close()
+    time.sleep(0.1)
+    states = subprocess.run(["ss", "-tan", f"sport = :{port}"], capture_output=True, text=True).stdout
+    assert "TIME-WAIT" in states, states
+    facts = sup("probe", str(tmp_path), "--addr", "127.0.0.1", "--port", str(port))
+    assert facts["port_free"] is True
+
+
+def test_secret_env_reaches_the_run_through_stdin_only(tmp_path: Path) -> None:
+    secret = f"tok-{os.getpid()}-$(touch {tmp_path}/canary) 'q' \"dq\""
+    d = tmp_path / "node"
+    body = (f'printf "%s" "$MY_SECRET" | sha256sum > {d}/got.txt\n'
+            f'cat /proc/$$/cmdline | tr "\\0" " " > {d}/cmdline.txt\n')
+    d = node_dir(tmp_path, body)
+    p = start(d, config={"env": {"MY_SECRET": secret}})
+    out = finish(p)
+    assert p.returncode == 0, out
+    import hashlib
+    assert (d / "got.txt").read_text().split()[0] == hashlib.sha256(secret.encode()).hexdigest()
+    assert not (tmp_path / "canary").exists()
+    for f in d.iterdir():
+        if f.is_file():
+            assert secret.encode() not in f.read_bytes(), f
+    assert secret.encode() not in out
+
+
+def test_keepalive_stops_a_node_cut_off_from_its_launcher(tmp_path: Path) -> None:
+    """No heartbeat for --keepalive seconds, yet the connection never closes (a cut network
+    link looks like this from the node): the supervisor stops the run itself."""
+    d = node_dir(tmp_path, ESCAPEE)
+    p = start(d, keepalive=1.5)
+    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    t0 = time.monotonic()
+    p.wait(timeout=30)           # stdin is still open: only the missing heartbeat ends it
+    took = time.monotonic() - t0
+    assert wait_for(lambda: not tagged_pids(RUN_ID, "n1"), 5)
+    assert took < 1.5 + 1 + 5, took       # keepalive + grace (1 s) + slack
+    exit_info = json.loads((d / "exit").read_text())
+    assert exit_info["stopped"] is True
+    assert exit_info["reason"].startswith("lost the launcher")
+    assert sup("status", str(d))["reason"].startswith("lost the launcher")
+    p.stdin.close()
+
+
+def test_heartbeats_keep_a_node_running(tmp_path: Path) -> None:
+    d = node_dir(tmp_path, "sleep 3; echo done\n")
+    p = start(d, keepalive=1.0)
+    t0 = time.monotonic()
+    while p.poll() is None and time.monotonic() - t0 < 30:
+        time.sleep(0.3)
+        try:
+            p.stdin.write(b"\n")
+            p.stdin.flush()
+        except BrokenPipeError:
+            break
+    out = finish(p)
+    assert p.returncode == 0 and b"done" in out
+    assert json.loads((d / "exit").read_text())["stopped"] is False
+
+
+def test_stop_grace_lets_a_program_finish_its_checkpoint(tmp_path: Path) -> None:
+    body = (f"trap 'sleep 1.5; echo saved > {tmp_path}/node/ckpt; exit 0' TERM\n"
+            "echo ready\nwhile true; do sleep 0.1; done\n")
+    d = node_dir(tmp_path, body)
+    args = [sys.executable, str(SUPERVISOR), "run", str(d), "--run-id", RUN_ID, "--node", "n1"]
+    p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    p.stdin.write(b"{}\n")
+    p.stdin.flush()
+    assert wait_for(lambda: (d / "output.log").exists() and b"ready" in (d / "output.log").read_bytes())
+    report = sup("stop", str(d), "--grace", "5")
+    assert (d / "ckpt").read_text() == "saved\n", report
+    assert report["killed"] == [] and report["left"] == []
+    p.communicate(timeout=30)
+
+
+def test_stop_never_signals_a_reused_process_group(tmp_path: Path) -> None:
+    """The supervisor died (SIGKILL) and its run's group id now names someone else's
+    processes: `stop` signals only processes that carry this run's identity."""
+    d = node_dir(tmp_path, "sleep 300\n")
+    p = start(d)
+    assert wait_for(lambda: tagged_pids(RUN_ID, "n1"))
+    os.killpg(p.pid, signal.SIGKILL)                       # the supervisor, gone
+    p.wait(timeout=10)
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                                env={"PATH": os.environ["PATH"]})
+    try:
+        (d / "pgid").write_text(str(stranger.pid))         # as if the id had been reused
+        report = sup("stop", str(d), "--grace", "0.5")
+        assert stranger.poll() is None, "a process of another owner was signalled"
+        assert stranger.pid not in report["signalled"] + report["killed"]
+        assert wait_for(lambda: not tagged_pids(RUN_ID, "n1"), 5), "the run's own sleep remains"
+    finally:
+        stranger.kill()
+        stranger.wait()
