@@ -1,5 +1,9 @@
 """The local run directory: runs/<run-id>/ records what was launched, and keeps each node's log.
 
+Everything here may hold a secret (an env value in a script, a token a program printed): the
+directory is 0700 and every file 0600, whatever the umask. Secret environment values
+(secret_env) are never written: the record keeps their names only.
+
     runs/<run-id>/run.json          run id, backend, nodes, command line, git commit, times
     runs/<run-id>/inventory.yaml    the inventory as loaded (every default applied)
     runs/<run-id>/inventory.source  the inventory file as read, when there was one
@@ -29,6 +33,24 @@ def runs_root() -> Path:
     return Path(os.environ.get(RUNS_ENV, "runs"))
 
 
+def write_private(path: Path, text: str | bytes) -> None:
+    """Write a file only its owner can read (0600), replacing it atomically."""
+    data = text.encode() if isinstance(text, str) else text
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+
+
+def make_private_dir(path: Path) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
 def new_run_id(now: float | None = None) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     return f"{stamp}-{secrets.token_hex(2)}"
@@ -44,21 +66,30 @@ class RunDir:
 
     @classmethod
     def create(cls, run_id: str, root: Path | None = None) -> "RunDir":
-        path = (root or runs_root()) / run_id
-        path.mkdir(parents=True, exist_ok=False)
-        (path / "scripts").mkdir()
-        (path / "logs").mkdir()
+        root = root or runs_root()
+        if not root.exists():
+            make_private_dir(root)
+        path = root / run_id
+        try:
+            path.mkdir(mode=0o700, exist_ok=False)
+        except OSError as exc:
+            raise InputError(f"cannot create the run directory {path}: {exc.strerror} "
+                             f"(set {RUNS_ENV} to a writable place)") from None
+        os.chmod(path, 0o700)
+        for sub in ("scripts", "logs"):
+            make_private_dir(path / sub)
         return cls(path)
 
     @classmethod
     def find(cls, run: str | None, root: Path | None = None) -> "RunDir":
-        """A run by id (or unique prefix), or the newest one when run is None."""
+        """A run by id (or unique prefix), or the newest one when run is None: newest by when
+        it was created, never by when its record last changed (status rewrites it)."""
         root = root or runs_root()
         runs = sorted(p for p in root.glob("*") if (p / "run.json").is_file()) if root.is_dir() else []
         if not runs:
             raise InputError(f"no runs in {root}/ (start one with `cluster up`)")
         if run is None:
-            return cls(max(runs, key=lambda p: (p / "run.json").stat().st_mtime))
+            return cls(max(runs, key=_created))
         exact = root / run
         if (exact / "run.json").is_file():
             return cls(exact)
@@ -72,29 +103,32 @@ class RunDir:
 
     def record(self, plan: LaunchPlan, inventory: spec.Inventory, backend: str,
                argv: list[str], extra: dict[str, Any] | None = None) -> None:
-        (self.path / "inventory.yaml").write_text(spec.dump(inventory))
-        if inventory.text:
-            (self.path / "inventory.source").write_text(inventory.text)
+        self.write_inventory(inventory)
         for node in plan.nodes:
-            script = self.path / "scripts" / f"{node.rank}-{node.host.name}.sh"
-            script.write_text(node.script)
+            write_private(self.path / "scripts" / f"{node.rank}-{node.host.name}.sh", node.script)
+            write_private(self.log_path(node), b"")
         env = {node.host.name: dict(node.env) for node in plan.nodes}
-        (self.path / "env.json").write_text(json.dumps(env, indent=2) + "\n")
+        write_private(self.path / "env.json", json.dumps(env, indent=2) + "\n")
         meta = {
             "run_id": plan.run_id, "backend": backend, "created": time.time(),
             "command": argv, "cwd": os.getcwd(), "git_commit": git_commit(),
             "master_addr": plan.master_addr, "master_port": plan.master_port,
-            "rendezvous": plan.rendezvous, "script": plan.script, "args": list(plan.args),
+            "master": plan.master_name, "rendezvous": plan.rendezvous, "script": plan.script,
+            "args": list(plan.args), "stop_grace": plan.stop_grace,
+            "secret_env": sorted({name for n in plan.nodes for name in n.secret_env}),
             "nodes": [{"rank": n.rank, "name": n.host.name, "address": n.host.address,
                        "run_dir": n.run_dir} for n in plan.nodes],
         }
         meta.update(extra or {})
         self.write_meta(meta)
 
+    def write_inventory(self, inventory: spec.Inventory) -> None:
+        write_private(self.path / "inventory.yaml", spec.dump(inventory))
+        if inventory.text:
+            write_private(self.path / "inventory.source", inventory.text)
+
     def write_meta(self, meta: dict[str, Any]) -> None:
-        tmp = self.path / ".run.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.replace(self.path / "run.json")
+        write_private(self.path / "run.json", json.dumps(meta, indent=2) + "\n")
 
     def update(self, **fields: Any) -> None:
         meta = self.meta()
@@ -122,7 +156,22 @@ class RunDir:
             hosts=tuple(spec.host_from_dict(h) for h in data["hosts"]),
             source=data.get("source"), backend=data.get("backend", "ssh"),
             ssh=spec.ssh_from_dict(data.get("ssh") or {}),
-            slurm=spec.slurm_from_dict(data.get("slurm") or {}))
+            slurm=spec.slurm_from_dict(data.get("slurm") or {}),
+            stop_grace=float(data.get("stop_grace") or spec.DEFAULT_STOP_GRACE))
+
+
+def _created(path: Path) -> tuple[float, str]:
+    """When a run was created: its record's 'created' time, else the time in its id."""
+    try:
+        created = float(json.loads((path / "run.json").read_text()).get("created") or 0)
+    except (OSError, ValueError, TypeError):
+        created = 0.0
+    if not created:
+        try:
+            created = time.mktime(time.strptime(path.name[:15], "%Y%m%d-%H%M%S"))
+        except ValueError:
+            created = 0.0
+    return created, path.name
 
 
 def git_commit(cwd: str | None = None) -> str | None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .backends import NodeExit, NodeProcess
+from .backends import NodeExit, NodeProcess, signal_name
+from .errors import signum_of
 
 COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92", "94", "91")
 TAIL_LINES = 20
@@ -95,6 +96,7 @@ class WatchResult:
     exits: dict[str, NodeExit] = field(default_factory=dict)        # label -> exit
     first_failure: tuple[str, NodeExit] | None = None
     interrupted: bool = False
+    signum: int = 2                                                  # what interrupted it
     stops: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> stop report
     tails: dict[str, list[str]] = field(default_factory=dict)
 
@@ -104,6 +106,11 @@ class WatchResult:
 
     def leftovers(self) -> dict[str, list[int]]:
         return {k: v["left"] for k, v in self.stops.items() if v.get("left")}
+
+
+def _open_log(path: Path) -> IO[bytes]:
+    """Append to a node's log, created private (0600): a program may print a secret."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
 
 
 class Watcher:
@@ -134,9 +141,11 @@ class Watcher:
                     self._report_failure(proc.node.label, ex)
                     result.stops = self.stop_all(pending)
                     break
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             result.interrupted = True
-            self.console.info(f"interrupted: stopping {len(pending)} node(s)")
+            result.signum = signum_of(exc)
+            self.console.info(f"interrupted ({signal_name(result.signum)}): "
+                              f"stopping {len(pending)} node(s)")
             result.stops = self.stop_all(pending)
         self._collect(pending, result)
         result.tails = {k: list(v) for k, v in self.tails.items()}
@@ -200,7 +209,7 @@ class Watcher:
         label = proc.node.label
         splitter = LineSplitter()
         path = self.log_paths.get(label)
-        log = open(path, "ab") if path else None
+        log = _open_log(path) if path else None
         try:
             for chunk in proc.output():
                 if log:

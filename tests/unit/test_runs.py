@@ -1,0 +1,67 @@
+"""The local run directory: private whatever the umask, and the newest run by creation."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import run_cli
+from cluster.runs import RunDir
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CLUSTER_RUNS_DIR", raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_run_directory_is_private_whatever_the_umask(in_tmp: Path, capsys, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        assert run_cli(["up", "--hosts", "gpu[1-2]", "--env", "HF_TOKEN=hf_abc", "--dry-run",
+                        "--", "t.py"]) == 0
+    finally:
+        os.umask(old)
+    runs = in_tmp / "runs"
+    run = RunDir.find(None, runs).path
+    for p in [runs, run, *run.rglob("*")]:
+        mode = stat.S_IMODE(p.stat().st_mode)
+        if p.is_dir():
+            assert mode == 0o700, f"{p} is {oct(mode)}"
+        else:
+            assert mode == 0o600, f"{p} is {oct(mode)}"
+    assert {p.name for p in run.iterdir()} >= {"run.json", "env.json", "inventory.yaml", "scripts", "logs"}
+
+
+def test_newest_run_is_by_creation_not_by_last_change(tmp_path: Path) -> None:
+    old = RunDir.create("20261201-100000-aaaa", tmp_path)
+    old.write_meta({"run_id": old.run_id, "created": time.time() - 60, "nodes": []})
+    new = RunDir.create("20261201-100100-bbbb", tmp_path)
+    new.write_meta({"run_id": new.run_id, "created": time.time(), "nodes": []})
+    # `cluster status` of the old run rewrites its record: it must not become "the newest"
+    time.sleep(0.01)
+    old.update(status_checked=True)
+    os.utime(old.path / "run.json")
+    assert RunDir.find(None, tmp_path).path == new.path
+
+
+def test_newest_falls_back_to_the_time_in_the_run_id(tmp_path: Path) -> None:
+    for name in ("20261201-100100-bbbb", "20261201-100000-aaaa"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "run.json").write_text(json.dumps({"run_id": name}))
+    assert RunDir.find(None, tmp_path).path.name == "20261201-100100-bbbb"
+
+
+def test_unusable_runs_directory_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
+    (tmp_path / "runs").write_text("a file where the runs directory should be")
+    monkeypatch.setenv("CLUSTER_RUNS_DIR", str(tmp_path / "runs"))
+    assert run_cli(["up", "--hosts", "a", "--dry-run", "--", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create the run directory" in err and "CLUSTER_RUNS_DIR" in err
