@@ -15,15 +15,18 @@ import hostlist
 import yaml
 
 from .errors import InputError, InventoryError, did_you_mean
-from .spec import (ENV_KEY, HOSTNAME, Host, Inventory, Network, SlurmSettings, SshSettings,
-                   dump, expand_names, host_from_dict, slurm_from_dict, ssh_from_dict)
+from .spec import (DEFAULT_STOP_GRACE, ENV_KEY, HOSTNAME, Host, Inventory, Network, SlurmSettings,
+                   SshSettings, control_char, dump, expand_names, host_from_dict, reserved_env,
+                   slurm_from_dict, ssh_from_dict)
 
 HOST_SETTINGS = ("user", "port", "identity_file", "workdir", "python", "nproc_per_node",
-                 "master_port", "rendezvous", "network", "env", "gpus")
-HOST_KEYS = ("name", "address") + HOST_SETTINGS
-TOP_KEYS = ("defaults", "hosts", "backend", "ssh", "slurm")
+                 "master_port", "rendezvous", "network", "env", "secret_env", "gpus")
+# The same for every node (one rendezvous): set under defaults only, never per host.
+JOB_WIDE = ("master_port", "rendezvous")
+HOST_KEYS = ("name", "address") + tuple(k for k in HOST_SETTINGS if k not in JOB_WIDE)
+TOP_KEYS = ("defaults", "hosts", "backend", "ssh", "slurm", "stop_grace")
 NETWORK_KEYS = ("ifname", "ib")
-SSH_KEYS = ("host_key_policy", "connect_timeout", "config")
+SSH_KEYS = ("host_key_policy", "connect_timeout", "config", "keepalive")
 SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "cpus_per_task",
               "gpu_style", "signal", "max_requeues", "output_dir", "job_name", "constraint")
 BACKENDS = ("ssh", "slurm", "local")
@@ -173,6 +176,9 @@ class _Parser:
 
     def known_keys(self, m: Any, allowed: Sequence[str], prefix: str = "") -> None:
         for key in m:
+            if key in JOB_WIDE and key not in allowed:
+                raise self.fail(m, key, f"'{key}' is the same for every node of a job",
+                                "set it under 'defaults', not on one host")
             if key not in allowed:
                 raise self.fail(m, key, f"unknown key '{prefix}{key}'", did_you_mean(key, allowed))
 
@@ -198,8 +204,9 @@ class _Parser:
             hosts = self.hosts(data["hosts"], data, base)
         ssh = self.ssh(self.mapping(data["ssh"], data, "ssh")) if "ssh" in data else SshSettings()
         slurm = self.slurm(self.mapping(data["slurm"], data, "slurm")) if "slurm" in data else SlurmSettings()
+        grace = self.seconds(data, "stop_grace") if "stop_grace" in data else DEFAULT_STOP_GRACE
         return Inventory(hosts=hosts, source=self.source, backend=backend, ssh=ssh, slurm=slurm,
-                         text=text)
+                         stop_grace=grace, text=text)
 
     def hosts(self, value: Any, where: _Map, base: Host) -> tuple[Host, ...]:
         if not isinstance(value, _List) or not value:
@@ -247,7 +254,31 @@ class _Parser:
             merged = dict(base.env)
             merged.update(self.env(self.mapping(m["env"], m, "env")))
             changes["env"] = tuple(merged.items())
-        return base.replace(**changes)
+        if "secret_env" in m:
+            names = dict.fromkeys(base.secret_env)
+            names.update(dict.fromkeys(self.secret_names(m)))
+            changes["secret_env"] = tuple(names)
+        host = base.replace(**changes)
+        both = sorted(set(host.secret_env) & set(dict(host.env)))
+        if both:
+            key = "secret_env" if "secret_env" in m else "env"
+            raise self.fail(m, key, f"{', '.join(both)} is in both 'env' and 'secret_env'",
+                            "a secret's value comes from the launching shell; remove it from 'env'")
+        return host
+
+    def secret_names(self, m: _Map) -> list[str]:
+        value = m["secret_env"]
+        if not isinstance(value, _List) or not all(isinstance(v, str) for v in value):
+            raise self.fail(m, "secret_env", "must be a list of environment variable names",
+                            "e.g. [HF_TOKEN, WANDB_API_KEY]")
+        for name, line in zip(value, value.lines):
+            if not ENV_KEY.match(name):
+                raise InventoryError(self.source, line, "secret_env",
+                                     f"{name!r} is not a valid environment variable name")
+            why = reserved_env(name)
+            if why:
+                raise InventoryError(self.source, line, "secret_env", why)
+        return list(value)
 
     def network(self, m: _Map, base: Network) -> Network:
         self.known_keys(m, NETWORK_KEYS, "network.")
@@ -270,6 +301,9 @@ class _Parser:
             if not ENV_KEY.match(key):
                 raise self.fail(m, key, f"environment variable name {key!r} is not a valid identifier",
                                 "letters, digits and '_', not starting with a digit")
+            why = reserved_env(key)
+            if why:
+                raise self.fail(m, key, why)
             if value is None or isinstance(value, (_Map, _List)):
                 raise self.fail(m, key, "environment values must be strings or numbers")
             if isinstance(value, bool):
@@ -283,12 +317,11 @@ class _Parser:
         if "host_key_policy" in m:
             changes["host_key_policy"] = self.choice(m, "host_key_policy", HOST_KEY_POLICIES)
         if "connect_timeout" in m:
-            value = m["connect_timeout"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise self.fail(m, "connect_timeout", f"must be a positive number of seconds, got {value!r}")
-            changes["connect_timeout"] = float(value)
+            changes["connect_timeout"] = self.seconds(m, "connect_timeout")
         if "config" in m:
             changes["config"] = self.string(m, "config")
+        if "keepalive" in m:
+            changes["keepalive"] = self.seconds(m, "keepalive")
         return SshSettings(**changes)
 
     def slurm(self, m: _Map) -> SlurmSettings:
@@ -317,7 +350,17 @@ class _Parser:
         value = m[key]
         if isinstance(value, bool) or not isinstance(value, (str, int, float)) or value == "":
             raise self.fail(m, key, f"must be a non-empty string, got {value!r}")
+        bad = control_char(str(value))
+        if bad:
+            raise self.fail(m, key, f"control character {bad} in {str(value)!r}",
+                            "fields that reach a script may not hold newlines or other control characters")
         return str(value)
+
+    def seconds(self, m: _Map, key: str) -> float:
+        value = m[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise self.fail(m, key, f"must be a positive number of seconds, got {value!r}")
+        return float(value)
 
     def integer(self, m: _Map, key: str, minimum: int) -> int:
         value = m[key]

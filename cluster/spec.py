@@ -18,6 +18,41 @@ from .errors import InputError
 
 HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_-]{1,63})*$")
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+# Set by cluster itself on every node: the identity that stopping relies on, and the rendezvous.
+RESERVED_ENV_PREFIX = "CLUSTER_"
+RESERVED_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT"})
+
+DEFAULT_STOP_GRACE = 30.0     # SIGTERM to SIGKILL: time for a trainer to save a checkpoint
+DEFAULT_KEEPALIVE = 60.0      # silence after which a node, or the launcher, counts as lost
+
+
+def control_char(value: str) -> str | None:
+    """A description of the first control character in value ('\\n at position 4'), or None.
+    No field that reaches a script may hold one: a newline ends a line of that script."""
+    m = CONTROL.search(value)
+    if m is None:
+        return None
+    return f"{m.group()!r} at position {m.start()}"
+
+
+def reserved_env(name: str) -> str | None:
+    """Why an environment name may not be set by the user, or None."""
+    if name.startswith(RESERVED_ENV_PREFIX):
+        return f"{name} is set by cluster itself (names starting with {RESERVED_ENV_PREFIX} are reserved)"
+    if name in RESERVED_ENV:
+        return f"{name} is set by cluster itself (choose the port with master_port / --master-port)"
+    return None
+
+
+def check_text(value: str, what: str) -> str:
+    """Raise InputError for a control character in a field that reaches a script."""
+    bad = control_char(value)
+    if bad:
+        raise InputError(f"Invalid value for {what}: control character {bad} "
+                         f"(fields that reach a script may not hold them)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -40,6 +75,7 @@ class Host:
     rendezvous: str = "c10d"
     network: Network = Network()
     env: tuple[tuple[str, str], ...] = ()
+    secret_env: tuple[str, ...] = ()  # names only: values come from the launching shell
     gpus: int | None = None
     line: int | None = None       # where it was defined, for later messages
 
@@ -52,6 +88,7 @@ class SshSettings:
     host_key_policy: str = "strict"
     connect_timeout: float = 10.0
     config: str | None = "~/.ssh/config"
+    keepalive: float = DEFAULT_KEEPALIVE
 
 
 @dataclass(frozen=True)
@@ -77,6 +114,7 @@ class Inventory:
     backend: str = "ssh"
     ssh: SshSettings = SshSettings()
     slurm: SlurmSettings = SlurmSettings()
+    stop_grace: float = DEFAULT_STOP_GRACE
     text: str = ""                 # the file as read, recorded in the run directory
 
     @property
@@ -133,9 +171,10 @@ def dump(inv: Inventory) -> str:
     def host(h: Host) -> dict[str, Any]:
         d = dataclasses.asdict(h)
         d["env"] = dict(h.env)
+        d["secret_env"] = list(h.secret_env)
         d.pop("line")
         return d
-    data = {"source": inv.source, "backend": inv.backend,
+    data = {"source": inv.source, "backend": inv.backend, "stop_grace": inv.stop_grace,
             "ssh": dataclasses.asdict(inv.ssh), "slurm": dataclasses.asdict(inv.slurm),
             "hosts": [host(h) for h in inv.hosts]}
     return yaml.safe_dump(data, sort_keys=False)
@@ -146,6 +185,7 @@ def host_from_dict(d: Mapping[str, Any]) -> Host:
     d = dict(d)
     d["network"] = Network(**d.get("network") or {})
     d["env"] = tuple((d.get("env") or {}).items())
+    d["secret_env"] = tuple(d.get("secret_env") or ())
     return Host(**d)
 
 

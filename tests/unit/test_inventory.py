@@ -73,6 +73,34 @@ BAD = [
     ("hosts: []\n", 1, "hosts", "non-empty list"),
     ("hosts:\n  - {name: a\n", 3, None, "not valid YAML"),
     ("slurm:\n  signal: USR1@60\nhosts: [a]\n", 2, "signal", "USR1 is used by NCCL"),
+    # control characters in fields that reach a script (YAML double quotes make them)
+    ('slurm:\n  partition: "gpu\\ntouch /tmp/x #"\nhosts: [a]\n', 2, "partition", "control character"),
+    ('defaults:\n  workdir: "/w\\rx"\nhosts: [a]\n', 2, "workdir", "control character"),
+    ('defaults:\n  python: "py\\x00"\nhosts: [a]\n', 2, "python", "control character"),
+    ('hosts:\n  - {name: a, user: "bob\\n"}\n', 2, "user", "control character"),
+    ('hosts:\n  - {name: a, identity_file: "k\\tx"}\n', 2, "identity_file", "control character"),
+    ('slurm:\n  job_name: "x\\ey"\nhosts: [a]\n', 2, "job_name", "control character"),
+    ('slurm:\n  account: "a\\u007f"\nhosts: [a]\n', 2, "account", "control character"),
+    ('slurm:\n  time: "1:00\\n"\nhosts: [a]\n', 2, "time", "control character"),
+    ('slurm:\n  constraint: "\\na"\nhosts: [a]\n', 2, "constraint", "control character"),
+    ('slurm:\n  output_dir: "o\\n"\nhosts: [a]\n', 2, "output_dir", "control character"),
+    ('ssh:\n  config: "c\\n"\nhosts: [a]\n', 2, "config", "control character"),
+    ('hosts:\n  - {name: a, address: "10.0.0.1\\n"}\n', 2, "address", "control character"),
+    ('hosts:\n  - {name: a, network: {ifname: "eth0\\n"}}\n', 2, "ifname", "control character"),
+    # names cluster sets itself
+    ("hosts:\n  - name: a\n    env: {CLUSTER_RUN_ID: x}\n", 3, "CLUSTER_RUN_ID", "set by cluster itself"),
+    ("defaults:\n  env: {CLUSTER_NODE: x}\nhosts: [a]\n", 2, "CLUSTER_NODE", "reserved"),
+    ("defaults:\n  env: {MASTER_PORT: '1'}\nhosts: [a]\n", 2, "MASTER_PORT", "master_port"),
+    ("defaults:\n  secret_env: [CLUSTER_NODE]\nhosts: [a]\n", 2, "secret_env", "reserved"),
+    ("defaults:\n  secret_env: ['1X']\nhosts: [a]\n", 2, "secret_env", "not a valid environment"),
+    ("defaults:\n  secret_env: TOKEN\nhosts: [a]\n", 2, "secret_env", "must be a list"),
+    ("defaults:\n  env: {TOKEN: x}\n  secret_env: [TOKEN]\nhosts: [a]\n", 3, "secret_env",
+     "in both 'env' and 'secret_env'"),
+    # job-wide settings are not per host: rejected rather than silently ignored
+    ("hosts:\n  - {name: a, rendezvous: static}\n", 2, "rendezvous", "set it under 'defaults'"),
+    ("hosts:\n  - {name: a, master_port: 29400}\n", 2, "master_port", "set it under 'defaults'"),
+    ("stop_grace: 0\nhosts: [a]\n", 1, "stop_grace", "positive number of seconds"),
+    ("ssh: {keepalive: -1}\nhosts: [a]\n", 1, "keepalive", "positive number of seconds"),
 ]
 
 
@@ -97,6 +125,20 @@ def test_cli_exits_2_and_runs_nothing(tmp_path: Path, monkeypatch, capsys, text,
     err = capsys.readouterr().err
     assert f"{path}:{line}" in err and words in err
     assert not (tmp_path / "runs").exists(), "bad input must not create a run"
+
+
+def test_secret_env_merges_defaults_and_host_names_only() -> None:
+    inv = inventory.parse_yaml("defaults:\n  secret_env: [HF_TOKEN]\nhosts:\n"
+                               "  - {name: a, secret_env: [WANDB_API_KEY]}\n  - b\n", "x.yaml")
+    assert inv.hosts[0].secret_env == ("HF_TOKEN", "WANDB_API_KEY")
+    assert inv.hosts[1].secret_env == ("HF_TOKEN",)
+
+
+def test_timing_settings() -> None:
+    inv = inventory.parse_yaml("stop_grace: 90\nssh: {keepalive: 300}\nhosts: [a]\n", "x.yaml")
+    assert inv.stop_grace == 90.0 and inv.ssh.keepalive == 300.0
+    default = inventory.parse_yaml("hosts: [a]\n", "x.yaml")
+    assert default.stop_grace == 30.0 and default.ssh.keepalive == 60.0
 
 
 def test_hostfile_rejections(tmp_path: Path) -> None:
