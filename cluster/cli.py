@@ -15,7 +15,8 @@ from pathlib import Path
 import click
 
 from . import inventory as inv_mod
-from .errors import ClusterError, InputError
+from .errors import ClusterError, InputError, StopRequested
+from .spec import check_text, reserved_env
 from .plan import Job, Templates
 from .runs import RunDir, new_run_id
 from .watch import Console
@@ -55,8 +56,18 @@ def main() -> None:
 @click.option("--nproc-per-node", type=int, help="Processes per node (overrides the inventory).")
 @click.option("--master-port", type=click.IntRange(1, 65535), help="Rendezvous port on the first node.")
 @click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="Extra environment (repeatable).")
+@click.option("--secret-env", "secret_names", multiple=True, metavar="NAME",
+              help="Pass NAME from this shell to every node without writing its value anywhere (repeatable).")
+@click.option("--stop-grace", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="SIGTERM to SIGKILL when stopping a node (default 30; the inventory's stop_grace).")
+@click.option("--keepalive", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="SSH: silence after which a node counts as lost, and a node stops itself "
+                   "without the launcher (default 60; the inventory's ssh.keepalive).")
 @click.option("--sync", "sync_dir", type=click.Path(file_okay=False, exists=True),
               help="SSH: copy this directory into every node's workdir first (unchanged files skipped).")
+@click.option("--sync-exclude", multiple=True, metavar="PATTERN",
+              help="Leave out of --sync what matches (gitignore syntax, repeatable); "
+                   "DIR/.clusterignore, else DIR/.gitignore, is honoured too.")
 @click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]),
               help="SSH host keys: strict (default) needs known_hosts to match.")
 @click.option("--partition", help="SLURM partition.")
@@ -67,24 +78,30 @@ def main() -> None:
 def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
        backend: str | None, force_local: bool, dry_run: bool, detach: bool,
        templates_dir: str | None, nproc_per_node: int | None, master_port: int | None,
-       env_pairs: tuple[str, ...], sync_dir: str | None, host_key_policy: str | None,
+       env_pairs: tuple[str, ...], secret_names: tuple[str, ...], stop_grace: float | None,
+       keepalive: float | None, sync_dir: str | None, sync_exclude: tuple[str, ...],
+       host_key_policy: str | None,
        partition: str | None, time_limit: str | None, account: str | None,
        max_requeues: int | None, command: tuple[str, ...]) -> None:
     """Start SCRIPT [ARGS...] with torchrun on every node (default: train/train.py)."""
     argv = list(_ARGV or ["cluster", *sys.argv[1:]])
     extra_env = _parse_env(env_pairs)
+    secrets = _parse_secret_names(secret_names, extra_env)
+    for what, value in (("--partition", partition), ("--time", time_limit), ("--account", account),
+                        ("SCRIPT", command[0] if command else None)):
+        if value is not None:
+            check_text(value, what)
     templates = Templates(templates_dir)
     if force_local:
         if backend not in (None, "local"):
             raise InputError("--local and --backend " + backend + " contradict each other")
         backend = "local"
     inventory = _inventory(inventory_path, hosts, exclude, nodes, backend, nproc_per_node, extra_env)
+    inventory = _settings(inventory, secrets, stop_grace, keepalive, host_key_policy)
     backend = backend or inventory.backend
-    if host_key_policy:  # recorded with the run, so status/logs/down connect the same way
-        import dataclasses
-        inventory = dataclasses.replace(
-            inventory, ssh=dataclasses.replace(inventory.ssh, host_key_policy=host_key_policy))
-    if sync_dir and backend != "ssh":
+    from . import launch
+    launch.secret_values(inventory)          # a missing secret stops here: nothing is created
+    if (sync_dir or sync_exclude) and backend != "ssh":
         raise InputError("--sync is for the ssh backend (local and SLURM nodes see this filesystem)")
     run_id = new_run_id()
     script, args, code_dir = _command(command, backend, run_id)
@@ -104,13 +121,12 @@ def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude
     if backend == "local":
         job = Job(run_id=run_id, script=script, args=args, master_port=master_port,
                   node_root=str((run.path / "nodes").resolve()))
-    from . import launch
     if dry_run:
         launch.dry_run(inventory, job, templates, run, backend, argv, console)
         return
     # --sync DIR lands in each node's workdir; the built-in trainer in <workdir>/cluster-train.
     sync = [(d, sub) for d, sub in ((sync_dir, "."), (code_dir, "cluster-train")) if d]
-    impl = _backend(backend, inventory, host_key_policy, sync=sync)
+    impl = _backend(backend, inventory, sync=sync, sync_exclude=sync_exclude)
     try:
         launch.up(inventory, job, templates, impl, run, argv, console, detach=detach)
     finally:
@@ -123,8 +139,44 @@ def _parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
         key, eq, value = pair.partition("=")
         if not eq or not inv_mod.ENV_KEY.match(key):
             raise InputError(f"Invalid value for --env: {pair!r} (expected KEY=VALUE, KEY an identifier)")
+        why = reserved_env(key)
+        if why:
+            raise InputError(f"Invalid value for --env: {why}")
         env[key] = value
     return env
+
+
+def _parse_secret_names(names: tuple[str, ...], env: dict[str, str]) -> tuple[str, ...]:
+    for name in names:
+        if not inv_mod.ENV_KEY.match(name):
+            raise InputError(f"Invalid value for --secret-env: {name!r} is not an environment "
+                             f"variable name (give the NAME; its value comes from this shell)")
+        why = reserved_env(name) or (f"{name} is also given with --env" if name in env else None)
+        if why:
+            raise InputError(f"Invalid value for --secret-env: {why}")
+    return tuple(dict.fromkeys(names))
+
+
+def _settings(inventory: inv_mod.Inventory, secrets: tuple[str, ...], stop_grace: float | None,
+              keepalive: float | None, host_key_policy: str | None) -> inv_mod.Inventory:
+    """Command-line settings over the inventory's; recorded with the run, so that status,
+    logs and down later connect and stop the same way."""
+    import dataclasses
+    ssh = inventory.ssh
+    if host_key_policy:
+        ssh = dataclasses.replace(ssh, host_key_policy=host_key_policy)
+    if keepalive is not None:
+        ssh = dataclasses.replace(ssh, keepalive=keepalive)
+    hosts = inventory.hosts
+    if secrets:
+        clash = sorted({n for h in hosts for n in secrets if n in dict(h.env)})
+        if clash:
+            raise InputError(f"Invalid value for --secret-env: {', '.join(clash)} is set in the "
+                             f"inventory's env too; a secret's value comes only from this shell")
+        hosts = tuple(h.replace(secret_env=tuple(dict.fromkeys(h.secret_env + secrets)))
+                      for h in hosts)
+    return dataclasses.replace(inventory, ssh=ssh, hosts=hosts,
+                               stop_grace=stop_grace or inventory.stop_grace)
 
 
 def _inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: int | None,
@@ -184,13 +236,13 @@ def _command(command: tuple[str, ...], backend: str,
     return str(train_dir / "train.py"), ("--out", str(out)), None
 
 
-def _backend(name: str, inventory: inv_mod.Inventory, host_key_policy: str | None,
-             sync: list[tuple[str, str]]):
+def _backend(name: str, inventory: inv_mod.Inventory, sync: list[tuple[str, str]],
+             sync_exclude: tuple[str, ...] = ()):
     if name == "local":
         from .backends.local import LocalBackend
         return LocalBackend()
     from .backends.ssh import SshBackend
-    return SshBackend(inventory.ssh, host_key_policy=host_key_policy, sync=sync)
+    return SshBackend(inventory.ssh, sync=sync, sync_exclude=sync_exclude)
 
 
 def _recorded_backend(run: RunDir):
@@ -280,6 +332,18 @@ def down(run: str | None) -> None:
         raise ClusterError(f"run {rd.run_id}: not every node could be stopped")
 
 
+def install_stop_handlers() -> None:
+    """SIGINT, SIGTERM and SIGHUP each stop every node, as Ctrl-C does. Installed explicitly:
+    a launcher started with SIGINT ignored (`cluster up &` from a script, some CI runners)
+    inherits that disposition, and Python then never raises KeyboardInterrupt."""
+    import signal
+
+    def stop(signum: int, _frame: object) -> None:
+        raise StopRequested(signum)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def run_cli(args: list[str] | None = None) -> int:
     """Entry point with our error handling: message on stderr, exit code per error class."""
     global _ARGV
@@ -289,19 +353,20 @@ def run_cli(args: list[str] | None = None) -> int:
     except ClusterError as exc:
         click.echo(f"cluster: error: {exc}", err=True)
         return exc.exit_code
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as exc:   # click's wrapping of a KeyboardInterrupt
         click.echo("cluster: interrupted", err=True)
-        return 130
+        return 128 + getattr(exc.__cause__, "signum", 2)
     except click.ClickException as exc:
         exc.show()
         return 2
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         click.echo("cluster: interrupted", err=True)
-        return 130
+        return 128 + getattr(exc, "signum", 2)
     return 0
 
 
 def entry() -> None:
+    install_stop_handlers()
     sys.exit(run_cli())

@@ -8,7 +8,7 @@
     ├── RunFailed                4  a node exited non-zero or was killed; the others were stopped
     ├── NodeLost                 5  the connection to a node was lost; the others were stopped
     ├── BackendError             6  the scheduler or transport refused (sbatch errors, ...)
-    └── Interrupted            130  Ctrl-C; every node was stopped
+    └── Interrupted    128+signal  Ctrl-C (130), SIGTERM (143), SIGHUP (129); every node stopped
 
 Third-party exceptions (paramiko, subprocess) are translated into these at the boundary of the
 module that calls them, so callers only ever catch ClusterError.
@@ -67,7 +67,26 @@ class BackendError(ClusterError):
 
 
 class Interrupted(ClusterError):
+    """A stop was asked for (Ctrl-C, SIGTERM, SIGHUP); exit code 128 + the signal."""
     exit_code = 130
+
+    def __init__(self, message: str, *, signum: int = 2, details: str = "") -> None:
+        super().__init__(message, details=details)
+        self.exit_code = 128 + signum
+
+
+class StopRequested(KeyboardInterrupt):
+    """Raised in the main thread by the launcher's handler for SIGINT, SIGTERM and SIGHUP,
+    so each of them stops every node exactly as Ctrl-C does."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def signum_of(exc: BaseException) -> int:
+    """The signal behind an interruption (a plain KeyboardInterrupt is SIGINT)."""
+    return getattr(exc, "signum", 2)
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 
 from .errors import InputError
-from .spec import Host, Inventory
+from .spec import DEFAULT_STOP_GRACE, Host, Inventory
 
 PORT_BASE, PORT_SPAN = 29500, 1000
 
@@ -31,11 +31,16 @@ class Job:
 
 @dataclass(frozen=True)
 class NodePlan:
-    rank: int
+    rank: int                         # the node's group rank, as torchrun will number it
     host: Host
     script: str                       # the rendered launch script
     run_dir: str                      # per-node directory on that node (may start with ~)
     env: tuple[tuple[str, str], ...]  # the environment the script sets that cluster decided
+
+    @property
+    def secret_env(self) -> tuple[str, ...]:
+        """Names whose values the launcher passes at start, never written anywhere."""
+        return self.host.secret_env
 
     @property
     def label(self) -> str:
@@ -49,12 +54,18 @@ class NodePlan:
 @dataclass(frozen=True)
 class LaunchPlan:
     run_id: str
-    nodes: tuple[NodePlan, ...]
+    nodes: tuple[NodePlan, ...]       # in group-rank order
     master_addr: str
     master_port: int
     rendezvous: str
     script: str
     args: tuple[str, ...]
+    master_name: str = ""             # the inventory's first host: MASTER_ADDR, the store
+    stop_grace: float = DEFAULT_STOP_GRACE
+
+    @property
+    def master(self) -> NodePlan:
+        return next((n for n in self.nodes if n.host.name == self.master_name), self.nodes[0])
 
     def __str__(self) -> str:
         parts = []
@@ -129,10 +140,21 @@ def render(inventory: Inventory, job: Job, templates: Templates) -> LaunchPlan:
     master = inventory.master
     port = job.master_port or master.master_port or derived_port(job.run_id)
     nodes = tuple(_node(rank, host, inventory, job, templates, port)
-                  for rank, host in enumerate(inventory.hosts))
+                  for rank, host in enumerate(rank_order(inventory)))
     return LaunchPlan(run_id=job.run_id, nodes=nodes, master_addr=master.address,
                       master_port=port, rendezvous=master.rendezvous, script=job.script,
-                      args=job.args)
+                      args=job.args, master_name=master.name, stop_grace=inventory.stop_grace)
+
+
+def rank_order(inventory: Inventory) -> tuple[Host, ...]:
+    """The hosts in the order torchrun will number them, so that our labels, log names and
+    CLUSTER_NODE_RANK agree with each node's real group rank. Static rendezvous takes the
+    inventory's order (--node_rank). c10d numbers the nodes that joined by sorting their
+    --local_addr as strings (torch.distributed.elastic's dynamic rendezvous), so 10.0.0.11
+    comes before 10.0.0.9: follow the same order."""
+    if inventory.master.rendezvous == "static":
+        return inventory.hosts
+    return tuple(sorted(inventory.hosts, key=lambda h: h.address))
 
 
 def _node(rank: int, host: Host, inv: Inventory, job: Job, templates: Templates,
@@ -141,12 +163,12 @@ def _node(rank: int, host: Host, inv: Inventory, job: Job, templates: Templates,
     # Gloo takes plain names only; an NCCL list ('^docker0,lo', '=eth0') leaves Gloo unset.
     gloo_ifname = ifname if ifname and re.match(r"^[A-Za-z0-9_.:@-]+$", ifname) else None
     nproc = _nproc(host)
-    user_env = dict(host.env)
+    user_env = {**dict(host.env), **dict.fromkeys(host.secret_env, "")}
     text = templates.render(
         "node.sh.j2", run_id=job.run_id, rank=rank, nnodes=len(inv.hosts), host=host,
         master_addr=inv.master.address, master_port=port, rendezvous=inv.master.rendezvous,
         ifname=ifname, gloo_ifname=gloo_ifname, ib=host.network.ib, env=host.env,
-        user_sets=user_env.__contains__, nproc=nproc, script=job.script, args=job.args)
+        secret_env=host.secret_env, user_sets=user_env.__contains__, nproc=nproc, script=job.script, args=job.args)
     run_dir = (f"{job.node_root}/{host.name}" if job.node_root
                else f"{host.workdir.rstrip('/')}/.cluster/{job.run_id}/{host.name}")
     decided = [("CLUSTER_RUN_ID", job.run_id), ("CLUSTER_NODE", host.name),

@@ -30,13 +30,13 @@ from typing import Any
 import hostlist
 
 from .. import spec
-from ..errors import BackendError, InputError, Interrupted, RunFailed
+from ..errors import BackendError, InputError, Interrupted, RunFailed, signum_of
 from ..spec import Inventory, SlurmSettings
 from ..plan import Job, Templates
-from ..runs import RunDir, git_commit
+from ..runs import RunDir, git_commit, write_private
 from ..sbatch import SbatchPlan, render_sbatch
 from ..watch import Console
-from . import NodeStatus
+from . import NodeStatus, signal_name
 from .slurm_output import Labeller, OutputReader, follow, remember_nodes
 
 # States after which a job never runs again (REQUEUED and PREEMPTED may come back).
@@ -351,13 +351,16 @@ def up(inventory: Inventory, job: Job, templates: Templates, settings: SlurmSett
         return 0
     try:
         info, tail = follow(backend, run, job_id, Path(plan.output), console)
-    except KeyboardInterrupt:
-        console.info(f"interrupted: cancelling job {job_id} (use --detach to leave a job running)")
+    except KeyboardInterrupt as exc:
+        signum = signum_of(exc)
+        console.info(f"interrupted ({signal_name(signum)}): cancelling job {job_id} "
+                     f"(use --detach to leave a job running)")
         backend.cancel(job_id)
         left = backend.wait_gone(job_id, backend.stop_timeout)
-        run.update(final={"state": "CANCELLED", "interrupted": True})
+        run.update(final={"state": "CANCELLED", "interrupted": signal_name(signum)})
         raise Interrupted(f"interrupted; job {job_id} of run {plan.run_id} was cancelled"
-                          + (f" but squeue still lists it as {left.state}" if left else "")) from None
+                          + (f" but squeue still lists it as {left.state}" if left else ""),
+                          signum=signum) from None
     run.update(final=dataclasses.asdict(info))
     if info.state == "COMPLETED" and not info.exit_code:
         console.info(f"run {plan.run_id}: {info.describe()} ({info.source})")
@@ -372,12 +375,9 @@ def record(run: RunDir, plan: SbatchPlan, inventory: Inventory, settings: SlurmS
            argv: list[str], *, dry_run: bool) -> Path:
     """runs/<run-id>/: run.json (backend slurm), the batch script, inventory and environment."""
     script = run.path / "scripts" / SCRIPT_NAME
-    script.write_text(plan.script)
-    (run.path / "inventory.yaml").write_text(
-        spec.dump(dataclasses.replace(inventory, slurm=settings)))
-    if inventory.text:
-        (run.path / "inventory.source").write_text(inventory.text)
-    (run.path / "env.json").write_text(json.dumps({"slurm": dict(plan.env)}, indent=2) + "\n")
+    write_private(script, plan.script)
+    run.write_inventory(dataclasses.replace(inventory, slurm=settings))
+    write_private(run.path / "env.json", json.dumps({"slurm": dict(plan.env)}, indent=2) + "\n")
     meta: dict[str, Any] = {
         "run_id": plan.run_id, "backend": "slurm", "created": time.time(), "command": argv,
         "cwd": plan.workdir, "git_commit": git_commit(), "master_port": plan.master_port,

@@ -8,8 +8,10 @@ python; start() runs the supervisor and streams its output; stop() asks it to st
 from __future__ import annotations
 
 import json
+import queue
 import shlex
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any, Protocol
 
 from ..errors import BackendError, ClusterError, PreflightError
 from ..plan import LaunchPlan, NodePlan, shpath
+from ..spec import DEFAULT_STOP_GRACE
 from . import NodeExit, NodeStatus
 
 SUPERVISOR = Path(__file__).resolve().parent.parent / "remote" / "supervisor.py"
@@ -37,6 +40,9 @@ class Channel(Protocol):
     def read(self) -> bytes:
         """The next chunk of output; b'' once it has ended."""
 
+    def write(self, data: bytes) -> None:
+        """Send bytes to the command's standard input (the supervisor's control channel)."""
+
     def wait(self) -> int | None:
         """The exit status, or None when the connection was lost."""
 
@@ -47,7 +53,7 @@ class Transport(Protocol):
     """One node: run a shell command, start a streaming one, write a file."""
     label: str
 
-    def run(self, command: str, *, timeout: float | None = None) -> Result: ...
+    def run(self, command: str, *, timeout: float | None = None, input: bytes = b"") -> Result: ...
 
     def spawn(self, command: str) -> Channel: ...
 
@@ -94,17 +100,25 @@ class SupervisedNode:
         facts["dir"] = self.dir
         return facts
 
-    def start(self, node: NodePlan, detach: bool) -> "SupervisedProcess | int | None":
-        args = ["run", self.dir, "--run-id", _run_id(node), "--node", node.host.name]
+    def start(self, node: NodePlan, detach: bool, secrets: Mapping[str, str], grace: float,
+              keepalive: float) -> "SupervisedProcess | int | None":
+        """Start the node's supervisor. Its first input line carries the secret environment,
+        so no value ever reaches a file or a command line on the node."""
+        args = ["run", self.dir, "--run-id", _run_id(node), "--node", node.host.name,
+                "--grace", f"{grace:g}"]
+        config = (json.dumps({"env": dict(secrets)}) + "\n").encode()
         if detach:
-            res = self.transport.run(self.supervisor(*args, "--detach"), timeout=60)
+            res = self.transport.run(self.supervisor(*args, "--detach"), timeout=60, input=config)
             if res.code != 0:
                 raise ClusterError(f"start failed: {res.text()}")
             return int(res.stdout.decode().strip() or 0) or None
-        return SupervisedProcess(node, self, self.transport.spawn("exec " + self.supervisor(*args)))
+        channel = self.transport.spawn("exec " + self.supervisor(*args, "--keepalive", f"{keepalive:g}"))
+        channel.write(config)
+        return SupervisedProcess(node, self, channel, grace)
 
-    def stop(self) -> dict[str, Any]:
-        res = self.transport.run(self.supervisor("stop", self.dir), timeout=60)
+    def stop(self, grace: float) -> dict[str, Any]:
+        res = self.transport.run(self.supervisor("stop", self.dir, "--grace", f"{grace:g}"),
+                                 timeout=grace + 60)
         return _json_or_error(res)
 
     def status(self) -> dict[str, Any]:
@@ -130,11 +144,14 @@ def _json_or_error(res: Result) -> dict[str, Any]:
 class SupervisedProcess:
     """A node's supervisor, running and streaming; implements backends.NodeProcess."""
 
-    def __init__(self, node: NodePlan, remote: SupervisedNode, channel: Channel) -> None:
+    def __init__(self, node: NodePlan, remote: SupervisedNode, channel: Channel,
+                 grace: float) -> None:
         self.node = node
         self.remote = remote
         self.channel = channel
+        self.grace = grace
         self.pgid: int | None = None
+        self.ended = False
 
     def output(self) -> Iterator[bytes]:
         first = True
@@ -151,6 +168,7 @@ class SupervisedProcess:
 
     def wait(self) -> NodeExit:
         code = self.channel.wait()
+        self.ended = True
         if code is None:
             return NodeExit(lost=True, reason=f"no exit status from {self.remote.transport.label}")
         if code > 128 and code - 128 < 65:
@@ -159,24 +177,39 @@ class SupervisedProcess:
 
     def stop(self) -> dict[str, Any]:
         try:
-            return self.remote.stop()
+            return self.remote.stop(self.grace)
         except ClusterError as exc:
             return {"error": str(exc)}
+
+    def heartbeat(self) -> None:
+        """One beat to the node's supervisor, which stops the node when they cease."""
+        if not self.ended:
+            try:
+                self.channel.write(b"\n")
+            except Exception:  # a broken channel shows up in wait(); a beat is best effort
+                self.ended = True
 
 
 # --- the shared backend flow for supervised nodes ---------------------------------------------
 
 
 class SupervisedBackend:
-    """Check all, then start all, over one Transport per node (made by `connect`)."""
+    """Check all, then start all, over one Transport per node (made by `connect`).
+
+    keepalive: seconds a started node's supervisor waits for the launcher's heartbeat before
+    it stops the node by itself (0: it waits for its connection to close instead)."""
 
     name = "supervised"
 
-    def __init__(self, connect: Callable[[Any], Transport], max_workers: int = 64) -> None:
+    def __init__(self, connect: Callable[[Any], Transport], max_workers: int = 64,
+                 keepalive: float = 0.0) -> None:
         self._connect = connect
         self._transports: dict[str, Transport] = {}
         self._nodes: dict[str, SupervisedNode] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_workers)
+        self.keepalive = keepalive
+        self._beating: list[SupervisedProcess] = []
+        self._closed = threading.Event()
 
     def transport(self, host: Any) -> Transport:
         if host.name not in self._transports:
@@ -186,7 +219,7 @@ class SupervisedBackend:
     def check(self, plan: LaunchPlan) -> dict[str, dict[str, Any]]:
         def one(node: NodePlan) -> dict[str, Any]:
             remote = SupervisedNode(self.transport(node.host), node.host.python, node.run_dir)
-            probe = (plan.master_addr, plan.master_port) if node.rank == 0 else None
+            probe = (plan.master_addr, plan.master_port) if node is plan.master else None
             facts = remote.prepare(node, probe)
             self._nodes[node.host.name] = remote
             return facts
@@ -203,17 +236,43 @@ class SupervisedBackend:
                                  f"nothing was started ({ok} ready)", details=lines)
         return results
 
-    def start(self, plan: LaunchPlan, *, detach: bool = False) -> list[Any]:
-        results = self.each(plan.nodes, lambda n: self._nodes[n.host.name].start(n, detach))
+    def start(self, plan: LaunchPlan, *, detach: bool = False,
+              secrets: Mapping[str, Mapping[str, str]] | None = None) -> list[Any]:
+        """Start every node; if one cannot be started, stop the ones that were (attached or
+        detached alike) and raise, naming each failure."""
+        secrets = secrets or {}
+
+        def one(n: NodePlan) -> Any:
+            return self._nodes[n.host.name].start(n, detach, secrets.get(n.host.name, {}),
+                                                  plan.stop_grace, self.keepalive)
+        results = self.each(plan.nodes, one)
         failed = [(n, r) for n, r in results if isinstance(r, Exception)]
         if failed:
-            started = [r for _, r in results if isinstance(r, SupervisedProcess)]
-            for p in started:
-                p.stop()
-            lines = "\n".join(f"  {n.label}: {r}" for n, r in failed)
-            raise BackendError("could not start every node; the started ones were stopped",
-                               details=lines)
-        return [r for _, r in results]
+            started = [n for n, r in results if not isinstance(r, Exception)]
+            reports = self.each(started, lambda n: self._nodes[n.host.name].stop(plan.stop_grace))
+            left = {n.label: r for n, r in reports
+                    if isinstance(r, Exception) or r.get("error") or r.get("left")}
+            lines = [f"  {n.label}: {r}" for n, r in failed]
+            lines += [f"  {label}: NOT stopped: {r}" for label, r in left.items()]
+            outcome = ("the started ones were stopped" if not left
+                       else f"{len(left)} started node(s) could NOT be stopped")
+            raise BackendError(f"could not start every node; {outcome}", details="\n".join(lines))
+        procs = [r for _, r in results]
+        if not detach and self.keepalive > 0:
+            self._beat(procs)
+        return procs
+
+    def _beat(self, procs: list[Any]) -> None:
+        """One thread for the whole run sends each node's supervisor a heartbeat a few times per
+        keepalive period; a node cut off from it stops itself when they cease."""
+        self._beating = [p for p in procs if isinstance(p, SupervisedProcess)]
+        interval = max(0.2, self.keepalive / 4)
+
+        def loop() -> None:
+            while not self._closed.wait(interval):
+                for proc in self._beating:
+                    proc.heartbeat()
+        threading.Thread(target=loop, daemon=True, name="cluster-heartbeat").start()
 
     def each(self, nodes: Any, fn: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
         """fn on every node at once; every node reports (a result or its exception)."""
@@ -230,8 +289,9 @@ class SupervisedBackend:
     # -- recorded runs --
 
     def stop_run(self, run: Any) -> dict[str, dict[str, Any]]:
+        grace = float(run.meta().get("stop_grace", DEFAULT_STOP_GRACE))
         nodes = self._recorded_safe(run)
-        results = self.each(nodes, lambda rn: rn[1].stop() if rn[1] else {"error": rn[2]})
+        results = self.each(nodes, lambda rn: rn[1].stop(grace) if rn[1] else {"error": rn[2]})
         return {rn[0]["name"]: (r if not isinstance(r, Exception) else {"error": str(r)})
                 for rn, r in results}
 
@@ -245,24 +305,49 @@ class SupervisedBackend:
             if "error" in info:
                 rows.append(NodeStatus(rec["rank"], rec["name"], "unreachable", detail=info["error"]))
                 continue
+            detail = "; ".join(x for x in (f"signal {info['signal']}" if info.get("signal") else "",
+                                           info.get("reason") or "") if x)
             rows.append(NodeStatus(rec["rank"], rec["name"], info.get("state", "unknown"),
                                    code=info.get("code"), pid=info.get("pgid"),
-                                   uptime=info.get("uptime"),
-                                   detail=f"signal {info['signal']}" if info.get("signal") else ""))
+                                   uptime=info.get("uptime"), detail=detail))
         return rows
 
     def logs(self, run: Any, *, node: str | None = None,
              follow: bool = False) -> Iterator[tuple[str, bytes]]:
-        for rec, remote, err in self._recorded_safe(run):
-            if node and rec["name"] != node:
-                continue
-            label = f"{rec['name']} {rec['rank']}"
+        """Saved output node by node; following, every node at once, interleaved as lines
+        arrive (one reader per node)."""
+        chosen = [(rec, remote, err) for rec, remote, err in self._recorded_safe(run)
+                  if not node or rec["name"] == node]
+        for rec, remote, err in chosen:
             if remote is None:
-                raise ClusterError(f"{label}: {err}")
-            ch = remote.logs(follow)
-            while data := ch.read():
-                yield label, data
-            ch.wait()
+                raise ClusterError(f"{rec['name']} {rec['rank']}: {err}")
+        if not follow:
+            for rec, remote, _ in chosen:
+                ch = remote.logs(False)
+                while data := ch.read():
+                    yield f"{rec['name']} {rec['rank']}", data
+                ch.wait()
+            return
+        chunks: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
+
+        def read(rec: dict[str, Any], remote: SupervisedNode) -> None:
+            label = f"{rec['name']} {rec['rank']}"
+            try:
+                ch = remote.logs(follow)
+                while data := ch.read():
+                    chunks.put((label, data))
+                ch.wait()
+            finally:
+                chunks.put(None)
+        for rec, remote, _ in chosen:
+            threading.Thread(target=read, args=(rec, remote), daemon=True).start()
+        running = len(chosen)
+        while running:
+            item = chunks.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
 
     def _recorded_safe(self, run: Any) -> list[tuple[dict[str, Any], SupervisedNode | None, str]]:
         hosts = {h.name: h for h in run.hosts()}
@@ -277,6 +362,7 @@ class SupervisedBackend:
         return out
 
     def close(self) -> None:
+        self._closed.set()
         for t in self._transports.values():
             try:
                 t.close()

@@ -69,10 +69,41 @@ def test_templates_override(in_tmp: Path, capsys) -> None:
     (["up", "--backend", "ssh"], "needs -i/--inventory or --hosts"),
     (["up", "--templates", "missing-dir", "--dry-run"], "--templates"),
     (["status"], "no runs"),
+    (["up", "--env", "CLUSTER_RUN_ID=x", "--dry-run"], "reserved"),
+    (["up", "--env", "MASTER_ADDR=10.0.0.1", "--dry-run"], "set by cluster itself"),
+    (["up", "--secret-env", "CLUSTER_NODE", "--dry-run"], "reserved"),
+    (["up", "--secret-env", "A=B", "--dry-run"], "give the NAME"),
+    (["up", "--secret-env", "T", "--env", "T=1", "--dry-run"], "also given with --env"),
+    (["up", "--backend", "slurm", "--partition", "gpu\ntouch /tmp/x #", "--dry-run"],
+     "Invalid value for --partition: control character '\\n'"),
+    (["up", "--backend", "slurm", "--time", "1:00\r", "--dry-run"], "Invalid value for --time"),
+    (["up", "--backend", "slurm", "--account", "a\x00", "--dry-run"], "Invalid value for --account"),
+    (["up", "--dry-run", "--", "train\n.py"], "Invalid value for SCRIPT"),
+    (["up", "--secret-env", "UNSET_SECRET_FOR_THIS_TEST", "--dry-run"], "not set in this shell"),
 ])
 def test_bad_options_exit_2(in_tmp: Path, capsys, args: list[str], words: str) -> None:
     assert run_cli(args) == 2
     assert words in capsys.readouterr().err
+    assert not (in_tmp / "runs").exists(), "bad input must not create a run"
+    assert not (in_tmp / "slurm-logs").exists()
+
+
+def test_secret_env_value_is_never_written_or_printed(in_tmp: Path, capsys, monkeypatch) -> None:
+    secret = "s3cr3t-value-" + "x" * 20
+    monkeypatch.setenv("HF_TOKEN", secret)
+    inv = in_tmp / "inv.yaml"
+    inv.write_text("defaults: {secret_env: [WANDB_API_KEY]}\nhosts: [gpu-a, gpu-b]\n")
+    monkeypatch.setenv("WANDB_API_KEY", secret + "-2")
+    assert run_cli(["up", "-i", str(inv), "--secret-env", "HF_TOKEN", "--dry-run", "--", "t.py"]) == 0
+    captured = capsys.readouterr()
+    assert secret not in captured.out + captured.err
+    assert "never written" in captured.out and "HF_TOKEN" in captured.out
+    run = RunDir.find(None, in_tmp / "runs")
+    files = [p for p in run.path.rglob("*") if p.is_file()]
+    assert files
+    for f in files:
+        assert secret.encode() not in f.read_bytes(), f
+    assert run.meta()["secret_env"] == ["HF_TOKEN", "WANDB_API_KEY"]
 
 
 def test_hosts_without_inventory_uses_hostlist(in_tmp: Path, capsys) -> None:

@@ -60,8 +60,8 @@ class SshBackend(SupervisedBackend):
     name = "ssh"
 
     def __init__(self, settings: SshSettings | None = None, *, host_key_policy: str | None = None,
-                 sync: Iterable[str | tuple[str, str]] = (), warn: Callable[[str], None] | None = None,
-                 max_workers: int = 64) -> None:
+                 sync: Iterable[str | tuple[str, str]] = (), sync_exclude: Iterable[str] = (),
+                 warn: Callable[[str], None] | None = None, max_workers: int = 64) -> None:
         self.settings = settings or SshSettings()
         self.policy = host_key_policy or self.settings.host_key_policy
         if self.policy not in ("strict", "accept-new", "off"):
@@ -70,9 +70,10 @@ class SshBackend(SupervisedBackend):
         self.warn = warn or _stderr_warn
         self.sync: list[tuple[str, str]] = [(s, ".") if isinstance(s, str) else (s[0], s[1])
                                             for s in sync]
+        self.sync_exclude = list(sync_exclude)
         self.config = fabric_config(self.settings.config)
         self.synced: dict[str, list[dict[str, Any]]] = {}
-        super().__init__(self._connect, max_workers=max_workers)
+        super().__init__(self._connect, max_workers=max_workers, keepalive=self.settings.keepalive)
 
     def _connect(self, host: Host) -> SshTransport:
         return SshTransport(host, self.settings, self.policy, self.config, self.warn)
@@ -90,7 +91,11 @@ class SshBackend(SupervisedBackend):
                 remote = node.host.workdir.rstrip("/") or "/"
                 if sub not in ("", "."):
                     remote = f"{remote}/{sub}"
-                reports.append(sync_dir(transport, local, remote))
+                reports.append(sync_dir(transport, local, remote, self.sync_exclude))
             return reports
         results = self.each_or_fail(plan.nodes, one)
         self.synced = {n.host.name: r for n, r in results}
+        skipped = sorted({link for _, reps in results for r in reps for link in r["skipped_links"]})
+        if skipped:
+            self.warn(f"sync: skipped {len(skipped)} symbolic link(s) leading out of the synced "
+                      f"directory: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")

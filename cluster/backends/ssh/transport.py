@@ -20,8 +20,7 @@ from .errors import Attempt, SshError, translate
 from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, _off_warned,
                        _split_files, known_hosts_for)
 
-KEEPALIVE_S = 5.0
-KEEPALIVE_MISSES = 3                  # no answer for 3 intervals: the node is gone
+KEEPALIVE_PROBES = 4                  # probes per keepalive period
 
 
 def fabric_config(path: str | None) -> Config:
@@ -43,6 +42,12 @@ class SshChannel:
             return self.chan.recv(65536)
         except (OSError, EOFError, paramiko.SSHException):
             return b""
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.chan.sendall(data)
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            raise ClusterError(f"cannot write to the node: {exc}") from None
 
     def wait(self) -> int | None:
         self.chan.status_event.wait()
@@ -115,7 +120,7 @@ class SshTransport:
                 raise
             raise translate(exc, at, self.known) from None
         transport = conn.transport
-        transport.set_keepalive(int(KEEPALIVE_S))
+        transport.set_keepalive(max(1, int(self._probe_interval())))
         threading.Thread(target=self._heartbeat, args=(transport,), daemon=True,
                          name=f"ssh-heartbeat-{self.label}").start()
         return conn
@@ -176,10 +181,15 @@ class SshTransport:
                                              and os.environ.get("SSH_AUTH_SOCK")),
                        timeout=timeout, known_hosts=files)
 
+    def _probe_interval(self) -> float:
+        return max(0.2, float(self.settings.keepalive) / KEEPALIVE_PROBES)
+
     def _heartbeat(self, transport: paramiko.Transport) -> None:
-        """Ask for a reply every KEEPALIVE_S; none for KEEPALIVE_MISSES intervals closes the
-        transport, which ends every channel (Channel.wait() -> None: the node is lost)."""
-        while not self._closed.wait(KEEPALIVE_S):
+        """Ask the node for a reply a few times per keepalive period (ssh.keepalive); no reply
+        for a whole period closes the transport, which ends every channel (Channel.wait() ->
+        None: the node is lost)."""
+        timeout = float(self.settings.keepalive)
+        while not self._closed.wait(self._probe_interval()):
             if not transport.is_active():
                 return
             answered = threading.Event()
@@ -190,9 +200,9 @@ class SshTransport:
                 finally:
                     answered.set()
             threading.Thread(target=ask, daemon=True).start()
-            if not answered.wait(KEEPALIVE_S * KEEPALIVE_MISSES):
-                self.warn(f"[{self.label}] no answer over SSH for "
-                          f"{KEEPALIVE_S * KEEPALIVE_MISSES:g} s; treating the node as lost")
+            if not answered.wait(timeout):
+                self.warn(f"[{self.label}] no answer over SSH for {timeout:g} s (ssh.keepalive); "
+                          f"treating the node as lost")
                 transport.close()
                 return
 
@@ -206,9 +216,11 @@ class SshTransport:
 
     # -- the Transport protocol --
 
-    def run(self, command: str, *, timeout: float | None = None) -> Result:
+    def run(self, command: str, *, timeout: float | None = None, input: bytes = b"") -> Result:
         chan = self._session()
         chan.exec_command(command)
+        if input:
+            chan.sendall(input)
         chan.shutdown_write()
         out, err = bytearray(), bytearray()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -268,15 +280,21 @@ class SshTransport:
             raise ClusterError(f"{self.label}: cannot write {path}: {exc}") from None
 
     def upload(self, local: Path, path: str, mode: int, mtime: int) -> None:
-        """Copy a local file to path, with its mode and modification time (for --sync)."""
+        """Copy a local file to path, with its mode and modification time (for --sync). It is
+        written under a temporary name and renamed into place, so a reader (or a run started
+        meanwhile) never sees half a file."""
         sftp = self.sftp()
+        target = sftp_path(path)
+        tmp = posixpath.join(posixpath.dirname(target),
+                             f".{posixpath.basename(target)}.cluster-tmp-{os.getpid()}")
         try:
-            with open(local, "rb") as src, sftp.open(path, "wb") as dst:
+            with open(local, "rb") as src, sftp.open(tmp, "wb") as dst:
                 dst.set_pipelined(True)
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
-            sftp.chmod(path, mode)
-            sftp.utime(path, (mtime, mtime))
+            sftp.chmod(tmp, mode)
+            sftp.utime(tmp, (mtime, mtime))
+            sftp.posix_rename(tmp, target)
         except (OSError, paramiko.SSHException, EOFError) as exc:
             raise ClusterError(f"sync: cannot copy {local} to {self.label}:{path}: {exc}") from None
 
