@@ -111,7 +111,8 @@ def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude
 
     if backend == "slurm":
         from .backends import slurm
-        settings = slurm.cli_settings(inventory.slurm, nodes=nodes, partition=partition,
+        count = None if inventory.slurm.nodelist else nodes    # a nodelist fixed the count
+        settings = slurm.cli_settings(inventory.slurm, nodes=count, partition=partition,
                                       time=time_limit, account=account, max_requeues=max_requeues)
         code = slurm.up(inventory, job, templates, settings, argv=argv, console=console,
                         dry_run=dry_run, detach=detach, nproc_per_node=nproc_per_node)
@@ -192,15 +193,38 @@ def _inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: 
     elif path is None:
         if backend == "slurm":
             inventory = inv_mod.Inventory(hosts=(inv_mod.Host(name="slurm", address="slurm"),),
-                                          backend="slurm")
-            return _override(inventory, nproc, extra_env)
+                                          backend="slurm", hosts_given=False)
+            return _override(_slurm_nodes(inventory, nodes, None, exclude), nproc, extra_env)
         raise InputError(f"the {backend} backend needs -i/--inventory or --hosts")
     else:
         inventory = inv_mod.load(path)
-    if backend == "slurm" or inventory.backend == "slurm":
-        # SLURM picks the nodes; --nodes is the count to ask for, not a slice of the list.
-        return _override(inventory.select(hosts=hosts, exclude=exclude), nproc, extra_env)
+    if backend == "slurm" or (backend is None and inventory.backend == "slurm"):
+        return _override(_slurm_nodes(inventory, nodes, hosts, exclude), nproc, extra_env)
     return _override(inventory.select(nodes=nodes, hosts=hosts, exclude=exclude), nproc, extra_env)
+
+
+def _slurm_nodes(inventory: inv_mod.Inventory, nodes: int | None, hosts: str | None,
+                 exclude: str | None) -> inv_mod.Inventory:
+    """Which nodes SLURM may use. Hosts the inventory lists (narrowed by --hosts, --exclude and
+    --nodes, as over SSH) become --nodelist; with none listed SLURM chooses, --hosts becomes
+    --nodelist, --exclude --exclude and --nodes the count."""
+    import dataclasses
+    import hostlist
+    slurm = inventory.slurm
+    if inventory.hosts_given:
+        chosen = inventory.select(nodes=nodes, hosts=hosts, exclude=exclude)
+        names = [h.name for h in chosen.hosts]
+        slurm = dataclasses.replace(slurm, nodelist=hostlist.collect_hostlist(names),
+                                    nodes=len(names))
+        return dataclasses.replace(chosen, slurm=slurm)
+    if hosts:
+        names = inv_mod.expand_names(hosts, "--hosts")
+        slurm = dataclasses.replace(slurm, nodelist=hostlist.collect_hostlist(names),
+                                    nodes=max(len(names), nodes or slurm.nodes or 1))
+    if exclude:
+        slurm = dataclasses.replace(slurm, exclude=hostlist.collect_hostlist(
+            inv_mod.expand_names(exclude, "--exclude")))
+    return dataclasses.replace(inventory, slurm=slurm)
 
 
 def _override(inventory: inv_mod.Inventory, nproc: int | None,

@@ -198,15 +198,17 @@ class _Parser:
         if backend == "slurm" and not data.get("hosts"):
             # SLURM chooses the nodes: one placeholder host carries the defaults.
             hosts: tuple[Host, ...] = (base.replace(name="slurm", address="slurm"),)
+            given = False
         elif "hosts" not in data:
             raise InventoryError(self.source, data.line, "hosts", "missing required key 'hosts'")
         else:
             hosts = self.hosts(data["hosts"], data, base)
+            given = True
         ssh = self.ssh(self.mapping(data["ssh"], data, "ssh")) if "ssh" in data else SshSettings()
         slurm = self.slurm(self.mapping(data["slurm"], data, "slurm")) if "slurm" in data else SlurmSettings()
         grace = self.seconds(data, "stop_grace") if "stop_grace" in data else DEFAULT_STOP_GRACE
         return Inventory(hosts=hosts, source=self.source, backend=backend, ssh=ssh, slurm=slurm,
-                         stop_grace=grace, text=text)
+                         stop_grace=grace, text=text, hosts_given=given)
 
     def hosts(self, value: Any, where: _Map, base: Host) -> tuple[Host, ...]:
         if not isinstance(value, _List) or not value:

@@ -183,6 +183,7 @@ def git_commit(cwd: str | None = None) -> str | None:
     if out.returncode != 0:
         return None
     commit = out.stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=cwd, capture_output=True,
-                           text=True, timeout=5).stdout.strip()
+    # Changed tracked files make a tree dirty; untracked ones (runs/ itself) do not.
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                           capture_output=True, text=True, timeout=5).stdout.strip()
     return commit + ("-dirty" if dirty else "")

@@ -7,12 +7,11 @@ the same inputs always give the same text (golden files in tests/unit/golden/sba
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError
-from .spec import Inventory, SlurmSettings
+from .spec import Inventory, SlurmSettings, control_char
 from .plan import Job, Templates, derived_port
 
 TEMPLATE = "sbatch.sh.j2"
@@ -35,6 +34,33 @@ class SbatchPlan:
 
     def __str__(self) -> str:
         return self.script
+
+
+SBATCH_BARE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+$")
+# sbatch reads these words anywhere in a #SBATCH line as the separator of a heterogeneous job.
+SBATCH_SEPARATORS = ("packjob", "hetjob")
+
+
+def sbatch_quote(value: object) -> str:
+    """A value as sbatch's own #SBATCH parser reads it back unchanged. That parser is not a
+    shell: a backslash escapes the next character even inside quotes, and '#' outside quotes
+    starts a comment. Double quotes with backslash-escaped '\\' and '"' survive it."""
+    text = str(value)
+    if SBATCH_BARE.match(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def check_sbatch_value(key: str, value: object) -> None:
+    text = str(value)
+    bad = control_char(text)
+    if bad:
+        raise InputError(f"Invalid value for slurm.{key}: control character {bad}")
+    lowered = text.lower()
+    for word in SBATCH_SEPARATORS:
+        if word in lowered:
+            raise InputError(f"Invalid value for slurm.{key}: {text!r} contains {word!r}, which "
+                             f"sbatch reads in a #SBATCH line as a heterogeneous-job separator")
 
 
 def signal_parts(signal: str) -> tuple[str, str]:
@@ -74,15 +100,19 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
             opts["gpus-per-node"] = settings.gpus_per_node
     for key, value in (("cpus-per-task", settings.cpus_per_task), ("time", settings.time),
                        ("partition", settings.partition), ("account", settings.account),
-                       ("constraint", settings.constraint)):
+                       ("constraint", settings.constraint), ("nodelist", settings.nodelist),
+                       ("exclude", settings.exclude)):
         if value is not None:
             opts[key] = value
-    options = tuple(sorted(f"--{k}" if v is None else f"--{k}={shlex.quote(str(v))}"
+    for key, value in opts.items():
+        if value is not None:
+            check_sbatch_value(key, value)
+    options = tuple(sorted(f"--{k}" if v is None else f"--{k}={sbatch_quote(v)}"
                            for k, v in opts.items()))
 
     # The same interface policy as node.sh.j2: the inventory's ifname for NCCL (a list such as
     # '^docker0,lo' is NCCL-only), the user's own variables win, the rest is detected per node.
-    user_env = dict(host.env)
+    user_env = {**dict(host.env), **dict.fromkeys(host.secret_env, "")}
     ifname = host.network.ifname
     plain = ifname if ifname and re.match(r"^[A-Za-z0-9_.:@-]+$", ifname) else None
     nccl_ifname = ifname if "NCCL_SOCKET_IFNAME" not in user_env else None
@@ -93,7 +123,7 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
         TEMPLATE, run_id=job.run_id, nodes=nodes, options=options,
         cpus_per_task=settings.cpus_per_task is not None, master_port=port,
         nccl_ifname=nccl_ifname, gloo_ifname=gloo_ifname, detect_nccl=detect_nccl,
-        detect_gloo=detect_gloo, ib=host.network.ib, env=host.env,
+        detect_gloo=detect_gloo, ib=host.network.ib, env=host.env, secret_env=host.secret_env,
         user_sets=user_env.__contains__, nproc=nproc, python=host.python, script=job.script,
         args=job.args, signal=signal, signal_option=signal_option,
         max_requeues=settings.max_requeues)

@@ -105,6 +105,8 @@ class SlurmSettings:
     output_dir: str = "slurm-logs"
     job_name: str | None = None
     constraint: str | None = None
+    nodelist: str | None = None    # hostlist of the nodes to run on (--hosts, or the inventory's)
+    exclude: str | None = None     # hostlist of nodes never to use (--exclude)
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class Inventory:
     slurm: SlurmSettings = SlurmSettings()
     stop_grace: float = DEFAULT_STOP_GRACE
     text: str = ""                 # the file as read, recorded in the run directory
+    hosts_given: bool = True       # False: SLURM chooses the nodes (one placeholder host)
 
     @property
     def master(self) -> Host:

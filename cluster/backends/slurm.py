@@ -56,6 +56,32 @@ class Completed:
     stderr: str
 
 
+# What slurmctld says when it is briefly out of reach (busy, restarting, failing over): worth
+# asking again, unlike a refusal.
+TRANSIENT = re.compile(r"Socket timed out|Unable to contact slurm controller|Connection refused|"
+                       r"Connection reset|Zero Bytes were transmitted|Resource temporarily "
+                       r"unavailable|Transport endpoint|Communication connection failure|"
+                       r"did not answer within|Slurm backup controller in standby", re.I)
+# Queries and scancel may be repeated safely; sbatch may not (a timeout may hide a submission).
+IDEMPOTENT = frozenset({"squeue", "sacct", "scontrol", "scancel", "sinfo"})
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Backoff for SLURM calls that fail for a moment: waits 1, 2, 4 ... up to `cap` seconds
+    between tries, for at most `budget` seconds in all."""
+    budget: float = 300.0
+    first: float = 1.0
+    cap: float = 30.0
+
+    def delays(self) -> Iterator[float]:
+        delay, spent = self.first, 0.0
+        while spent + delay <= self.budget:
+            yield delay
+            spent += delay
+            delay = min(self.cap, delay * 2)
+
+
 class SlurmCommands:
     """Runs one SLURM program and returns what it said. The only place that starts them."""
 
@@ -135,19 +161,50 @@ class SlurmBackend:
     name = "slurm"
 
     def __init__(self, commands: SlurmCommands | None = None, *, poll: float = 1.0,
-                 stop_timeout: float = 120.0, sleep: Callable[[float], None] = time.sleep) -> None:
+                 max_poll: float = 15.0, stop_timeout: float = 120.0,
+                 sleep: Callable[[float], None] = time.sleep, retry: Retry = Retry(),
+                 warn: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.commands = commands or SlurmCommands()
-        self.poll = poll
+        self.poll = poll                 # first interval between squeue calls while following
+        self.max_poll = max_poll         # ... growing to this while nothing changes
         self.stop_timeout = stop_timeout
         self.sleep = sleep
+        self.retry = retry
+        self.warn = warn or (lambda text: None)
+        self.clock = clock
 
     def _run(self, *argv: str) -> Completed:
-        return self.commands.run(argv)
+        """One SLURM call; a query that meets a controller out of reach is asked again with
+        backoff (Retry), so one slurmctld timeout never ends the following of a running job."""
+        if argv[0] not in IDEMPOTENT:
+            return self.commands.run(argv)
+        delays = self.retry.delays()
+        while True:
+            try:
+                result = self.commands.run(argv)
+                problem = result.stderr if result.code != 0 and TRANSIENT.search(result.stderr) else ""
+            except BackendError as exc:
+                if not TRANSIENT.search(str(exc)):
+                    raise
+                result, problem = None, str(exc)
+            if not problem:
+                assert result is not None
+                return result
+            delay = next(delays, None)
+            if delay is None:
+                if result is not None:
+                    return result
+                raise BackendError(f"{argv[0]} kept failing for {self.retry.budget:.0f} s: {problem}")
+            self.warn(f"{argv[0]} failed ({problem.strip()[:200]}); asking again in {delay:g} s")
+            self.sleep(delay)
 
     # -- submit, query, cancel --
 
-    def submit(self, script: Path) -> str:
-        r = self._run("sbatch", "--parsable", str(script))
+    def submit(self, script: Path, *, export_all: bool = False) -> str:
+        """sbatch the script; export_all makes sure the submitting shell's environment (the
+        secret_env values among it) reaches the job even where SBATCH_EXPORT says otherwise."""
+        r = self._run("sbatch", "--parsable", *(["--export=ALL"] if export_all else []), str(script))
         if r.code != 0:
             said = (r.stderr.strip() or r.stdout.strip() or "(no output)")
             raise BackendError(f"sbatch refused the job script {script} (exit code {r.code}):\n{said}")
@@ -341,7 +398,7 @@ def up(inventory: Inventory, job: Job, templates: Templates, settings: SlurmSett
         return 0
     backend = backend or SlurmBackend()
     Path(plan.output).parent.mkdir(parents=True, exist_ok=True)   # SLURM will not create it
-    job_id = backend.submit(script)
+    job_id = backend.submit(script, export_all=bool(inventory.master.secret_env))
     run.update(slurm={**run.meta()["slurm"], "job_id": job_id, "submitted": time.time()})
     console.info(f"run {plan.run_id}: submitted job {job_id} ({plan.nodes} node(s)); "
                  f"output {plan.output}")

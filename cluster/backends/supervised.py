@@ -250,6 +250,8 @@ class SupervisedBackend:
         if failed:
             started = [n for n, r in results if not isinstance(r, Exception)]
             reports = self.each(started, lambda n: self._nodes[n.host.name].stop(plan.stop_grace))
+            for proc in (r for _, r in results if isinstance(r, SupervisedProcess)):
+                proc.channel.close()       # and EOF: a supervisor still starting stops itself
             left = {n.label: r for n, r in reports
                     if isinstance(r, Exception) or r.get("error") or r.get("left")}
             lines = [f"  {n.label}: {r}" for n, r in failed]

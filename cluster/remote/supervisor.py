@@ -309,6 +309,12 @@ def run(args):
     write_atomic(d, "tag", json.dumps({"run_id": args.run_id, "node": args.node}))
     if args.detach and daemonize(d):
         return 0
+    if os.path.exists(path(d, "stop-requested")):
+        # A stop raced this start (another node failed to start): never begin.
+        write_atomic(d, "exit", json.dumps({"code": None, "signal": None, "ended": time.time(),
+                                            "leftovers": [], "stopped": True,
+                                            "reason": "stop requested before the start"}))
+        return 143
     env = dict(os.environ, **secret_env)
     env.update(CLUSTER_RUN_ID=args.run_id, CLUSTER_NODE=args.node)
     log = os.fdopen(os.open(path(d, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),

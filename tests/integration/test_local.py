@@ -79,8 +79,7 @@ def test_failing_rank_stops_the_other_node(tmp_path: Path) -> None:
                   "--fail-rank", "1", "--sleep", "120")
     assert time.monotonic() - t0 < 60, "the healthy node must not wait out its sleep"
     assert res.returncode == 4, res.stderr
-    assert "node [local1 1] failed first: exit code 1" in res.stderr or \
-        "node [local1 1] failed first" in res.stderr
+    assert "node [local1 1] failed first: exit code 1" in res.stderr, res.stderr
     assert "stopping the other 1 node(s)" in res.stderr
     run_id = only_run(tmp_path).name
     assert run_processes(run_id) == []

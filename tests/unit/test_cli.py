@@ -30,13 +30,28 @@ def test_dry_run_prints_every_script_and_records_the_run(in_tmp: Path, capsys) -
     meta = run.meta()
     assert meta["dry_run"] is True and meta["backend"] == "ssh"
     assert meta["command"][-3:] == ["train.py", "--lr", "0.1 x"]
-    assert "git_commit" in meta
+    assert meta["git_commit"] is None, "the working directory is no git checkout"
     scripts = sorted(p.name for p in (run.path / "scripts").iterdir())
     assert scripts == ["0-gpu-a.sh", "1-gpu-b.sh"]
     env = json.loads((run.path / "env.json").read_text())
     assert env["gpu-b"]["FOO"] == "bar" and env["gpu-a"]["MASTER_ADDR"] == "10.0.0.11"
     assert "gpu-a" in (run.path / "inventory.yaml").read_text()
     assert (run.path / "inventory.source").read_text() == (REPO / "inventory" / "example.yaml").read_text()
+
+
+def test_run_records_the_git_commit_of_the_working_tree(in_tmp: Path, capsys) -> None:
+    import subprocess
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (in_tmp / "train.py").write_text("print(1)\n")
+    subprocess.run([*git, "add", "train.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert run_cli(["up", "--hosts", "a", "--dry-run", "--", "train.py"]) == 0
+    assert RunDir.find(None, in_tmp / "runs").meta()["git_commit"] == head
+    (in_tmp / "train.py").write_text("print(2)\n")
+    assert run_cli(["up", "--hosts", "a", "--dry-run", "--", "train.py"]) == 0
+    assert RunDir.find(None, in_tmp / "runs").meta()["git_commit"] == head + "-dirty"
 
 
 def test_dry_run_selects_hosts(in_tmp: Path, capsys) -> None:
@@ -110,3 +125,27 @@ def test_hosts_without_inventory_uses_hostlist(in_tmp: Path, capsys) -> None:
     assert run_cli(["up", "--hosts", "gpu[1-3]", "--dry-run", "--", "t.py"]) == 0
     out = capsys.readouterr().out
     assert all(f"gpu{i}" in out for i in (1, 2, 3))
+
+
+def sbatch_options(out: str) -> list[str]:
+    return [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_slurm_honours_hosts_and_exclude(in_tmp: Path, capsys) -> None:
+    assert run_cli(["up", "--backend", "slurm", "--hosts", "gpu[01-03]", "--dry-run", "--", "t.py"]) == 0
+    opts = sbatch_options(capsys.readouterr().out)
+    assert "--nodelist=gpu[01-03]" in opts and "--nodes=3" in opts
+    assert run_cli(["up", "--backend", "slurm", "--exclude", "gpu[07,09]", "--nodes", "2",
+                    "--dry-run", "--", "t.py"]) == 0
+    opts = sbatch_options(capsys.readouterr().out)
+    assert "--exclude=gpu[07,09]" in opts and "--nodes=2" in opts
+    assert not any(o.startswith("--nodelist") for o in opts)
+
+
+def test_slurm_inventory_hosts_become_the_nodelist(in_tmp: Path, capsys) -> None:
+    inv = in_tmp / "inv.yaml"
+    inv.write_text("backend: slurm\nhosts: ['gpu[01-04]']\nslurm: {partition: p}\n")
+    assert run_cli(["up", "-i", str(inv), "--exclude", "gpu02", "--nodes", "2", "--dry-run",
+                    "--", "t.py"]) == 0
+    opts = sbatch_options(capsys.readouterr().out)
+    assert "--nodelist=gpu[01,03]" in opts and "--nodes=2" in opts and "--partition=p" in opts

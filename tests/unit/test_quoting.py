@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,14 +54,14 @@ json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, open({out!r}, "w"))
 """
 
 
-def run_rendered(tmp: Path, env: dict[str, str], args: list[str]) -> dict:
+def run_rendered(tmp: Path, env: dict[str, str], args: list[str], script: str = "train.py") -> dict:
     out = tmp / "received.json"
     fake = tmp / "fake-python"
     fake.write_text(STAND_IN.format(python=sys.executable, out=str(out)))
     fake.chmod(0o755)
     host = Host(name="n1", address="127.0.0.1", workdir=str(tmp), python=str(fake),
                 nproc_per_node=1, network=Network(ifname="lo", ib="off"), env=tuple(env.items()))
-    plan = render(Inventory(hosts=(host,)), Job(run_id="prop", script="train.py", args=tuple(args)),
+    plan = render(Inventory(hosts=(host,)), Job(run_id="prop", script=script, args=tuple(args)),
                   Templates())
     script = tmp / "launch.sh"
     script.write_text(plan.nodes[0].script)
@@ -71,15 +72,18 @@ def run_rendered(tmp: Path, env: dict[str, str], args: list[str]) -> dict:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(env=st.dictionaries(env_key, value, max_size=4), args=st.lists(value, max_size=5))
-def test_values_arrive_unchanged_and_execute_nothing(tmp_path_factory, env, args) -> None:
+@given(env=st.dictionaries(env_key, value, max_size=4), args=st.lists(value, max_size=5),
+       script=value.filter(lambda s: not any(ord(c) < 32 or ord(c) == 127 for c in s)))
+def test_values_arrive_unchanged_and_execute_nothing(tmp_path_factory, env, args, script) -> None:
     tmp = tmp_path_factory.mktemp("q")
     canary = tmp / "canary"
     env = {k: v.replace("{canary}", str(canary)) for k, v in env.items()}
     args = [a.replace("{canary}", str(canary)) for a in args]
-    got = run_rendered(tmp, env, args)
-    # argv: -m torch.distributed.run <torchrun options> train.py <args>
-    script_at = got["argv"].index("train.py")
+    script = script.replace("{canary}", str(canary))
+    got = run_rendered(tmp, env, args, script)
+    # argv: -m torch.distributed.run <torchrun options> --local_addr=... SCRIPT <args>
+    script_at = next(i for i, a in enumerate(got["argv"]) if a.startswith("--local_addr=")) + 1
+    assert got["argv"][script_at] == script
     assert got["argv"][script_at + 1:] == args
     for key, val in env.items():
         assert got["env"][key] == val
@@ -94,3 +98,155 @@ def test_each_nasty_value_individually(tmp_path) -> None:
     assert got["argv"][got["argv"].index("train.py") + 1:] == values
     assert all(got["env"][k] == v for k, v in env.items())
     assert not canary.exists()
+
+
+# --- every field that reaches a script -----------------------------------------------------
+
+import yaml  # noqa: E402
+
+from cluster.errors import InputError, InventoryError  # noqa: E402
+from cluster.inventory import parse_yaml  # noqa: E402
+from cluster.sbatch import render_sbatch  # noqa: E402
+from cluster.spec import SlurmSettings  # noqa: E402
+
+CONTROL = st.sampled_from([chr(c) for c in list(range(0, 32)) + [127]])
+# Text fields of the inventory, where each goes in the YAML, and whether it reaches a script.
+TEXT_FIELDS = {
+    "workdir": "defaults", "python": "defaults", "user": "defaults", "identity_file": "defaults",
+    "partition": "slurm", "account": "slurm", "time": "slurm", "constraint": "slurm",
+    "job_name": "slurm", "output_dir": "slurm", "signal": "slurm", "config": "ssh",
+    "ifname": "network", "address": "host", "name": "host",
+}
+
+
+def inventory_with(field: str, value: str) -> str:
+    where = TEXT_FIELDS[field]
+    host = {"name": "a"}
+    doc: dict = {"hosts": [host]}
+    if where == "host":
+        host[field] = value
+    elif where == "network":
+        doc["defaults"] = {"network": {field: value}}
+    else:
+        doc.setdefault(where, {})[field] = value
+    return yaml.safe_dump(doc, allow_unicode=True, default_style='"')
+
+
+@settings(max_examples=150, deadline=None)
+@given(field=st.sampled_from(sorted(TEXT_FIELDS)), before=text, bad=CONTROL, after=text)
+def test_every_text_field_rejects_control_characters(field: str, before: str, bad: str,
+                                                     after: str) -> None:
+    source = inventory_with(field, before + bad + after)
+    with pytest.raises(InventoryError) as info:
+        parse_yaml(source, "inv.yaml")
+    assert info.value.key in (field, "name"), str(info.value)
+    assert str(info.value).startswith("inv.yaml:"), str(info.value)
+
+
+path_part = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc"),
+                                           blacklist_characters="/\x00"),
+                    min_size=1, max_size=20).filter(lambda s: s not in (".", ".."))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workdir=st.one_of(path_part, st.sampled_from(["$(touch {canary})", "a b", "`id`", "'q'", "-x"])),
+       python=st.one_of(path_part, st.sampled_from(["py thon", "$(touch {canary})", "-m"])))
+def test_workdir_and_python_reach_the_node_unchanged(tmp_path_factory, workdir: str, python: str) -> None:
+    tmp = tmp_path_factory.mktemp("paths")
+    canary = tmp / "canary"
+    workdir, python = (v.replace("{canary}", str(canary)) for v in (workdir, python))
+    wd = tmp / "w" / workdir
+    wd.mkdir(parents=True)
+    out = tmp / "received.json"
+    fake = tmp / "bin" / python
+    fake.parent.mkdir(parents=True, exist_ok=True)
+    fake.write_text(STAND_IN.format(python=sys.executable, out=str(out)).replace(
+        '"env": dict(os.environ)', '"env": dict(os.environ), "cwd": os.getcwd(), "exe": sys.argv[0]'))
+    fake.chmod(0o755)
+    host = Host(name="n1", address="127.0.0.1", workdir=str(wd), python=str(fake), nproc_per_node=1,
+                network=Network(ifname="lo", ib="off"))
+    plan = render(Inventory(hosts=(host,)), Job(run_id="prop", script="t.py"), Templates())
+    script = tmp / "launch.sh"
+    script.write_text(plan.nodes[0].script)
+    res = subprocess.run(["bash", str(script)], capture_output=True, cwd=tmp,
+                         env={"PATH": os.environ["PATH"], "HOME": str(tmp)})
+    assert res.returncode == 0, res.stderr.decode(errors="replace")
+    got = json.loads(out.read_text())
+    assert got["cwd"] == str(wd) and got["exe"] == str(fake)
+    assert not canary.exists()
+
+
+def sbatch_arguments(line: bytes) -> list[bytes]:
+    """The arguments sbatch reads from one '#SBATCH ...' line: a Python transcription of
+    _get_argument() in SLURM's src/sbatch/opt.c (22.05). Not a shell: a backslash escapes the
+    next byte even inside quotes; an unescaped '#' outside quotes ends the line."""
+    assert line.startswith(b"#SBATCH")
+    s, i, args = line[len(b"#SBATCH"):], 0, []
+    space = b" \t\n\v\f\r"
+    while True:
+        while i < len(s) and s[i] in space:
+            i += 1
+        if i >= len(s):
+            return args
+        arg, quoted, q, escape = bytearray(), False, 0, False
+        while i < len(s) and (quoted or s[i] not in space) and s[i] != ord("\n"):
+            c = s[i]
+            if escape:
+                escape = False
+            elif c == ord("\\"):
+                escape, i = True, i + 1
+                continue
+            elif quoted:
+                if c == q:
+                    quoted, i = False, i + 1
+                    continue
+            elif c in b"\"'":
+                quoted, q, i = True, c, i + 1
+                continue
+            elif c == ord("#"):
+                return args + ([bytes(arg)] if arg else [])
+            arg.append(c)
+            i += 1
+        args.append(bytes(arg))
+
+
+def test_the_sbatch_parser_transcription() -> None:
+    assert sbatch_arguments(b'#SBATCH --a=x "b c" \'d\\e\' f#g') == [b"--a=x", b"b c", b"de", b"f"]
+    assert sbatch_arguments(b'#SBATCH --p="a#b" # comment') == [b"--p=a#b"]
+
+
+sbatch_text = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_size=1,
+                      max_size=30).filter(lambda s: not any(w in s.lower() for w in ("hetjob", "packjob")))
+
+
+@settings(max_examples=150, deadline=None)
+@given(partition=sbatch_text, account=sbatch_text, time=sbatch_text, constraint=sbatch_text,
+       job_name=sbatch_text)
+def test_sbatch_options_round_trip_through_sbatchs_own_parser(partition, account, time,
+                                                             constraint, job_name) -> None:
+    given_values = {"partition": partition, "account": account, "time": time,
+                    "constraint": constraint, "job-name": job_name}
+    settings_ = SlurmSettings(partition=partition, account=account, time=time,
+                              constraint=constraint, job_name=job_name, nodes=2)
+    inv = Inventory(hosts=(Host(name="slurm", address="slurm"),), backend="slurm")
+    script = render_sbatch(inv, Job(run_id="prop", script="t.py"), Templates(), settings_,
+                           cwd="/work dir/$(x)").script
+    seen: dict[str, str] = {}
+    for line in script.encode().splitlines():
+        if line.startswith(b"#SBATCH"):
+            (arg,) = sbatch_arguments(line)
+            key, _, value = arg.decode().removeprefix("--").partition("=")
+            seen[key] = value
+        elif not line.startswith(b"#") and line.strip():
+            break                       # sbatch stops reading options at the first command
+    for key, value in given_values.items():
+        assert seen[key] == value, (key, value, seen.get(key))
+    assert seen["chdir"] == "/work dir/$(x)"
+
+
+@pytest.mark.parametrize("field", ["partition", "job_name", "account"])
+def test_hetjob_words_are_refused_in_sbatch_values(field: str) -> None:
+    inv = Inventory(hosts=(Host(name="slurm", address="slurm"),), backend="slurm")
+    with pytest.raises(InputError, match="heterogeneous-job separator"):
+        render_sbatch(inv, Job(run_id="p", script="t.py"), Templates(),
+                      SlurmSettings(**{field: "my-HetJob-x"}), cwd="/w")

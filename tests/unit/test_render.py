@@ -11,9 +11,10 @@ import pytest
 from cluster import inventory
 from cluster.plan import Job, Templates, render, shpath
 
+from .golden import check_golden
+
 GOLDEN = Path(__file__).parent / "golden"
 INPUTS = sorted((GOLDEN / "inputs").iterdir())
-REGEN = os.environ.get("CLUSTER_REGEN_GOLDEN") == "1"
 JOB = Job(run_id="golden-run", script="train.py", args=("--epochs", "3", "--name", "a b $(x)"))
 
 
@@ -23,13 +24,7 @@ def rendered(path: Path) -> str:
 
 @pytest.mark.parametrize("source", INPUTS, ids=[p.name for p in INPUTS])
 def test_golden(source: Path) -> None:
-    golden = GOLDEN / "node" / f"{source.stem}.sh"
-    text = rendered(source)
-    if REGEN or not golden.exists():
-        golden.write_text(text)
-    assert text == golden.read_text(), (
-        f"rendered scripts for {source.name} differ from {golden}; if the change is intended, "
-        f"regenerate with: CLUSTER_REGEN_GOLDEN=1 pytest tests/unit/test_render.py")
+    check_golden(GOLDEN / "node" / f"{source.stem}.sh", rendered(source), "tests/unit/test_render.py")
 
 
 def node_scripts(source: Path) -> list[str]:
@@ -103,3 +98,31 @@ def test_derived_port_is_stable_and_differs_between_runs() -> None:
 ])
 def test_shpath(path: str, expected: str) -> None:
     assert shpath(path) == expected
+
+
+def test_a_missing_golden_file_fails(tmp_path: Path) -> None:
+    if os.environ.get("CLUSTER_REGEN_GOLDEN") == "1":
+        pytest.skip("regenerating")
+    with pytest.raises(pytest.fail.Exception, match="is missing"):
+        check_golden(tmp_path / "nope.sh", "text", "tests/unit/test_render.py")
+    assert not (tmp_path / "nope.sh").exists(), "a missing golden file is never written silently"
+    with pytest.raises(AssertionError, match="differs"):
+        (tmp_path / "old.sh").write_text("old")
+        check_golden(tmp_path / "old.sh", "new", "tests/unit/test_render.py")
+
+
+def test_c10d_ranks_follow_torchs_order_of_local_addr_strings() -> None:
+    """torch's c10d rendezvous numbers nodes by sorting their --local_addr as strings:
+    10.0.0.10 before 10.0.0.9. Labels, log names and CLUSTER_NODE_RANK must agree with it."""
+    hosts = "\n".join(f"  - {{name: n{i}, address: 10.0.0.{i}}}" for i in (9, 10, 11, 2))
+    inv = inventory.parse_yaml(f"hosts:\n{hosts}\n", "x.yaml")
+    plan = render(inv, JOB, Templates())
+    assert [n.host.name for n in plan.nodes] == ["n10", "n11", "n2", "n9"]
+    assert [n.rank for n in plan.nodes] == [0, 1, 2, 3]
+    assert plan.master.host.name == "n9" and plan.master_addr == "10.0.0.9"
+    for n in plan.nodes:
+        assert f"export CLUSTER_NODE_RANK={n.rank}\n" in n.script
+        assert dict(n.env)["CLUSTER_NODE_RANK"] == str(n.rank)
+        assert "--rdzv_endpoint=10.0.0.9:" in n.script
+    static = inventory.parse_yaml(f"defaults: {{rendezvous: static}}\nhosts:\n{hosts}\n", "x.yaml")
+    assert [n.host.name for n in render(static, JOB, Templates()).nodes] == ["n9", "n10", "n11", "n2"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.backends.slurm import (Completed, Labeller, OutputReader, SlurmBackend, cli_settings,
+from cluster.backends.slurm import (Completed, Labeller, OutputReader, Retry, SlurmBackend, cli_settings,
                                     up)
 from cluster.errors import BackendError, InputError, Interrupted, RunFailed
 from cluster.inventory import Host, Inventory, SlurmSettings
@@ -358,3 +358,51 @@ def test_output_reader_and_labeller() -> None:
     assert lab.split(b" 12: y") == ("task 12", b"y")
     assert lab.split(b"srun: error: x") == ("batch", b"srun: error: x")
     assert OutputReader(Path("/nonexistent/file")).lines() == []
+
+
+# --- a controller that blinks; polling that scales -------------------------------------------
+
+TIMED_OUT = ok("", code=1, err="squeue: error: slurm_load_jobs error: Socket timed out on send/recv operation")
+
+
+def test_a_query_that_times_out_once_is_asked_again_and_following_goes_on(tmp_path: Path) -> None:
+    chunks = ["0: before\n", "0: after\n"]
+    grow = output_grows(tmp_path, chunks)
+    replies = iter([grow, TIMED_OUT, TIMED_OUT, grow])
+
+    def squeue(argv: tuple[str, ...]) -> Completed:
+        reply = next(replies, grow)
+        return reply(argv) if callable(reply) else reply
+    fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue, sacct=ok("77|COMPLETED|0:0|node1\n"))
+    code, _run, out, _err = run_up(tmp_path, fake)
+    assert code == 0 and "[node1 0] after" in out
+    assert len(fake.called("squeue")) >= 5
+
+
+def test_retries_have_a_budget_and_sbatch_is_never_repeated(tmp_path: Path) -> None:
+    slept: list[float] = []
+    fake = FakeCommands(squeue=TIMED_OUT, sbatch=ok(code=1, err="sbatch: error: Socket timed out"))
+    b = SlurmBackend(fake, sleep=slept.append, retry=Retry(budget=20, first=1, cap=8))
+    with pytest.raises(BackendError, match="Socket timed out"):
+        b.queued("77")
+    assert slept == [1, 2, 4, 8], "backoff doubles up to the cap, within the budget"
+    with pytest.raises(BackendError):
+        b.submit(tmp_path / "x.sh")
+    assert len(fake.called("sbatch")) == 1, "a submission is never repeated (it may have gone through)"
+
+
+def test_following_a_long_job_asks_squeue_less_and_less_often(tmp_path: Path) -> None:
+    clock = [0.0]
+    fake = FakeCommands(sbatch=ok("77\n"), sacct=ok("77|COMPLETED|0:0|node1\n"),
+                        squeue=lambda argv: ok("77|RUNNING|node1|None\n") if clock[0] < 600 else GONE)
+
+    def sleep(seconds: float) -> None:
+        clock[0] += max(seconds, 0.01)
+    b = SlurmBackend(fake, poll=1.0, max_poll=15.0, sleep=sleep, clock=lambda: clock[0])
+    c, _out, _err = console()
+    job = Job(run_id="r1", script="train.py")
+    assert up(inventory(), job, Templates(), SlurmSettings(nodes=1), argv=["cluster", "up"],
+              console=c, backend=b, cwd=str(tmp_path), runs_root=tmp_path / "runs") == 0
+    calls = len(fake.called("squeue"))
+    assert calls < 60, f"{calls} squeue calls in 10 minutes: polling did not back off"
+    assert calls > 600 / 15 - 5, "never less often than max_poll"

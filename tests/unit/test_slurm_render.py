@@ -22,8 +22,9 @@ from cluster.inventory import Host, Inventory, Network, SlurmSettings
 from cluster.plan import Job, Templates
 from cluster.sbatch import render_sbatch, signal_parts
 
+from .golden import check_golden
+
 GOLDEN = Path(__file__).parent / "golden" / "sbatch"
-REGEN = os.environ.get("CLUSTER_REGEN_GOLDEN") == "1"
 RUN_ID = "20250101-120000-abcd"
 NASTY = (("QUOTES", "it's \"quoted\""), ("DOLLAR", "$HOME and $(rm -rf /) and `id`"),
          ("SPACES", "  a  b  "), ("NEWLINE", "line1\nline2"), ("PARENS", "64(x2)"),
@@ -67,14 +68,7 @@ def render_case(name: str, cwd: str = "/home/u/project") -> str:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden(name: str) -> None:
-    golden = GOLDEN / f"{name}.sh"
-    text = render_case(name)
-    if REGEN or not golden.exists():
-        golden.parent.mkdir(parents=True, exist_ok=True)
-        golden.write_text(text)
-    assert text == golden.read_text(), (
-        f"the sbatch script for {name!r} differs from {golden}; if the change is intended, "
-        f"regenerate with: CLUSTER_REGEN_GOLDEN=1 pytest tests/unit/test_slurm_render.py")
+    check_golden(GOLDEN / f"{name}.sh", render_case(name), "tests/unit/test_slurm_render.py")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -117,7 +111,7 @@ def test_consensus_options() -> None:
                 "--partition=gpu", "--account=proj-1", "--time=04:00:00", "--requeue",
                 "--open-mode=append", "--signal=B:USR2@90", "--chdir=/home/u/project",
                 "--output=/home/u/project/slurm-logs/20250101-120000-abcd.out",
-                "--constraint='h100&ib'"):
+                '--constraint="h100&ib"'):
         assert f"#SBATCH {opt}\n" in text, opt
     assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in text
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in text
@@ -152,7 +146,7 @@ def test_signal_is_for_the_batch_shell_and_never_usr1() -> None:
             signal_parts(bad)
     text = render_case("requeue_custom_signal")
     assert "#SBATCH --signal=B:TERM@300" in text and "trap cluster_on_signal TERM" in text
-    assert "#SBATCH --job-name='my long run'" in text
+    assert '#SBATCH --job-name="my long run"' in text
     assert '"${SLURM_RESTART_COUNT:-0}" -lt 5' in text
     assert "#SBATCH --no-requeue" in render_case("no_requeue")
 

@@ -14,7 +14,7 @@ from paramiko.ssh_exception import NoValidConnectionsError
 from cluster.backends.ssh import (AcceptNewPolicy, Attempt, AuthFailed, HostKeyChanged,
                                   HostKeyUnknown, KnownHosts, OffPolicy, SshBackend, SshError,
                                   StrictPolicy, Unreachable, UnknownKey, known_hosts_for,
-                                  local_files, sftp_path, translate)
+                                  sftp_path, translate)
 from cluster.errors import ClusterError, PreflightError
 
 
@@ -125,18 +125,6 @@ def test_translate(exc, cls, words):
 
 
 # --- sync selection, paths, construction ---------------------------------------------------
-
-
-def test_local_files_skips_caches(tmp_path):
-    for rel in ("a.py", "pkg/b.py", "pkg/__pycache__/b.cpython-311.pyc", "c.pyc", ".git/HEAD",
-                "runs/x/run.json", "pkg/runs/keep.txt", ".cluster/r/x"):
-        p = tmp_path / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(rel)
-    os.chmod(tmp_path / "a.py", 0o755)
-    files = {f.rel: f for f in local_files(tmp_path)}
-    assert sorted(files) == ["a.py", "pkg/b.py", "pkg/runs/keep.txt"]
-    assert files["a.py"].mode == 0o755 and files["a.py"].size == 4
 
 
 def test_sftp_path():

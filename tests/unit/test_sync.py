@@ -35,8 +35,10 @@ def test_defaults_skip_vcs_caches_and_environments(tmp_path: Path) -> None:
                           "pkg/m.py": "", "venv/pyvenv.cfg": "", "venv/lib/x.py": "",
                           "env/conda-meta/history": "", "env/lib/y.py": "", "runs/r/run.json": "",
                           "sub/runs/keep.txt": ""})
-    rels = [f.rel for f in local_files(src).files]
-    assert rels == ["a.py", "pkg/m.py", "sub/runs/keep.txt"]
+    os.chmod(src / "a.py", 0o755)
+    files = {f.rel: f for f in local_files(src).files}
+    assert list(files) == ["a.py", "pkg/m.py", "sub/runs/keep.txt"]
+    assert files["a.py"].mode == 0o755 and files["a.py"].size == 0
 
 
 def test_ignore_files_and_command_line_patterns(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --open-mode=append
 #SBATCH --output=/home/u/project/slurm-logs/20250101-120000-abcd.out
-#SBATCH --partition='a b'
+#SBATCH --partition="a b"
 #SBATCH --requeue
 #SBATCH --signal=B:USR2@90
 #
@@ -121,4 +121,6 @@ while :; do
   fi
   break
 done
+# The follower (`cluster up`, `cluster logs -f`) takes this line as the cue to look the job up.
+echo "cluster: job $SLURM_JOB_ID step ended with exit code $CLUSTER_RC" >&2
 exit "$CLUSTER_RC"

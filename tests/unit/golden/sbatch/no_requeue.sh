@@ -105,4 +105,6 @@ while :; do
   fi
   break
 done
+# The follower (`cluster up`, `cluster logs -f`) takes this line as the cue to look the job up.
+echo "cluster: job $SLURM_JOB_ID step ended with exit code $CLUSTER_RC" >&2
 exit "$CLUSTER_RC"

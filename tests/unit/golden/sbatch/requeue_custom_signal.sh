@@ -3,7 +3,7 @@
 # cluster run 20250101-120000-abcd: SLURM batch script, 2 node(s), torchrun on each.
 # Rendered by `cluster up --backend slurm`; every value below is shell-quoted. Do not edit: re-render.
 #SBATCH --chdir=/home/u/project
-#SBATCH --job-name='my long run'
+#SBATCH --job-name="my long run"
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --open-mode=append
@@ -103,4 +103,6 @@ while :; do
   fi
   break
 done
+# The follower (`cluster up`, `cluster logs -f`) takes this line as the cue to look the job up.
+echo "cluster: job $SLURM_JOB_ID step ended with exit code $CLUSTER_RC" >&2
 exit "$CLUSTER_RC"

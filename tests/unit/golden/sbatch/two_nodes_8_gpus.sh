@@ -4,7 +4,7 @@
 # Rendered by `cluster up --backend slurm`; every value below is shell-quoted. Do not edit: re-render.
 #SBATCH --account=proj-1
 #SBATCH --chdir=/home/u/project
-#SBATCH --constraint='h100&ib'
+#SBATCH --constraint="h100&ib"
 #SBATCH --cpus-per-task=32
 #SBATCH --gpus-per-node=8
 #SBATCH --job-name=cluster-20250101-120000-abcd
@@ -113,4 +113,6 @@ while :; do
   fi
   break
 done
+# The follower (`cluster up`, `cluster logs -f`) takes this line as the cue to look the job up.
+echo "cluster: job $SLURM_JOB_ID step ended with exit code $CLUSTER_RC" >&2
 exit "$CLUSTER_RC"

@@ -1,0 +1,81 @@
+"""The local backend and what it shares with SSH (SupervisedBackend), with real processes;
+a failing transport is injected through the constructor."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cluster.backends.local import LocalTransport, local_inventory
+from cluster.backends.supervised import SupervisedBackend
+from cluster.errors import BackendError
+from cluster.plan import Job, Templates, render
+
+from .test_supervisor import tagged_pids, wait_for
+
+
+@pytest.mark.parametrize("visible,nodes,want", [
+    ("2,3", 2, ["2", "3"]),
+    ("1,3,5,7", 2, ["1,3", "5,7"]),
+    ("GPU-aaaa,GPU-bbbb", 2, ["GPU-aaaa", "GPU-bbbb"]),
+])
+def test_simulated_nodes_split_the_gpus_this_shell_may_use(monkeypatch, visible, nodes, want) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    inv = local_inventory(nodes)
+    assert [dict(h.env)["CUDA_VISIBLE_DEVICES"] for h in inv.hosts] == want
+    assert [h.nproc_per_node for h in inv.hosts] == [len(w.split(",")) for w in want]
+
+
+def test_hidden_gpus_mean_cpu_processes(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    inv = local_inventory(2)
+    assert all("CUDA_VISIBLE_DEVICES" not in dict(h.env) for h in inv.hosts)
+    assert [h.nproc_per_node for h in inv.hosts] == [1, 1]
+
+
+class FailsToStart(LocalTransport):
+    """A node whose start command fails (as an SSH node whose disk just filled up would)."""
+
+    def run(self, command: str, *, timeout: float | None = None, input: bytes = b""):
+        if " run " in command and "--detach" in command:
+            from cluster.backends.supervised import Result
+            return Result(1, b"", b"No space left on device")
+        return super().run(command, timeout=timeout, input=input)
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_a_partial_start_stops_the_nodes_that_did_start(tmp_path: Path, monkeypatch, detach) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    (tmp_path / "tpl").mkdir()
+    (tmp_path / "tpl" / "node.sh.j2").write_text("exec sleep 300\n")
+    run_id = f"partial-{os.getpid()}-{int(detach)}"
+    inv = local_inventory(2)
+    plan = render(inv, Job(run_id=run_id, script="x", node_root=str(tmp_path / "nodes")),
+                  Templates(tmp_path / "tpl"))
+    backend = SupervisedBackend(lambda host: FailsToStart() if host.name == "local1"
+                                else LocalTransport())
+    try:
+        backend.check(plan)
+        if not detach:          # attached starts never run the detach command: fail another way
+            backend._nodes["local1"].transport = BrokenSpawn()
+        with pytest.raises(BackendError) as info:
+            backend.start(plan, detach=detach)
+        assert "the started ones were stopped" in str(info.value)
+        assert "local1" in info.value.details
+        assert wait_for(lambda: not tagged_pids(run_id, "local0"), 10), "node local0 still runs"
+        # local0 started (a detached start returns once it has), or, attached, its supervisor
+        # saw the stop before it began: either way it ended as stopped.
+        exit_file = tmp_path / "nodes" / "local0" / "exit"
+        assert wait_for(exit_file.exists, 10)
+        assert json.loads(exit_file.read_text())["stopped"] is True
+        if detach:
+            assert (tmp_path / "nodes" / "local0" / "pgid").exists()
+    finally:
+        backend.close()
+
+
+class BrokenSpawn(LocalTransport):
+    def spawn(self, command: str):
+        raise BackendError("channel refused")
