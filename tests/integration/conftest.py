@@ -121,10 +121,17 @@ class Cli:
         self.env.pop("SSH_AUTH_SOCK", None)
         self.env.pop("CLUSTER_RUNS_DIR", None)
 
-    def start(self, *args: str) -> Proc:
+    def start(self, *args: str, ignore: tuple[int, ...] = ()) -> Proc:
+        """Start `cluster ARGS` with a known signal disposition: SIGINT, SIGTERM and SIGHUP at
+        their defaults, except those in `ignore` (as `cluster up &` from a script gets SIGINT),
+        whatever this test process inherited."""
+        def dispositions() -> None:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
         popen = subprocess.Popen([*self.command, *args], cwd=self.cwd,
                                  env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                 preexec_fn=dispositions)
         proc = Proc(popen)
         self.started.append(proc)
         return proc
@@ -162,6 +169,27 @@ def cli(tmp_path: Path, ssh_home: Path):
         yield c
     finally:
         c.cleanup()
+
+
+def node_leftovers(ssh_nodes: SshNodes, *nodes: int) -> dict[str, list[str]]:
+    """What runs in each node's network namespace besides its sshd daemon, read from /proc
+    (independent of the run-id scan the code under test uses): node name -> command lines."""
+    daemons = set(ssh_nodes.sshd_pids().values())
+    out: dict[str, list[str]] = {}
+    for i in nodes or range(1, ssh_nodes.k + 1):
+        node = ssh_nodes.network.node(i)
+        found = []
+        for pid in ssh_nodes.network.processes_in(i):
+            if pid in daemons:
+                continue
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:
+                continue
+            found.append(f"{pid} {cmd}")
+        if found:
+            out[node.name] = found
+    return out
 
 
 def wait_until(pred: Callable[[], object], timeout: float, interval: float = 0.05) -> float | None:

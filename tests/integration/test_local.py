@@ -116,3 +116,19 @@ def test_default_job_trains_for_real(tmp_path: Path) -> None:
     assert summary["world_size"] == 2
     assert summary["val_acc"] >= 0.9
     assert (only_run(tmp_path) / "train" / "metrics.jsonl").exists()
+
+
+def test_logs_follow_every_node_at_once(tmp_path: Path) -> None:
+    """`cluster logs -f` interleaves nodes as their lines arrive: node 1's line, printed
+    between node 0's two lines, is shown between them (not after node 0 has ended)."""
+    (tmp_path / "tpl").mkdir()
+    (tmp_path / "tpl" / "node.sh.j2").write_text(
+        "{% if rank == 0 %}echo a0; sleep 4; echo a1\n"
+        "{% else %}sleep 2; echo b0\n{% endif %}")
+    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--detach", "--templates", "tpl",
+                  "--", "unused")
+    assert res.returncode == 0, res.stderr
+    logs = cluster(tmp_path, "logs", "-f", timeout=60)
+    assert logs.returncode == 0, logs.stderr
+    shown = [line for line in logs.stdout.splitlines() if line.startswith("[")]
+    assert shown == ["[local0 0] a0", "[local1 1] b0", "[local0 0] a1"], logs.stdout

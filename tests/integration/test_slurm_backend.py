@@ -5,6 +5,7 @@ jobs run as root, so the job's output file and working directory are shared.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -51,7 +52,7 @@ def workdir(tmp_path: Path) -> Path:
     (tmp_path / "inventory.yaml").write_text(
         "backend: slurm\n"
         f"defaults: {{python: {TRAIN_PY}, nproc_per_node: 1}}\n"
-        "hosts: [slurm]\n"
+        "hosts: []                  # SLURM chooses the nodes\n"
         "slurm: {nodes: 2, time: '00:05:00'}\n")
     return tmp_path
 
@@ -178,3 +179,28 @@ def test_preemption_signal_requeues_and_the_job_completes(slurm, workdir: Path) 
     assert "SignalException" in stdout                  # torchrun got SIGTERM, not SIGKILL
     restarts = sorted(d["restart"] for d in reports(stdout))
     assert restarts == [0, 0, 1, 1], stdout[-3000:]
+
+
+def test_secret_env_and_a_nasty_job_name_through_real_sbatch(slurm, workdir: Path) -> None:
+    """The secret reaches every rank through sbatch's environment, never the script; a job
+    name with quotes, '#' and a backslash reaches SLURM as written (sbatch's own parser)."""
+    secret = f"tok_{os.getpid()}_$(touch /tmp/slurm-canary)'\"#"
+    name = "it's \"my\" #1 job\\x"
+    inv = workdir / "inventory.yaml"
+    inv.write_text(inv.read_text().replace(
+        "slurm: {nodes: 2", f"slurm: {{job_name: {json.dumps(name)}, nodes: 2"))
+    env = dict(slurm.env, NO_COLOR="1", CLUSTER_RUNS_DIR=str(workdir / "runs"), SLURM_TOKEN=secret)
+    r = subprocess.run([sys.executable, "-m", "cluster", "up", "-i", "inventory.yaml",
+                        "--secret-env", "SLURM_TOKEN", "--", str(PROGRAM), "--env-hash", "SLURM_TOKEN"],
+                       cwd=workdir, env=env, capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stdout + r.stderr
+    want = hashlib.sha256(secret.encode()).hexdigest()
+    assert [d["env_hash"] for d in reports(r.stdout)] == [want, want]
+    jid = job_id(workdir)
+    shown = slurm.run(["scontrol", "-o", "show", "job", jid]).stdout
+    assert f"JobName={name} " in shown, shown
+    for f in [*(workdir / "runs").rglob("*"), *(workdir / "slurm-logs").rglob("*")]:
+        if f.is_file():
+            assert secret.encode() not in f.read_bytes(), f
+    assert secret not in r.stdout + r.stderr
+    assert not Path("/tmp/slurm-canary").exists()

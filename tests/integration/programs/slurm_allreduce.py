@@ -1,10 +1,11 @@
 """Under torchrun: gloo all_reduce of rank+1; rank 0 checks the sum. Every rank prints one JSON
 line (rank, world, sum, hostname, SLURM_NODEID). `--fail-rank R` makes rank R exit 3 after it;
-`--sleep S` waits S seconds after it (for `cluster down` tests); `--sleep-first S` only in the
+`--env-hash N` adds the sha256 of environment variable N; `--sleep S` waits S seconds after it (for `cluster down` tests); `--sleep-first S` only in the
 first attempt of a SLURM job (SLURM_RESTART_COUNT unset or 0), for requeue tests."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -20,6 +21,7 @@ def main() -> int:
     p.add_argument("--fail-rank", type=int, default=None)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--sleep-first", type=float, default=0.0)
+    p.add_argument("--env-hash")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -30,7 +32,9 @@ def main() -> int:
                       "slurm_nodeid": os.environ.get("SLURM_NODEID"),
                       "cluster_node_rank": os.environ.get("CLUSTER_NODE_RANK"),
                       "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
-                      "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}), flush=True)
+                      "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+                      "env_hash": hashlib.sha256(os.environ[args.env_hash].encode()).hexdigest()
+                      if args.env_hash and args.env_hash in os.environ else None}), flush=True)
     if args.sleep:
         time.sleep(args.sleep)
     if args.sleep_first and int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
