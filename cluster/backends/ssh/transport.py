@@ -18,7 +18,8 @@ from ...spec import Host, SshSettings
 from ..supervised import Result
 from .errors import Attempt, SshError, translate
 from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, _off_warned,
-                       _split_files, known_hosts_for)
+                       _split_files, known_hosts_for, transport_preferring)
+from .known_hosts import key_name
 
 KEEPALIVE_S = 5.0
 KEEPALIVE_MISSES = 3                  # no answer for 3 intervals: the node is gone
@@ -148,7 +149,8 @@ class SshTransport:
         return conn
 
     def _secure(self, conn: Connection, ssh_cfg: Any) -> KnownHosts | None:
-        """Our host key policy on this connection's client, with known_hosts loaded into it."""
+        """Our host key policy on this connection's client (hostkeys.py); the key types
+        known_hosts has for the host are asked for first."""
         client = conn.client
         if self.policy == "off":
             client.set_missing_host_key_policy(OffPolicy())
@@ -158,11 +160,12 @@ class SshTransport:
                           "anyone on the network path can impersonate the nodes")
             return None
         known = known_hosts_for(ssh_cfg)
-        known.load_into(client.get_host_keys())
+        types = known.key_types(key_name(conn.host, conn.port))
+        conn.connect_kwargs["transport_factory"] = transport_preferring(types)
         if self.policy == "accept-new":
             client.set_missing_host_key_policy(AcceptNewPolicy(known, self.warn))
         else:
-            client.set_missing_host_key_policy(StrictPolicy())
+            client.set_missing_host_key_policy(StrictPolicy(known))
         return known
 
     def _attempt(self, conn: Connection, timeout: float) -> Attempt:
