@@ -1,11 +1,18 @@
-"""Trusting hosts, end to end: the real `cluster` CLI against real sshd nodes
-(fixtures/sshnodes.py) with known_hosts files holding patterns, hashed names, @revoked and
-@cert-authority lines.
+"""Logging in and trusting hosts, end to end: the real `cluster` CLI against real sshd nodes
+(fixtures/sshnodes.py), a real ssh-agent holding a passphrase-protected key, and known_hosts
+files with patterns, hashed names, @revoked and @cert-authority lines.
+
+The agent runs on a socket of its own; only the CLI's environment names it (SSH_AUTH_SOCK).
+Keys added to the nodes' authorized_keys are removed again after each test.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,10 +25,116 @@ except ImportError:  # run with tests/integration on sys.path
 pytestmark = [pytest.mark.integration]
 
 ALLREDUCE = ["--sync", str(PROGRAMS), "--", "allreduce.py"]
+PASSPHRASE = "correct horse battery staple"
+
+
+class Agent:
+    """A real ssh-agent in the foreground (-D) on its own socket, and ssh-add against it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.socket = str(directory / "agent.sock")
+        self.askpass = directory / "askpass"
+        self.askpass.write_text(f"#!/bin/sh\necho '{PASSPHRASE}'\n")
+        self.askpass.chmod(0o700)
+        self.proc = subprocess.Popen(["ssh-agent", "-D", "-a", self.socket],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while not os.path.exists(self.socket):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError("ssh-agent did not start")
+            time.sleep(0.02)
+
+    def ssh_add(self, *args: str) -> str:
+        """ssh-add with the passphrase from SSH_ASKPASS (forced: no terminal is asked)."""
+        env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root"),
+               "SSH_AUTH_SOCK": self.socket, "SSH_ASKPASS": str(self.askpass),
+               "SSH_ASKPASS_REQUIRE": "force"}
+        out = subprocess.run(["ssh-add", *args], env=env, stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=30, start_new_session=True)
+        assert out.returncode in (0, 1), out.stderr    # 1: `ssh-add -l` of an empty agent
+        return out.stdout + out.stderr
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    if not shutil.which("ssh-agent") or not shutil.which("ssh-add"):
+        pytest.skip("needs ssh-agent and ssh-add")
+    directory = Path(tempfile.mkdtemp(prefix="cluster-agent-"))   # a short socket path
+    a = Agent(directory)
+    try:
+        yield a
+    finally:
+        a.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def authorized(ssh_nodes4) -> Iterator[Callable[[Path], None]]:
+    """authorize(pub_path): let that key log in to every node, until the test ends."""
+    path = Path(ssh_nodes4.authorized_keys_path)
+    before = path.read_text()
+
+    def authorize(pub: Path) -> None:
+        with path.open("a") as f:
+            f.write(pub.read_text())
+    try:
+        yield authorize
+    finally:
+        path.write_text(before)
+
+
+def keygen(path: Path, passphrase: str) -> Path:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", passphrase, "-C", path.name,
+                    "-f", str(path)], check=True, capture_output=True)
+    return path
 
 
 def up(cli: Cli, inv: str, nodes: int, *extra: str, timeout: float = 180) -> Proc:
     return cli.run("up", "-i", inv, "--nodes", str(nodes), *extra, *ALLREDUCE, timeout=timeout)
+
+
+# --- an encrypted key, through the agent ----------------------------------------------------
+
+
+def test_encrypted_key_through_the_agent(ssh_nodes4, cli, agent, authorized):
+    ssh = cli.home / ".ssh"
+    locked = keygen(ssh / "id_locked", PASSPHRASE)
+    authorized(Path(f"{locked}.pub"))
+    Path(f"{locked}.pub").unlink()       # matched to the agent by the key file's own public part
+    (ssh / "config").write_text("Host *\n  IdentitiesOnly yes\n")
+    inv = ssh_nodes4.write_inventory(cli.home / "inv.yaml", identity_file=str(locked))
+
+    # 1. the key is in the agent: both nodes log in with it
+    assert "id_locked" in agent.ssh_add(str(locked)) + agent.ssh_add("-l")
+    cli.env["SSH_AUTH_SOCK"] = agent.socket
+    ok = up(cli, inv, 2)
+    assert ok.popen.returncode == 0, ok.dump()
+
+    # 2. no agent: refused before anything starts, naming the key and the fix, never prompting
+    del cli.env["SSH_AUTH_SOCK"]
+    no_agent = up(cli, inv, 1, timeout=60)
+    assert no_agent.popen.returncode == 3, no_agent.dump()
+    for words in (f"{locked} is encrypted", f"ssh-add {locked}", "SSH_AUTH_SOCK", "node1"):
+        assert words in no_agent.stderr, no_agent.dump()
+
+    # 3. an agent holding another key that the nodes accept: IdentitiesOnly yes keeps it out
+    agent.ssh_add("-D")
+    agent.ssh_add(ssh_nodes4.identity_file)
+    cli.env["SSH_AUTH_SOCK"] = agent.socket
+    only = up(cli, inv, 1, timeout=60)
+    assert only.popen.returncode == 3, only.dump()
+    assert f"{locked} is encrypted and its key is not in the ssh agent at {agent.socket}" \
+        in only.stderr, only.dump()
+
+    # 4. without IdentitiesOnly the agent's other keys are offered too, as OpenSSH does
+    (ssh / "config").write_text("")
+    other = up(cli, inv, 1)
+    assert other.popen.returncode == 0, other.dump()
 
 
 # --- known_hosts: patterns, hashed names, @revoked, @cert-authority --------------------------

@@ -1,7 +1,9 @@
 """SSH keys without a network: the known_hosts matcher (patterns, negation, hashed names, ports,
-markers), the host key verdicts and policies. known_hosts files are hashed by the real ssh-keygen."""
+markers), the host key verdicts and policies, and which identities are offered in which order.
+Key files are made, and known_hosts files hashed, by the real ssh-keygen."""
 from __future__ import annotations
 
+import base64
 import shutil
 import socket
 import subprocess
@@ -10,10 +12,13 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from cluster.backends.ssh import (AcceptNewPolicy, Attempt, ChangedKey, HostKeyChanged,
-                                  HostKeyRevoked, HostKeyUnknown, KnownHosts, OffPolicy,
-                                  RevokedKey, StrictPolicy, UnknownKey, known_hosts_for, translate)
+from cluster.backends.ssh import (AcceptNewPolicy, Attempt, AuthFailed, ChangedKey,
+                                  HostKeyChanged, HostKeyRevoked, HostKeyUnknown, KeysRefused,
+                                  KnownHosts, OffPolicy, RevokedKey, StrictPolicy,
+                                  UnknownKey, known_hosts_for, translate)
 from cluster.backends.ssh.hostkeys import preferred_algorithms, transport_preferring
+from cluster.backends.ssh.identities import (AgentState, Identity, identity_paths,
+                                             openssh_header, plan, read_identity, unusable)
 from cluster.backends.ssh.known_hosts import (hash_name, host_matches, key_name, list_matches,
                                               parse_line, pattern_matches, read_entries)
 
@@ -219,3 +224,97 @@ def test_known_key_types_are_asked_for_first(keys) -> None:
     finally:
         left.close()
         right.close()
+
+
+# --- identities ----------------------------------------------------------------------------
+
+
+def keygen(path: Path, passphrase: str = "", fmt: str | None = None, kind: str = "ed25519") -> Path:
+    argv = ["ssh-keygen", "-q", "-t", kind, "-N", passphrase, "-C", path.name, "-f", str(path)]
+    subprocess.run(argv + (["-m", fmt] if fmt else []), check=True, capture_output=True)
+    return path
+
+
+def pub_blob(path: Path) -> bytes:
+    return base64.b64decode(Path(f"{path}.pub").read_text().split()[1])
+
+
+@needs_keygen
+def test_read_identity(tmp_path: Path) -> None:
+    enc = keygen(tmp_path / "enc", "secret")
+    blob = pub_blob(enc)
+    Path(f"{enc}.pub").unlink()                 # the OpenSSH format holds its public part
+    got = read_identity(str(enc))
+    assert got.encrypted and got.key is None and got.public == blob and got.problem is None
+    assert openssh_header(enc.read_bytes()) == ("aes256-ctr", blob)
+
+    plain = keygen(tmp_path / "plain")
+    got = read_identity(str(plain))
+    assert not got.encrypted and got.key is not None and got.public == pub_blob(plain)
+
+    pem = keygen(tmp_path / "pem", "secret", fmt="PEM", kind="ecdsa")
+    assert read_identity(str(pem)).public == pub_blob(pem)       # from pem.pub
+    Path(f"{pem}.pub").unlink()
+    got = read_identity(str(pem))
+    assert got.encrypted and got.public is None                  # PEM hides it
+
+    assert read_identity(str(tmp_path / "none")).problem == "no such file"
+    (tmp_path / "junk").write_text("not a key\n")
+    assert "not a private key" in (read_identity(str(tmp_path / "junk")).problem or "")
+
+
+def test_identity_paths(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert identity_paths("~/inv", ["~/a", str(tmp_path / "inv"), "~/b"]) == \
+        [str(tmp_path / "inv"), str(tmp_path / "a"), str(tmp_path / "b")]
+    assert identity_paths(None, []) == []                         # no defaults exist
+    (tmp_path / ".ssh").mkdir()
+    for name in ("id_ed25519", "id_rsa"):
+        (tmp_path / ".ssh" / name).write_text("x")
+    assert identity_paths(None, []) == [str(tmp_path / ".ssh" / "id_rsa"),
+                                        str(tmp_path / ".ssh" / "id_ed25519")]
+    assert identity_paths(None, ["~/c"]) == [str(tmp_path / "c")]  # named: no defaults
+
+
+def test_order_of_offers(keys) -> None:
+    a, b, c = keys
+    in_agent_b = Identity("/k/b", public=b.asbytes(), encrypted=True)
+    on_disk_c = Identity("/k/c", public=c.asbytes(), key=c)
+    labels = [o.label for o in plan([in_agent_b, on_disk_c], [a, b], identities_only=False)]
+    assert labels[0].startswith("agent key") and labels[0].endswith("(/k/b)")   # agent, named
+    assert labels[1].startswith("agent key") and "(/k/" not in labels[1]        # agent, other
+    assert labels[2].startswith("/k/c (")                                       # from disk
+    only = plan([in_agent_b, on_disk_c], [a, b], identities_only=True)
+    assert [o.key for o in only] == [b, c]                      # agent key a is not offered
+    assert [o.key for o in plan([in_agent_b], [], identities_only=True)] == []
+
+
+def test_why_an_identity_was_not_offered(keys) -> None:
+    a, b, _ = keys
+    enc = Identity("/k/enc", public=a.asbytes(), encrypted=True)
+    hidden = Identity("/k/pem", public=None, encrypted=True)
+    missing = Identity("/k/gone", problem="no such file")
+    nobody = AgentState(None)
+    note = unusable([enc], [], True, nobody)[0]
+    assert "/k/enc is encrypted" in note and "SSH_AUTH_SOCK" in note and "ssh-add /k/enc" in note
+    agent = AgentState("/tmp/agent.sock", 1)
+    note = unusable([enc], [b], True, agent)[0]
+    assert "not in the ssh agent at /tmp/agent.sock" in note and "`ssh-add /k/enc`" in note
+    assert unusable([enc], [a], True, agent) == []                    # it is in the agent
+    assert "ssh-keygen -y -f /k/pem" in unusable([hidden], [b], True, agent)[0]
+    assert unusable([missing], [], False, nobody) == ["/k/gone: no such file"]
+
+
+def test_refusal_message_carries_the_evidence() -> None:
+    exc = KeysRefused("alice", ["agent key ssh-ed25519 SHA256:x (/k/a): refused"],
+                      ["/k/enc is encrypted ... `ssh-add /k/enc`"], AgentState("/s", 1))
+    at = Attempt(name="gpu1", hostname="10.0.0.1", port=22, user="alice", keys=("/k/a", "/k/enc"),
+                 agent=True, timeout=10.0)
+    err = translate(exc, at)
+    assert isinstance(err, AuthFailed) and err.exit_code == 3
+    text = str(err)
+    for words in ("gpu1 (alice@10.0.0.1:22)", "user 'alice'", "SHA256:x (/k/a): refused",
+                  "ssh-add /k/enc", "no passphrase"):
+        assert words in text, text
+    none = translate(KeysRefused("alice", [], [], AgentState(None)), at)
+    assert "no key could be offered (identities: /k/a, /k/enc; no ssh agent)" in str(none)

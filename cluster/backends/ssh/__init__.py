@@ -6,6 +6,7 @@ and SFTP are plain paramiko on the connection Fabric opened.
 
     transport.py   SshTransport, one node: run / spawn / put / upload, connected at first
                    use (so in parallel, from the backend's thread pool), never prompting
+    identities.py  which keys to offer (ssh-agent, IdentityFile, IdentitiesOnly) as OpenSSH does
     known_hosts.py the known_hosts format: patterns, negation, hashed names, ports, markers
     hostkeys.py    known_hosts checking and the three host-key policies
     errors.py      paramiko/socket exceptions -> the project's errors
@@ -36,12 +37,13 @@ from .errors import (Attempt, AuthFailed, HostKeyChanged, HostKeyRevoked, HostKe
                      SshError, Unreachable, translate)
 from .hostkeys import (AcceptNewPolicy, ChangedKey, KnownHosts, OffPolicy, RevokedKey,
                        StrictPolicy, UnknownKey, known_hosts_for)
+from .identities import BatchAuth, KeysRefused
 from .transport import SshChannel, SshTransport, fabric_config, sftp_path
 
 TRAINER_SUBDIR = "cluster-train"
 
-__all__ = ["AcceptNewPolicy", "Attempt", "AuthFailed", "ChangedKey",
-           "HostKeyChanged", "HostKeyRevoked", "HostKeyUnknown", "KnownHosts",
+__all__ = ["AcceptNewPolicy", "Attempt", "AuthFailed", "BatchAuth", "ChangedKey",
+           "HostKeyChanged", "HostKeyRevoked", "HostKeyUnknown", "KeysRefused", "KnownHosts",
            "OffPolicy", "RevokedKey", "SshBackend", "SshChannel", "SshError", "SshTransport",
            "StrictPolicy", "UnknownKey", "Unreachable", "known_hosts_for", "local_files",
            "sftp_path", "translate"]

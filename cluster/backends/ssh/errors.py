@@ -10,6 +10,7 @@ import paramiko
 
 from ...errors import ClusterError, PreflightError
 from .hostkeys import ChangedKey, HostKeyRefused, KnownHosts, RevokedKey, fingerprint
+from .identities import KeysRefused
 from .known_hosts import Entry
 
 # All exit code 3 (PreflightError): a node that cannot be reached or trusted fails the checks.
@@ -67,6 +68,8 @@ def translate(exc: BaseException, at: Attempt, known: KnownHosts | None = None) 
         lines = known.lines_for(exc.hostname) if known else []
         where = "; ".join(f"{f} line {n} ({t})" for f, n, t in lines) or "known_hosts"
         return _changed(at, exc.hostname, exc.key, where, lines[0][0] if lines else None)
+    if isinstance(exc, KeysRefused):
+        return _keys_refused(exc, at)
     if isinstance(exc, paramiko.AuthenticationException):
         keys = ", ".join(at.keys) if at.keys else "none given"
         extra = " and the ssh agent" if at.agent else ""
@@ -145,3 +148,12 @@ def _changed(at: Attempt, hostname: str, key: paramiko.PKey, where: str, file: s
         f"(man-in-the-middle), or the host was reinstalled. Refusing to connect. If the change "
         f"is expected, {fix} and connect again")
 
+
+def _keys_refused(exc: KeysRefused, at: Attempt) -> AuthFailed:
+    offered = "; ".join(exc.tried) if exc.tried else \
+        f"no key could be offered (identities: {', '.join(at.keys) or 'none'}; {exc.agent.name()})"
+    text = (f"{at.where}: authentication failed for user {at.user!r} (batch mode: no passphrase "
+            f"or password prompts). Offered: {offered}.")
+    if exc.notes:
+        text += " Not offered: " + "; ".join(exc.notes) + "."
+    return AuthFailed(text + " Set 'user'/'identity_file' in the inventory or ~/.ssh/config")
