@@ -1,6 +1,7 @@
 """Logging in and trusting hosts, end to end: the real `cluster` CLI against real sshd nodes
-(fixtures/sshnodes.py), a real ssh-agent holding a passphrase-protected key, and known_hosts
-files with patterns, hashed names, @revoked and @cert-authority lines.
+(fixtures/sshnodes.py), a real ssh-agent holding a passphrase-protected key, ~/.ssh/config
+blocks named after inventory hosts, and known_hosts files with patterns, hashed names, @revoked
+and @cert-authority lines.
 
 The agent runs on a socket of its own; only the CLI's environment names it (SSH_AUTH_SOCK).
 Keys added to the nodes' authorized_keys are removed again after each test.
@@ -135,6 +136,25 @@ def test_encrypted_key_through_the_agent(ssh_nodes4, cli, agent, authorized):
     (ssh / "config").write_text("")
     other = up(cli, inv, 1)
     assert other.popen.returncode == 0, other.dump()
+
+
+# --- ~/.ssh/config by the inventory's host name ----------------------------------------------
+
+
+def test_ssh_config_block_by_host_name(ssh_nodes4, cli):
+    """User and IdentityFile only in a `Host node1` block; the inventory names node1 with its
+    address. The block's HostName points nowhere: the inventory's address is where we go."""
+    node = ssh_nodes4.nodes[0]
+    (cli.home / ".ssh" / "config").write_text(
+        f"Host {node.name}\n  User {ssh_nodes4.user}\n  IdentityFile {ssh_nodes4.identity_file}\n"
+        f"  IdentitiesOnly yes\n  HostName 192.0.2.1\n")
+    inv = ssh_nodes4.write_inventory(cli.home / "inv.yaml", nodes=[1], user=None,
+                                     identity_file=None, port=None)
+    assert "user:" not in Path(inv).read_text() and "identity_file:" not in Path(inv).read_text()
+    proc = up(cli, inv, 1)
+    assert proc.popen.returncode == 0, proc.dump()
+    assert f"connecting to the inventory address {node.address}; HostName 192.0.2.1" \
+        in proc.stderr, proc.dump()
 
 
 # --- known_hosts: patterns, hashed names, @revoked, @cert-authority --------------------------

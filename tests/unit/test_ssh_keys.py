@@ -1,6 +1,6 @@
 """SSH keys without a network: the known_hosts matcher (patterns, negation, hashed names, ports,
-markers), the host key verdicts and policies, and which identities are offered in which order.
-Key files are made, and known_hosts files hashed, by the real ssh-keygen."""
+markers), the host key verdicts and policies, which identities are offered in which order, and
+~/.ssh/config looked up by a host's name and address. Key files are made by the real ssh-keygen."""
 from __future__ import annotations
 
 import base64
@@ -14,13 +14,15 @@ import pytest
 
 from cluster.backends.ssh import (AcceptNewPolicy, Attempt, AuthFailed, ChangedKey,
                                   HostKeyChanged, HostKeyRevoked, HostKeyUnknown, KeysRefused,
-                                  KnownHosts, OffPolicy, RevokedKey, StrictPolicy,
+                                  KnownHosts, OffPolicy, RevokedKey, SshBackend, StrictPolicy,
                                   UnknownKey, known_hosts_for, translate)
 from cluster.backends.ssh.hostkeys import preferred_algorithms, transport_preferring
 from cluster.backends.ssh.identities import (AgentState, Identity, identity_paths,
                                              openssh_header, plan, read_identity, unusable)
 from cluster.backends.ssh.known_hosts import (hash_name, host_matches, key_name, list_matches,
                                               parse_line, pattern_matches, read_entries)
+from cluster.backends.ssh.sshconfig import host_config
+from cluster.spec import Host, SshSettings
 
 needs_keygen = pytest.mark.skipif(shutil.which("ssh-keygen") is None, reason="needs ssh-keygen")
 
@@ -318,3 +320,69 @@ def test_refusal_message_carries_the_evidence() -> None:
         assert words in text, text
     none = translate(KeysRefused("alice", [], [], AgentState(None)), at)
     assert "no key could be offered (identities: /k/a, /k/enc; no ssh agent)" in str(none)
+
+
+# --- ~/.ssh/config by name and address -----------------------------------------------------
+
+SSH_CONFIG = """\
+Host gpu-a
+  User alice
+  IdentityFile ~/.ssh/a
+  HostName gpu-a.example.com
+  ProxyJump jump.example.com
+Host 10.0.0.11
+  User carol
+  Port 2222
+  IdentityFile ~/.ssh/b
+Host gpu-c
+  HostName 10.0.0.13
+Host *
+  IdentitiesOnly yes
+  IdentityAgent none
+"""
+
+
+def parsed(text: str) -> paramiko.SSHConfig:
+    return paramiko.SSHConfig.from_text(text)
+
+
+def test_config_by_name_then_address(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    found = host_config(parsed(SSH_CONFIG), "gpu-a", "10.0.0.11")
+    assert found.destination == "10.0.0.11" and found.set_aside == "gpu-a.example.com"
+    opts = found.options
+    assert opts["user"] == "alice" and opts["port"] == "2222" and opts["identitiesonly"] == "yes"
+    assert opts["identityfile"] == [str(tmp_path / ".ssh/a"), str(tmp_path / ".ssh/b")]
+    assert opts["hostname"] == "10.0.0.11"
+    same = host_config(parsed(SSH_CONFIG), "gpu-c", "gpu-c")        # no address: HostName
+    assert same.destination == "10.0.0.13" and same.set_aside is None
+    plain = host_config(parsed(SSH_CONFIG), "gpu-b", "10.0.0.12")
+    assert plain.destination == "10.0.0.12" and "user" not in plain.options
+    assert host_config(parsed(SSH_CONFIG), "gpu-c", "10.0.0.13").set_aside is None
+
+
+def test_transport_uses_the_name_block(monkeypatch, tmp_path: Path) -> None:
+    """What one node's connection is made of (nothing is contacted)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(SSH_CONFIG)
+    said: list[str] = []
+    backend = SshBackend(SshSettings(config=str(cfg)), warn=said.append)
+    try:
+        conn = backend._connect(Host(name="gpu-a", address="10.0.0.11"))._make(
+            "10.0.0.11", None, None, 5.0)
+        assert (conn.host, conn.user, conn.port) == ("10.0.0.11", "alice", 2222)
+        auth = conn.connect_kwargs["auth_strategy"]
+        assert auth.paths == [str(tmp_path / ".ssh/a"), str(tmp_path / ".ssh/b")]
+        assert auth.identities_only and not auth.use_agent
+        assert conn.gateway is not None and conn.gateway.host == "jump.example.com"
+        assert "transport_factory" in conn.connect_kwargs
+        assert any("gpu-a.example.com" in s and "10.0.0.11" in s for s in said)
+
+        host = Host(name="gpu-a", address="10.0.0.11", user="bob", port=22,
+                    identity_file="~/.ssh/mine")                     # the inventory wins
+        conn = backend._connect(host)._make(host.address, host.user, host.port, 5.0)
+        assert (conn.user, conn.port) == ("bob", 22)
+        assert conn.connect_kwargs["auth_strategy"].paths[0] == str(tmp_path / ".ssh/mine")
+    finally:
+        backend.close()

@@ -6,6 +6,7 @@ and SFTP are plain paramiko on the connection Fabric opened.
 
     transport.py   SshTransport, one node: run / spawn / put / upload, connected at first
                    use (so in parallel, from the backend's thread pool), never prompting
+    sshconfig.py   ~/.ssh/config for a host's name and address; where to connect
     identities.py  which keys to offer (ssh-agent, IdentityFile, IdentitiesOnly) as OpenSSH does
     known_hosts.py the known_hosts format: patterns, negation, hashed names, ports, markers
     hostkeys.py    known_hosts checking and the three host-key policies

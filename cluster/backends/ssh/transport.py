@@ -21,6 +21,7 @@ from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, _of
                        _split_files, known_hosts_for, transport_preferring)
 from .identities import BatchAuth, identity_paths
 from .known_hosts import key_name
+from .sshconfig import host_config
 
 KEEPALIVE_S = 5.0
 KEEPALIVE_MISSES = 3                  # no answer for 3 intervals: the node is gone
@@ -123,9 +124,18 @@ class SshTransport:
         return conn
 
     def _make(self, address: str, user: str | None, port: int | None, timeout: float) -> Connection:
-        conn = Connection(address, user=user, port=port, config=self.config)
+        found = host_config(self.config.base_ssh_config, self.host.name, address)
+        ssh_cfg = found.options
+        if found.set_aside:
+            self.warn(f"[{self.label}] connecting to the inventory address {address}; "
+                      f"HostName {found.set_aside} from the ssh config is not used")
+        user = user or ssh_cfg.get("user") or self.config.user
+        port = port or int(ssh_cfg.get("port", 22))
+        conn = Connection(found.destination, user=user, port=port, config=self.config)
+        conn.host, conn.ssh_config = found.destination, ssh_cfg
+        conn.gateway = conn.get_gateway()   # ProxyJump/ProxyCommand of the merged options
         self._prepare(conn, timeout, self.host.identity_file)
-        self.known = self._secure(conn, conn.ssh_config)
+        self.known = self._secure(conn, ssh_cfg)
         gateway = conn.gateway
         while isinstance(gateway, Connection):
             self._prepare(gateway, timeout, None)
