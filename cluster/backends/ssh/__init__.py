@@ -1,8 +1,11 @@
 """SSH backend: every node over SSH. This package alone imports Fabric and paramiko.
 
-Fabric supplies the ~/.ssh/config handling (User, Port, IdentityFile, HostName, ProxyJump,
-ProxyCommand); the inventory's own user, port and identity_file win when they are set. Channels
-and SFTP are plain paramiko on the connection Fabric opened.
+~/.ssh/config (parsed by paramiko: User, Port, IdentityFile, IdentitiesOnly, HostName, ProxyJump,
+ProxyCommand, UserKnownHostsFile, HashKnownHosts) is looked up by the host's inventory name, then
+its address; an inventory address that differs from the name is where we connect, whatever
+HostName says (sshconfig.py). The inventory's own user, port and identity_file win when they are
+set. Keys are offered as OpenSSH offers them, agent included, never prompting (identities.py).
+Channels and SFTP are plain paramiko on the connection Fabric opened.
 
     transport.py   SshTransport, one node: run / spawn / put / upload, connected at first
                    use (so in parallel, from the backend's thread pool), never prompting
