@@ -1,12 +1,18 @@
 """SSH backend: every node over SSH. This package alone imports Fabric and paramiko.
 
-Fabric supplies the ~/.ssh/config handling (User, Port, IdentityFile, HostName, ProxyJump,
-ProxyCommand); the inventory's own user, port and identity_file win when they are set. Channels
-and SFTP are plain paramiko on the connection Fabric opened.
+~/.ssh/config (parsed by paramiko: User, Port, IdentityFile, IdentitiesOnly, HostName, ProxyJump,
+ProxyCommand, UserKnownHostsFile, HashKnownHosts) is looked up by the host's inventory name, then
+its address; an inventory address that differs from the name is where we connect, whatever
+HostName says (sshconfig.py). The inventory's own user, port and identity_file win when they are
+set. Keys are offered as OpenSSH offers them, agent included, never prompting (identities.py).
+Channels and SFTP are plain paramiko on the connection Fabric opened.
 
     transport.py   SshTransport, one node: run / spawn / put / upload, connected at first
                    use (so in parallel, from the backend's thread pool), never prompting
-    hostkeys.py    known_hosts and the three host-key policies
+    sshconfig.py   ~/.ssh/config for a host's name and address; where to connect
+    identities.py  which keys to offer (ssh-agent, IdentityFile, IdentitiesOnly) as OpenSSH does
+    known_hosts.py the known_hosts format: patterns, negation, hashed names, ports, markers
+    hostkeys.py    known_hosts checking and the three host-key policies
     errors.py      paramiko/socket exceptions -> the project's errors
     __init__.py    SshBackend: SupervisedBackend over SshTransport, plus `--sync` in the
                    check phase (cluster/backends/sync.py)
@@ -15,6 +21,7 @@ Host keys (an unknown key is never added silently):
     strict      the key must already be in known_hosts; unknown -> refused, with the fix
     accept-new  an unknown key is accepted and appended to known_hosts; a changed one refused
     off         anything is accepted, with one warning
+A key marked @revoked is refused under strict and accept-new.
 
 paramiko and socket exceptions are translated here, at the boundary, into the ClusterError
 subclasses below; each message names the host and what was tried.
@@ -30,16 +37,18 @@ from ...plan import LaunchPlan, NodePlan
 from ...spec import Host, SshSettings
 from ..supervised import SupervisedBackend
 from ..sync import local_files, sync_dir
-from .errors import (Attempt, AuthFailed, HostKeyChanged, HostKeyUnknown, SshError, Unreachable,
-                     translate)
-from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, UnknownKey,
-                       known_hosts_for)
+from .errors import (Attempt, AuthFailed, HostKeyChanged, HostKeyRevoked, HostKeyUnknown,
+                     SshError, Unreachable, translate)
+from .hostkeys import (AcceptNewPolicy, ChangedKey, KnownHosts, OffPolicy, RevokedKey,
+                       StrictPolicy, UnknownKey, known_hosts_for)
+from .identities import BatchAuth, KeysRefused
 from .transport import SshChannel, SshTransport, fabric_config, sftp_path
 
 TRAINER_SUBDIR = "cluster-train"
 
-__all__ = ["AcceptNewPolicy", "Attempt", "AuthFailed", "HostKeyChanged", "HostKeyUnknown",
-           "KnownHosts", "OffPolicy", "SshBackend", "SshChannel", "SshError", "SshTransport",
+__all__ = ["AcceptNewPolicy", "Attempt", "AuthFailed", "BatchAuth", "ChangedKey",
+           "HostKeyChanged", "HostKeyRevoked", "HostKeyUnknown", "KeysRefused", "KnownHosts",
+           "OffPolicy", "RevokedKey", "SshBackend", "SshChannel", "SshError", "SshTransport",
            "StrictPolicy", "UnknownKey", "Unreachable", "known_hosts_for", "local_files",
            "sftp_path", "translate"]
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import paramiko
 
 from ...errors import ClusterError, PreflightError
-from .hostkeys import KnownHosts, UnknownKey, fingerprint
+from .hostkeys import ChangedKey, HostKeyRefused, KnownHosts, RevokedKey, fingerprint
+from .identities import KeysRefused
+from .known_hosts import Entry
 
 # All exit code 3 (PreflightError): a node that cannot be reached or trusted fails the checks.
 
@@ -34,6 +36,10 @@ class HostKeyChanged(SshError):
     """known_hosts has another key for this host: refused under every policy but off."""
 
 
+class HostKeyRevoked(SshError):
+    """known_hosts marks the host's key @revoked: refused under every policy but off."""
+
+
 @dataclass(frozen=True)
 class Attempt:
     """What a connection tried, for the messages."""
@@ -56,23 +62,14 @@ def translate(exc: BaseException, at: Attempt, known: KnownHosts | None = None) 
     """A paramiko/socket exception from connecting -> the matching ClusterError."""
     if isinstance(exc, ClusterError):
         return exc
-    if isinstance(exc, UnknownKey):
-        scan = f"ssh-keyscan{' -p ' + str(at.port) if at.port != 22 else ''} -H {at.hostname}"
-        target = known.write_to if known else "~/.ssh/known_hosts"
-        return HostKeyUnknown(
-            f"{at.where}: host key not in known_hosts ({', '.join(at.known_hosts) or target}); "
-            f"server offers {exc.key.get_name()} {fingerprint(exc.key)}. Verify it, then add it: "
-            f"`{scan} >> {target}`, or run with --host-key-policy accept-new")
+    if isinstance(exc, HostKeyRefused):
+        return _host_key(exc, at, known)
     if isinstance(exc, paramiko.BadHostKeyException):
         lines = known.lines_for(exc.hostname) if known else []
         where = "; ".join(f"{f} line {n} ({t})" for f, n, t in lines) or "known_hosts"
-        return HostKeyChanged(
-            f"{at.where}: HOST KEY CHANGED: the server sent {exc.key.get_name()} "
-            f"{fingerprint(exc.key)}, which does not match {where}. Someone may be intercepting "
-            f"the connection (man-in-the-middle), or the host was reinstalled. Refusing to "
-            f"connect. If the change is expected, remove the old key with "
-            f"`ssh-keygen -R {exc.hostname}"
-            f"{' -f ' + lines[0][0] if lines else ''}` and connect again")
+        return _changed(at, exc.hostname, exc.key, where, lines[0][0] if lines else None)
+    if isinstance(exc, KeysRefused):
+        return _keys_refused(exc, at)
     if isinstance(exc, paramiko.AuthenticationException):
         keys = ", ".join(at.keys) if at.keys else "none given"
         extra = " and the ssh agent" if at.agent else ""
@@ -103,3 +100,60 @@ def translate(exc: BaseException, at: Attempt, known: KnownHosts | None = None) 
     if isinstance(exc, EOFError):
         return Unreachable(f"{at.where}: the server closed the connection")
     return SshError(f"{at.where}: {type(exc).__name__}: {exc}")
+
+
+def _keyscan(at: Attempt) -> str:
+    return f"ssh-keyscan{' -p ' + str(at.port) if at.port != 22 else ''} -H {at.hostname}"
+
+
+def _host_key(exc: HostKeyRefused, at: Attempt, known: KnownHosts | None) -> ClusterError:
+    key = f"{exc.key.get_name()} {fingerprint(exc.key)}"
+    target = known.write_to if known else "~/.ssh/known_hosts"
+    if isinstance(exc, RevokedKey):
+        lines = ", ".join(e.where for e in exc.entries)
+        return HostKeyRevoked(
+            f"{at.where}: the server's host key {key} is REVOKED (@revoked at {lines}). Refusing "
+            f"to connect (revoked keys are refused under every host key policy but off). The host "
+            f"needs a new key; once its administrator has given it one, verify it and add it to "
+            f"{target}")
+    if isinstance(exc, ChangedKey):
+        where = "; ".join(f"{e.where} ({e.keytype})" for e in exc.entries)
+        first = exc.entries[0] if exc.entries else None
+        if first is not None and first.is_pattern:
+            return _changed(at, exc.hostname, exc.key, where, None, pattern=first)
+        return _changed(at, exc.hostname, exc.key, where, first.file if first else None)
+    files = ", ".join(at.known_hosts) or target
+    if exc.entries:
+        authorities = ", ".join(e.where for e in exc.entries)
+        return HostKeyUnknown(
+            f"{at.where}: no plain host key for this host in known_hosts ({files}); "
+            f"@cert-authority at {authorities} covers it, but host certificates are not supported. "
+            f"The server offers {key}. Verify it, then add it as a plain entry: "
+            f"`{_keyscan(at)} >> {target}`, or run with --host-key-policy accept-new")
+    return HostKeyUnknown(
+        f"{at.where}: host key not in known_hosts ({files}); server offers {key}. Verify it, "
+        f"then add it: `{_keyscan(at)} >> {target}`, or run with --host-key-policy accept-new")
+
+
+def _changed(at: Attempt, hostname: str, key: paramiko.PKey, where: str, file: str | None,
+             *, pattern: Entry | None = None) -> HostKeyChanged:
+    if pattern is not None:
+        fix = (f"edit {pattern.where} (its pattern {pattern.hosts!r} covers this host), or add "
+               f"a line naming this host with its new key")
+    else:
+        fix = f"remove the old key with `ssh-keygen -R {hostname}{' -f ' + file if file else ''}`"
+    return HostKeyChanged(
+        f"{at.where}: HOST KEY CHANGED: the server sent {key.get_name()} {fingerprint(key)}, "
+        f"which does not match {where}. Someone may be intercepting the connection "
+        f"(man-in-the-middle), or the host was reinstalled. Refusing to connect. If the change "
+        f"is expected, {fix} and connect again")
+
+
+def _keys_refused(exc: KeysRefused, at: Attempt) -> AuthFailed:
+    offered = "; ".join(exc.tried) if exc.tried else \
+        f"no key could be offered (identities: {', '.join(at.keys) or 'none'}; {exc.agent.name()})"
+    text = (f"{at.where}: authentication failed for user {at.user!r} (batch mode: no passphrase "
+            f"or password prompts). Offered: {offered}.")
+    if exc.notes:
+        text += " Not offered: " + "; ".join(exc.notes) + "."
+    return AuthFailed(text + " Set 'user'/'identity_file' in the inventory or ~/.ssh/config")

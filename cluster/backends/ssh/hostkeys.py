@@ -1,72 +1,127 @@
 """Host keys: the known_hosts files and the three policies (strict, accept-new, off).
 
-Never paramiko's auto-adding policy: an unknown key is refused (strict), or accepted and
-recorded (accept-new), or accepted with a warning (off); a changed key is refused by all but off.
+The check is ours, not paramiko's: nothing is loaded into paramiko's HostKeys, so paramiko hands
+every server key to our MissingHostKeyPolicy, which runs after the key exchange and before any
+authentication is sent. It reads known_hosts as OpenSSH does (known_hosts.py: patterns, negation,
+hashed names, `[host]:port`, @revoked, @cert-authority) and decides:
+
+    revoked   an @revoked line for this host has the server's key  -> refused (strict, accept-new)
+    known     a plain line for this host has the server's key      -> accepted
+    changed   plain lines name this host, none with this key       -> refused (strict, accept-new)
+    unknown   no plain line names this host                        -> strict: refused;
+                                                                      accept-new: recorded
+Under off nothing is read and any key is accepted (the backend warns once).
+
+The key types known for a host are put first in the host key algorithms offered, as OpenSSH
+does, so a server with several keys shows the one known_hosts has.
 """
 from __future__ import annotations
 
 import os
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import paramiko
-from paramiko.hostkeys import HostKeyEntry, HostKeys
 
-class UnknownKey(paramiko.SSHException):
-    """Raised inside paramiko's connect by StrictPolicy; translated to HostKeyUnknown."""
+from .known_hosts import Entry, hash_name, read_entries
 
-    def __init__(self, hostname: str, key: paramiko.PKey) -> None:
-        super().__init__(f"unknown host key for {hostname}")
-        self.hostname, self.key = hostname, key
+USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
+GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
+_KNOWN_HOSTS_LOCK = threading.Lock()
+_off_warned = threading.Event()
+
+# known_hosts key type -> the host key algorithms that present it (RSA signs with SHA-2 now)
+_ALGORITHMS = {"ssh-rsa": ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")}
 
 
 def fingerprint(key: paramiko.PKey) -> str:
     return key.fingerprint if hasattr(key, "fingerprint") else key.get_fingerprint().hex()
 
 
-class KnownHosts:
-    """The known_hosts files for one backend: read for checking, the first one written to
-    under accept-new. Writes are serialised; nodes connect in parallel."""
+class HostKeyRefused(paramiko.SSHException):
+    """Raised inside paramiko's connect by our policies, before authentication; translated by
+    errors.translate. hostname is the known_hosts name (`host` or `[host]:port`)."""
 
-    def __init__(self, files: Sequence[str], write_to: str) -> None:
+    def __init__(self, text: str, hostname: str, key: paramiko.PKey,
+                 entries: Sequence[Entry] = ()) -> None:
+        super().__init__(text)
+        self.hostname, self.key, self.entries = hostname, key, tuple(entries)
+
+
+class UnknownKey(HostKeyRefused):
+    """No plain known_hosts line names the host (strict). entries: @cert-authority lines that
+    cover the host, if any (host certificates are not checked)."""
+
+    def __init__(self, hostname: str, key: paramiko.PKey, authorities: Sequence[Entry] = ()) -> None:
+        super().__init__(f"unknown host key for {hostname}", hostname, key, authorities)
+
+
+class ChangedKey(HostKeyRefused):
+    """known_hosts names the host with other keys only. entries: those lines."""
+
+    def __init__(self, hostname: str, key: paramiko.PKey, entries: Sequence[Entry]) -> None:
+        super().__init__(f"host key for {hostname} changed", hostname, key, entries)
+
+
+class RevokedKey(HostKeyRefused):
+    """An @revoked line for the host holds the server's key. entries: those lines."""
+
+    def __init__(self, hostname: str, key: paramiko.PKey, entries: Sequence[Entry]) -> None:
+        super().__init__(f"host key for {hostname} is revoked", hostname, key, entries)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What known_hosts says about one server key for one host name."""
+    status: str                               # known | revoked | changed | unknown
+    entries: tuple[Entry, ...] = ()           # the lines that decided it
+    authorities: tuple[Entry, ...] = ()       # @cert-authority lines for the host
+
+
+class KnownHosts:
+    """The known_hosts files for one connection: read for checking, the first one written to
+    under accept-new (hashed when HashKnownHosts is yes). Writes are serialised; nodes connect
+    in parallel."""
+
+    def __init__(self, files: Sequence[str], write_to: str, *, hash_new: bool = False) -> None:
         self.files = [os.path.expanduser(f) for f in files]
         self.write_to = os.path.expanduser(write_to)
+        self.hash_new = hash_new
         self.lock = _KNOWN_HOSTS_LOCK
 
-    def load_into(self, keys: HostKeys) -> None:
-        for f in self.files:
-            if os.path.isfile(f):
-                try:
-                    keys.load(f)
-                except (OSError, paramiko.SSHException, ValueError):
-                    continue
+    def entries(self) -> list[Entry]:
+        return [e for f in self.files if os.path.isfile(f) for e in read_entries(f)]
+
+    def entries_for(self, hostname: str) -> list[Entry]:
+        """Every line that names hostname (`host` or `[host]:port`), in file order."""
+        return [e for e in self.entries() if e.names(hostname)]
+
+    def check(self, hostname: str, key: paramiko.PKey) -> Verdict:
+        lines = self.entries_for(hostname)
+        blob = key.asbytes()
+        revoked = tuple(e for e in lines if e.marker == "revoked" and e.blob == blob)
+        if revoked:
+            return Verdict("revoked", revoked)
+        plain = tuple(e for e in lines if e.marker is None)
+        authorities = tuple(e for e in lines if e.marker == "cert-authority")
+        if any(e.blob == blob for e in plain):
+            return Verdict("known", tuple(e for e in plain if e.blob == blob), authorities)
+        return Verdict("changed" if plain else "unknown", plain, authorities)
+
+    def key_types(self, hostname: str) -> list[str]:
+        """The key types of the plain lines for hostname, in file order, without repeats."""
+        return list(dict.fromkeys(e.keytype for e in self.entries_for(hostname)
+                                  if e.marker is None))
 
     def lines_for(self, hostname: str) -> list[tuple[str, int, str]]:
-        """(file, line number, key type) of every entry naming hostname (plain or hashed)."""
-        found = []
-        for f in self.files:
-            try:
-                text = Path(f).read_text(errors="replace")
-            except OSError:
-                continue
-            for lineno, line in enumerate(text.splitlines(), start=1):
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                try:
-                    entry = HostKeyEntry.from_line(line, lineno)
-                except (paramiko.SSHException, ValueError, IndexError):
-                    entry = None
-                if entry is None or entry.key is None:
-                    continue
-                if any(_host_matches(h, hostname) for h in entry.hostnames):
-                    found.append((f, lineno, entry.key.get_name()))
-        return found
+        """(file, line number, key type) of every plain line naming hostname."""
+        return [(e.file, e.line, e.keytype) for e in self.entries_for(hostname) if e.marker is None]
 
     def add(self, hostname: str, key: paramiko.PKey) -> None:
-        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+        name = hash_name(hostname) if self.hash_new else hostname
+        line = f"{name} {key.get_name()} {key.get_base64()}\n"
         with self.lock:
             directory = os.path.dirname(self.write_to) or "."
             if not os.path.isdir(directory):
@@ -79,11 +134,6 @@ class KnownHosts:
                 f.write(line)
 
 
-_KNOWN_HOSTS_LOCK = threading.Lock()
-USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
-GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
-
-
 def known_hosts_for(ssh_cfg: Any) -> KnownHosts:
     """~/.ssh/known_hosts plus the ssh config's UserKnownHostsFile (new keys go to the latter
     when it is set, as OpenSSH does) plus the global file, read-only."""
@@ -91,31 +141,58 @@ def known_hosts_for(ssh_cfg: Any) -> KnownHosts:
     glob = _split_files(ssh_cfg.get("globalknownhostsfile")) or [GLOBAL_KNOWN_HOSTS]
     default = os.path.expanduser(USER_KNOWN_HOSTS)
     files = list(dict.fromkeys(user + [default] + glob))
-    return KnownHosts(files, user[0] if user else default)
+    hashed = str(ssh_cfg.get("hashknownhosts", "no")).lower() == "yes"
+    return KnownHosts(files, user[0] if user else default, hash_new=hashed)
 
 
-def _host_matches(pattern: str, hostname: str) -> bool:
-    if pattern.startswith("|1|"):
-        return HostKeys.hash_host(hostname, pattern) == pattern
-    return pattern == hostname
+def preferred_algorithms(known_types: Sequence[str], offered: Sequence[str]) -> list[str]:
+    """offered, reordered so that the algorithms of the known key types come first."""
+    wanted = [a for t in known_types for a in _ALGORITHMS.get(t, (t,))]
+    first = [a for a in dict.fromkeys(wanted) if a in offered]
+    return first + [a for a in offered if a not in first]
+
+
+def transport_preferring(known_types: Sequence[str]) -> Callable[..., paramiko.Transport]:
+    """A paramiko transport_factory whose host key algorithms put known_types first."""
+    def make(sock: Any, disabled_algorithms: dict[str, Any] | None = None) -> paramiko.Transport:
+        transport = paramiko.Transport(sock, disabled_algorithms=disabled_algorithms)
+        options = transport.get_security_options()
+        options.key_types = preferred_algorithms(known_types, list(options.key_types))
+        return transport
+    return make
 
 
 class StrictPolicy(paramiko.MissingHostKeyPolicy):
-    """Unknown host key: refuse (the caller explains how to add it)."""
+    """The server's key must be known: revoked, changed and unknown keys are refused.
+    With no KnownHosts, nothing is known."""
+
+    def __init__(self, known: KnownHosts | None = None) -> None:
+        self.known = known
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        raise UnknownKey(hostname, key)
+        verdict = self.known.check(hostname, key) if self.known else Verdict("unknown")
+        if verdict.status == "known":
+            return
+        if verdict.status == "revoked":
+            raise RevokedKey(hostname, key, verdict.entries)
+        if verdict.status == "changed":
+            raise ChangedKey(hostname, key, verdict.entries)
+        self.unknown(hostname, key, verdict)
+
+    def unknown(self, hostname: str, key: paramiko.PKey, verdict: Verdict) -> None:
+        raise UnknownKey(hostname, key, verdict.authorities)
 
 
-class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
-    """Unknown host key: accept it and record it in known_hosts (like OpenSSH's accept-new).
-    A changed key never reaches a policy: paramiko raises BadHostKeyException first."""
+class AcceptNewPolicy(StrictPolicy):
+    """As strict, except that an unknown key is accepted and recorded in known_hosts (like
+    OpenSSH's accept-new). Revoked and changed keys are still refused."""
 
     def __init__(self, known: KnownHosts, warn: Callable[[str], None]) -> None:
+        super().__init__(known)
         self.known = known
         self.warn = warn
 
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+    def unknown(self, hostname: str, key: paramiko.PKey, verdict: Verdict) -> None:
         self.known.add(hostname, key)
         self.warn(f"added the {key.get_name()} host key of {hostname} ({fingerprint(key)}) "
                   f"to {self.known.write_to}")
@@ -126,9 +203,6 @@ class OffPolicy(paramiko.MissingHostKeyPolicy):
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         return None
-
-
-_off_warned = threading.Event()
 
 
 def _split_files(value: Any) -> list[str]:

@@ -18,7 +18,10 @@ from ...spec import Host, SshSettings
 from ..supervised import Result
 from .errors import Attempt, SshError, translate
 from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, _off_warned,
-                       _split_files, known_hosts_for)
+                       _split_files, known_hosts_for, transport_preferring)
+from .identities import BatchAuth, identity_paths
+from .known_hosts import key_name
+from .sshconfig import host_config
 
 KEEPALIVE_PROBES = 4                  # probes per keepalive period
 
@@ -126,34 +129,41 @@ class SshTransport:
         return conn
 
     def _make(self, address: str, user: str | None, port: int | None, timeout: float) -> Connection:
-        ssh_cfg = self.config.base_ssh_config.lookup(address)
-        keys = [os.path.expanduser(self.host.identity_file)] if self.host.identity_file else []
-        keys += [k for k in _split_files(ssh_cfg.get("identityfile")) if k not in keys]
-        only = str(ssh_cfg.get("identitiesonly", "no")).lower() == "yes"
-        connect_kwargs: dict[str, Any] = {
-            "timeout": timeout, "banner_timeout": timeout, "auth_timeout": timeout,
-            "channel_timeout": timeout, "allow_agent": not only, "look_for_keys": not only,
-            "passphrase": None, "password": None,
-        }
-        present = [k for k in keys if os.path.exists(k)]
-        if present:
-            connect_kwargs["key_filename"] = present
-        conn = Connection(address, user=user, port=port, config=self.config,
-                          connect_kwargs=connect_kwargs)
-        conn.connect_timeout = None          # the timeout travels in connect_kwargs (a float)
+        found = host_config(self.config.base_ssh_config, self.host.name, address)
+        ssh_cfg = found.options
+        if found.set_aside:
+            self.warn(f"[{self.label}] connecting to the inventory address {address}; "
+                      f"HostName {found.set_aside} from the ssh config is not used")
+        user = user or ssh_cfg.get("user") or self.config.user
+        port = port or int(ssh_cfg.get("port", 22))
+        conn = Connection(found.destination, user=user, port=port, config=self.config)
+        conn.host, conn.ssh_config = found.destination, ssh_cfg
+        conn.gateway = conn.get_gateway()   # ProxyJump/ProxyCommand of the merged options
+        self._prepare(conn, timeout, self.host.identity_file)
         self.known = self._secure(conn, ssh_cfg)
         gateway = conn.gateway
         while isinstance(gateway, Connection):
-            gateway.connect_kwargs = {**gateway.connect_kwargs, "timeout": timeout,
-                                      "banner_timeout": timeout, "auth_timeout": timeout,
-                                      "passphrase": None, "password": None}
-            gateway.connect_timeout = None
+            self._prepare(gateway, timeout, None)
             self._secure(gateway, gateway.ssh_config)
             gateway = gateway.gateway
         return conn
 
+    @staticmethod
+    def _prepare(conn: Connection, timeout: float, identity_file: str | None) -> None:
+        """Timeouts and batch-mode authentication (identities.py) for one hop."""
+        ssh_cfg = conn.ssh_config
+        paths = identity_paths(identity_file, _split_files(ssh_cfg.get("identityfile")))
+        auth = BatchAuth(conn.user, paths, ssh_config=ssh_cfg,
+                         identities_only=str(ssh_cfg.get("identitiesonly", "no")).lower() == "yes",
+                         use_agent=str(ssh_cfg.get("identityagent", "")).lower() != "none")
+        conn.connect_kwargs = {"timeout": timeout, "banner_timeout": timeout,
+                               "auth_timeout": timeout, "channel_timeout": timeout,
+                               "auth_strategy": auth}
+        conn.connect_timeout = None          # the timeout travels in connect_kwargs (a float)
+
     def _secure(self, conn: Connection, ssh_cfg: Any) -> KnownHosts | None:
-        """Our host key policy on this connection's client, with known_hosts loaded into it."""
+        """Our host key policy on this connection's client (hostkeys.py); the key types
+        known_hosts has for the host are asked for first."""
         client = conn.client
         if self.policy == "off":
             client.set_missing_host_key_policy(OffPolicy())
@@ -163,23 +173,21 @@ class SshTransport:
                           "anyone on the network path can impersonate the nodes")
             return None
         known = known_hosts_for(ssh_cfg)
-        known.load_into(client.get_host_keys())
+        types = known.key_types(key_name(conn.host, conn.port))
+        conn.connect_kwargs["transport_factory"] = transport_preferring(types)
         if self.policy == "accept-new":
             client.set_missing_host_key_policy(AcceptNewPolicy(known, self.warn))
         else:
-            client.set_missing_host_key_policy(StrictPolicy())
+            client.set_missing_host_key_policy(StrictPolicy(known))
         return known
 
     def _attempt(self, conn: Connection, timeout: float) -> Attempt:
-        kw = conn.connect_kwargs
-        keys = tuple(kw.get("key_filename") or ())
-        if kw.get("look_for_keys", True):
-            keys += ("~/.ssh/id_*",)
+        auth = conn.connect_kwargs.get("auth_strategy")
+        keys = tuple(auth.paths) if isinstance(auth, BatchAuth) else ()
+        agent = isinstance(auth, BatchAuth) and auth.agent_socket() is not None
         files = tuple(self.known.files) if self.known else ()
         return Attempt(name=self.host.name, hostname=conn.host, port=conn.port, user=conn.user,
-                       keys=keys, agent=bool(kw.get("allow_agent", True)
-                                             and os.environ.get("SSH_AUTH_SOCK")),
-                       timeout=timeout, known_hosts=files)
+                       keys=keys, agent=agent, timeout=timeout, known_hosts=files)
 
     def _probe_interval(self) -> float:
         return max(0.2, float(self.settings.keepalive) / KEEPALIVE_PROBES)
