@@ -4,7 +4,7 @@
     ├── InputError               2  bad command line, template or inventory; nothing ran
     │   └── InventoryError       2  names file, line and key
     ├── PreflightError           3  a node failed the checks before start; nothing started
-    │   └── backends.ssh.SshError   unreachable, authentication, unknown or changed host key
+    │   └── backends.ssh.SshError   unreachable, authentication, unknown, changed or revoked host key
     ├── RunFailed                4  a node exited non-zero or was killed; the others were stopped
     ├── NodeLost                 5  the connection to a node was lost; the others were stopped
     ├── BackendError             6  the scheduler or transport refused (sbatch errors, ...)
