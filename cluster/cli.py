@@ -51,6 +51,9 @@ def main() -> None:
 @click.option("--local", "force_local", is_flag=True, help="Run on this machine (same as --backend local).")
 @click.option("--dry-run", is_flag=True, help="Render and record the plan, print every script; contact nothing.")
 @click.option("--detach", is_flag=True, help="Start and return; use status/logs/down later.")
+@click.option("--no-preflight", is_flag=True,
+              help="Skip the cross-node checks (same torch, every node reaching the master port) "
+                   "and let each node choose its interface at start.")
 @click.option("--templates", "templates_dir", type=click.Path(file_okay=False),
               help="A directory whose templates override the built-in ones by name.")
 @click.option("--nproc-per-node", type=int, help="Processes per node (overrides the inventory).")
@@ -76,7 +79,7 @@ def main() -> None:
 @click.option("--max-requeues", type=click.IntRange(0), help="SLURM: requeue at most this often.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
-       backend: str | None, force_local: bool, dry_run: bool, detach: bool,
+       backend: str | None, force_local: bool, dry_run: bool, detach: bool, no_preflight: bool,
        templates_dir: str | None, nproc_per_node: int | None, master_port: int | None,
        env_pairs: tuple[str, ...], secret_names: tuple[str, ...], stop_grace: float | None,
        keepalive: float | None, sync_dir: str | None, sync_exclude: tuple[str, ...],
@@ -129,7 +132,8 @@ def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude
     sync = [(d, sub) for d, sub in ((sync_dir, "."), (code_dir, "cluster-train")) if d]
     impl = _backend(backend, inventory, sync=sync, sync_exclude=sync_exclude)
     try:
-        launch.up(inventory, job, templates, impl, run, argv, console, detach=detach)
+        launch.up(inventory, job, templates, impl, run, argv, console, detach=detach,
+                  preflight=not no_preflight)
     finally:
         impl.close()
 

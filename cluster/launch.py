@@ -11,6 +11,7 @@ from .backends import Backend
 from .errors import InputError, Interrupted, NodeLost, PreflightError, RunFailed
 from .spec import Inventory
 from .plan import Job, LaunchPlan, Templates, derived_port, render
+from .preflight import WARN, Finding, evaluate, failures
 from .runs import RunDir
 from .watch import Console, Watcher
 
@@ -39,10 +40,10 @@ def secret_values(inventory: Inventory,
 
 
 def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, run: RunDir,
-       argv: list[str], console: Console, *, detach: bool = False,
+       argv: list[str], console: Console, *, detach: bool = False, preflight: bool = True,
        environ: Mapping[str, str] = os.environ) -> int:
     secrets = secret_values(inventory, environ)
-    plan, facts = _check(inventory, job, templates, backend, run, argv, console)
+    plan, facts = _check(inventory, job, templates, backend, run, argv, console, preflight)
     nodes = [dict(rank=n.rank, name=n.host.name, address=n.host.address, run_dir=n.run_dir,
                   dir=facts[n.host.name]["dir"], hostname=facts[n.host.name].get("hostname"))
              for n in plan.nodes]
@@ -64,8 +65,13 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, r
 
 
 def _check(inventory: Inventory, job: Job, templates: Templates, backend: Backend, run: RunDir,
-           argv: list[str], console: Console) -> tuple[LaunchPlan, dict[str, dict[str, Any]]]:
-    """Phase one, retrying with the next derived port when the master's port is taken."""
+           argv: list[str], console: Console,
+           preflight: bool = True) -> tuple[LaunchPlan, dict[str, dict[str, Any]]]:
+    """Phase one: every node probed at once (connect, python, torch, its run directory, the
+    interface that reaches the master, the master port, trying the next derived port when
+    it is taken); then, unless --no-preflight, the same torch everywhere and a TCP connection
+    from every node to the master port. Any failure starts nothing. Then the scripts are
+    rendered with each node's interface written in, recorded and pushed."""
     chosen = job.master_port or inventory.master.master_port
     for attempt in range(PORT_ATTEMPTS):
         if not chosen:
@@ -73,15 +79,34 @@ def _check(inventory: Inventory, job: Job, templates: Templates, backend: Backen
         plan = render(inventory, job, templates)
         run.record(plan, inventory, backend.name, argv)
         facts = backend.check(plan)
-        master = plan.master
-        if facts[master.host.name].get("port_free", True):
-            return plan, facts
-        if chosen:
-            raise PreflightError(f"port {plan.master_port} is in use on the master "
-                                 f"{master.host.name} ({plan.master_addr}): another program "
-                                 f"listens on it; choose another master_port")
-        console.info(f"port {plan.master_port} is in use on {master.host.name}; trying another")
-    raise PreflightError(f"no free master port on {plan.master_addr} after {PORT_ATTEMPTS} tries")
+        if facts[plan.master.host.name].get("port_free", True) or chosen:
+            break
+        console.info(f"port {plan.master_port} is in use on {plan.master.host.name}; trying another")
+    else:
+        raise PreflightError(f"no free master port on {plan.master_addr} after {PORT_ATTEMPTS} tries")
+    findings = evaluate(plan, facts, backend.reach(plan) if preflight else None)
+    if not preflight:   # what used to be the whole check: torch present, the port free
+        findings = [f for f in findings if f.check in ("torch", "master port")]
+    _judge(findings, len(plan.nodes), console)
+    ifnames = {name: f["network"]["ifname"] for name, f in facts.items()
+               if preflight and (f.get("network") or {}).get("ifname")}
+    plan = render(inventory, job, templates, ifnames)
+    run.record(plan, inventory, backend.name, argv)
+    backend.push(plan)
+    return plan, facts
+
+
+def _judge(findings: list[Finding], nodes: int, console: Console) -> None:
+    for f in findings:
+        if f.status == WARN:
+            console.info(f"warning: [{f.node}] {f.check}: {f.detail}" + (f" ({f.fix})" if f.fix else ""))
+    bad = failures(findings)
+    if bad:
+        lines = "\n".join(f"  {f.node}: {f.check}: {f.detail}" + (f"\n    fix: {f.fix}" if f.fix else "")
+                          for f in bad)
+        named = sorted({f.node for f in bad})
+        raise PreflightError(f"{len(bad)} check(s) failed on {', '.join(named)} "
+                             f"({nodes} node(s) checked); nothing was started", details=lines)
 
 
 def _outcome(result: Any, plan: LaunchPlan, console: Console) -> int:

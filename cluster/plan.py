@@ -6,14 +6,15 @@ and the run id. A backend never re-reads the inventory or re-renders. `--dry-run
 from __future__ import annotations
 
 import hashlib
-import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
 from .errors import InputError
+from . import network
 from .spec import DEFAULT_STOP_GRACE, Host, Inventory
 
 PORT_BASE, PORT_SPAN = 29500, 1000
@@ -136,10 +137,12 @@ class Templates:
 # --- render --------------------------------------------------------------------------------
 
 
-def render(inventory: Inventory, job: Job, templates: Templates) -> LaunchPlan:
+def render(inventory: Inventory, job: Job, templates: Templates,
+           ifnames: Mapping[str, str] | None = None) -> LaunchPlan:
+    """ifnames: per host, the interface the node reported at the check (cluster.network)."""
     master = inventory.master
     port = job.master_port or master.master_port or derived_port(job.run_id)
-    nodes = tuple(_node(rank, host, inventory, job, templates, port)
+    nodes = tuple(_node(rank, host, inventory, job, templates, port, (ifnames or {}).get(host.name))
                   for rank, host in enumerate(rank_order(inventory)))
     return LaunchPlan(run_id=job.run_id, nodes=nodes, master_addr=master.address,
                       master_port=port, rendezvous=master.rendezvous, script=job.script,
@@ -158,28 +161,25 @@ def rank_order(inventory: Inventory) -> tuple[Host, ...]:
 
 
 def _node(rank: int, host: Host, inv: Inventory, job: Job, templates: Templates,
-          port: int) -> NodePlan:
-    ifname = host.network.ifname
-    # Gloo takes plain names only; an NCCL list ('^docker0,lo', '=eth0') leaves Gloo unset.
-    gloo_ifname = ifname if ifname and re.match(r"^[A-Za-z0-9_.:@-]+$", ifname) else None
-    nproc = _nproc(host)
-    user_env = {**dict(host.env), **dict.fromkeys(host.secret_env, "")}
+          port: int, resolved: str | None) -> NodePlan:
+    net = network.policy(host, resolved)
     text = templates.render(
         "node.sh.j2", run_id=job.run_id, rank=rank, nnodes=len(inv.hosts), host=host,
         master_addr=inv.master.address, master_port=port, rendezvous=inv.master.rendezvous,
-        ifname=ifname, gloo_ifname=gloo_ifname, ib=host.network.ib, env=host.env,
-        secret_env=host.secret_env, user_sets=user_env.__contains__, nproc=nproc, script=job.script, args=job.args)
-    run_dir = (f"{job.node_root}/{host.name}" if job.node_root
-               else f"{host.workdir.rstrip('/')}/.cluster/{job.run_id}/{host.name}")
+        net=net, env=host.env, secret_env=host.secret_env, nproc=_nproc(host),
+        script=job.script, args=job.args)
     decided = [("CLUSTER_RUN_ID", job.run_id), ("CLUSTER_NODE", host.name),
                ("CLUSTER_NODE_RANK", str(rank)), ("CLUSTER_NNODES", str(len(inv.hosts))),
                ("MASTER_ADDR", inv.master.address), ("MASTER_PORT", str(port))]
-    if ifname and "NCCL_SOCKET_IFNAME" not in user_env:
-        decided.append(("NCCL_SOCKET_IFNAME", ifname))
-        if gloo_ifname:
-            decided.append(("GLOO_SOCKET_IFNAME", gloo_ifname))
-    return NodePlan(rank=rank, host=host, script=text, run_dir=run_dir,
-                    env=tuple(decided) + host.env)
+    return NodePlan(rank=rank, host=host, script=text, run_dir=node_run_dir(host, job),
+                    env=tuple(decided + network.decided_env(net)) + host.env)
+
+
+def node_run_dir(host: Host, job: Job) -> str:
+    """The node's own directory for this run (may start with ~, expanded on the node)."""
+    if job.node_root:
+        return f"{job.node_root}/{host.name}"
+    return f"{host.workdir.rstrip('/')}/.cluster/{job.run_id}/{host.name}"
 
 
 def _nproc(host: Host) -> int | str:

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import network
 from .errors import InputError
 from .spec import Inventory, SlurmSettings, control_char
 from .plan import Job, Templates, derived_port
@@ -110,29 +111,17 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
     options = tuple(sorted(f"--{k}" if v is None else f"--{k}={sbatch_quote(v)}"
                            for k, v in opts.items()))
 
-    # The same interface policy as node.sh.j2: the inventory's ifname for NCCL (a list such as
-    # '^docker0,lo' is NCCL-only), the user's own variables win, the rest is detected per node.
+    net = network.policy(host)
     user_env = {**dict(host.env), **dict.fromkeys(host.secret_env, "")}
-    ifname = host.network.ifname
-    plain = ifname if ifname and re.match(r"^[A-Za-z0-9_.:@-]+$", ifname) else None
-    nccl_ifname = ifname if "NCCL_SOCKET_IFNAME" not in user_env else None
-    gloo_ifname = plain if "GLOO_SOCKET_IFNAME" not in user_env else None
-    detect_nccl = not ifname and "NCCL_SOCKET_IFNAME" not in user_env
-    detect_gloo = not plain and "GLOO_SOCKET_IFNAME" not in user_env
     text = templates.render(
         TEMPLATE, run_id=job.run_id, nodes=nodes, options=options,
-        cpus_per_task=settings.cpus_per_task is not None, master_port=port,
-        nccl_ifname=nccl_ifname, gloo_ifname=gloo_ifname, detect_nccl=detect_nccl,
-        detect_gloo=detect_gloo, ib=host.network.ib, env=host.env, secret_env=host.secret_env,
-        user_sets=user_env.__contains__, nproc=nproc, python=host.python, script=job.script,
-        args=job.args, signal=signal, signal_option=signal_option,
-        max_requeues=settings.max_requeues)
+        cpus_per_task=settings.cpus_per_task is not None, master_port=port, net=net,
+        env=host.env, secret_env=host.secret_env, user_sets=user_env.__contains__, nproc=nproc,
+        python=host.python, script=job.script, args=job.args, signal=signal,
+        signal_option=signal_option, max_requeues=settings.max_requeues)
 
     decided = [("CLUSTER_RUN_ID", job.run_id), ("MASTER_PORT", str(port))]
-    if nccl_ifname:
-        decided.append(("NCCL_SOCKET_IFNAME", nccl_ifname))
-    if gloo_ifname:
-        decided.append(("GLOO_SOCKET_IFNAME", gloo_ifname))
+    decided += network.decided_env(net)
     if "PYTHONUNBUFFERED" not in user_env:
         decided.append(("PYTHONUNBUFFERED", "1"))
     return SbatchPlan(run_id=job.run_id, script=text, options=options, output=output,

@@ -23,6 +23,7 @@ from ..spec import DEFAULT_STOP_GRACE
 from . import NodeExit, NodeStatus
 
 SUPERVISOR = Path(__file__).resolve().parent.parent / "remote" / "supervisor.py"
+PROBE = SUPERVISOR.with_name("probe.py")
 PGID_HEADER = b"@@cluster pgid="
 
 
@@ -74,31 +75,54 @@ class SupervisedNode:
         cmd = [shpath(self.python), shlex.quote(f"{self.dir}/supervisor.py")]
         return " ".join(cmd + [shlex.quote(a) for a in args])
 
-    def prepare(self, node: NodePlan, port_probe: tuple[str, int] | None) -> dict[str, Any]:
-        """Make the run directory, push the scripts, probe python and torch. Raises
-        ClusterError with the reason; changes nothing outside the run directory."""
-        dirs = " ".join(shpath(p) for p in (node.host.workdir, self.dir))
-        made = self.transport.run(f"mkdir -p {dirs} && chmod 700 {shpath(self.dir)} && "
-                                  f"cd {shpath(self.dir)} && pwd", timeout=60)
-        if made.code != 0:
-            raise ClusterError(f"cannot create run directory {self.dir}: {made.text()}")
-        self.dir = made.stdout.decode().strip().splitlines()[-1]
-        self.transport.put(SUPERVISOR.read_bytes(), f"{self.dir}/supervisor.py", 0o600)
-        self.transport.put(node.script.encode(), f"{self.dir}/launch.sh", 0o700)
-        args = ["probe", self.dir]
-        if port_probe:
-            args += ["--addr", port_probe[0], "--port", str(port_probe[1])]
-        probed = self.transport.run(self.supervisor(*args), timeout=60)
+    def probe(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
+              deep: bool = False) -> dict[str, Any]:
+        """One round trip: make the workdir and the run directory (0700), and say what this
+        node has (python, torch, the interface that reaches the master; the master port when
+        `port`; doctor's findings when `deep`). Raises ClusterError with the reason."""
+        args = ["facts", "--dir", self.dir, "--workdir", node.host.workdir,
+                "--own", node.host.address, "--master", plan.master_addr]
+        if node.host.network.ifname:
+            args += ["--ifname", node.host.network.ifname]
+        if port:
+            args += ["--port", str(plan.master_port)]
+        if deep:
+            args.append("--deep")
+        probed = self.transport.run(probe_command(self.python, *args), timeout=120,
+                                    input=probe_input())
         if probed.code == 127 or (probed.code and b"No such file" in probed.stderr):
             raise ClusterError(f"python {self.python!r} not found (set 'python:' in the inventory)")
         if probed.code != 0:
             raise ClusterError(f"python {self.python!r} failed: {probed.text()[-500:]}")
         facts = json.loads(probed.stdout.decode().strip().splitlines()[-1])
-        if not facts.get("torch"):
-            raise ClusterError(f"torch is not installed for {facts.get('executable') or self.python} "
-                               f"(pip install torch there, or point 'python:' at a venv that has it)")
-        facts["dir"] = self.dir
+        for key in ("workdir", "dir"):
+            if isinstance(facts.get(key), dict):
+                raise ClusterError(facts[key]["error"])
+        self.dir = facts["dir"]
         return facts
+
+    def push(self, node: NodePlan) -> None:
+        """The supervisor and the node's rendered script, into its run directory."""
+        self.transport.put(SUPERVISOR.read_bytes(), f"{self.dir}/supervisor.py", 0o600)
+        self.transport.put(node.script.encode(), f"{self.dir}/launch.sh", 0o700)
+
+    def listen(self, port: int, seconds: float) -> Channel:
+        """A short-lived listener on port (as torchrun's store will listen), until the
+        returned channel is closed; raises if it cannot listen."""
+        ch = self.transport.spawn(probe_command(self.python, "listen", "--port", str(port),
+                                                "--seconds", f"{seconds:g}"))
+        ch.write(probe_input())
+        said = ch.read()
+        if b"listening" not in said:
+            ch.close()
+            raise ClusterError(f"cannot listen on port {port}: {said.decode(errors='replace').strip()}")
+        return ch
+
+    def connect(self, addr: str, port: int, timeout: float) -> dict[str, Any]:
+        res = self.transport.run(probe_command(self.python, "connect", "--addr", addr, "--port",
+                                               str(port), "--timeout", f"{timeout:g}"),
+                                 timeout=timeout + 60, input=probe_input())
+        return _json_or_error(res)
 
     def start(self, node: NodePlan, detach: bool, secrets: Mapping[str, str], grace: float,
               keepalive: float) -> "SupervisedProcess | int | None":
@@ -126,6 +150,21 @@ class SupervisedNode:
 
     def logs(self, follow: bool) -> Channel:
         return self.transport.spawn(self.supervisor("logs", self.dir, *(["--follow"] if follow else [])))
+
+
+# The probe's source travels on standard input (its length first, so the input stays open for
+# a listener to watch): nothing has to be copied to a node before it is checked.
+BOOTSTRAP = ("import sys;n=int(sys.stdin.buffer.readline());"
+             "exec(compile(sys.stdin.buffer.read(n),'probe.py','exec'))")
+
+
+def probe_input() -> bytes:
+    source = PROBE.read_bytes()
+    return f"{len(source)}\n".encode() + source
+
+
+def probe_command(python: str, *args: str) -> str:
+    return " ".join([shpath(python), "-c", shlex.quote(BOOTSTRAP), *(shlex.quote(a) for a in args)])
 
 
 def _run_id(node: NodePlan) -> str:
@@ -216,14 +255,33 @@ class SupervisedBackend:
             self._transports[host.name] = self._connect(host)
         return self._transports[host.name]
 
-    def check(self, plan: LaunchPlan) -> dict[str, dict[str, Any]]:
+    def check(self, plan: LaunchPlan, *, deep: bool = False) -> dict[str, dict[str, Any]]:
+        """Phase one on every node at once: connect, make the run directory, say what the
+        node has (see SupervisedNode.probe). Raises PreflightError naming every node that
+        could not be reached or probed; pushes and starts nothing."""
         def one(node: NodePlan) -> dict[str, Any]:
             remote = SupervisedNode(self.transport(node.host), node.host.python, node.run_dir)
-            probe = (plan.master_addr, plan.master_port) if node is plan.master else None
-            facts = remote.prepare(node, probe)
+            facts = remote.probe(node, plan, port=node is plan.master, deep=deep)
             self._nodes[node.host.name] = remote
             return facts
         return {n.host.name: r for n, r in self.each_or_fail(plan.nodes, one)}
+
+    def reach(self, plan: LaunchPlan, timeout: float = 3.0) -> dict[str, dict[str, Any]]:
+        """Whether every node can open a TCP connection to the master port: a listener there
+        for the moment of the check, a connect from each node (after check())."""
+        master = self._nodes[plan.master.host.name]
+        listener = master.listen(plan.master_port, seconds=timeout + 60)
+        try:
+            results = self.each(plan.nodes, lambda n: self._nodes[n.host.name].connect(
+                plan.master_addr, plan.master_port, timeout))
+        finally:
+            listener.close()
+        return {n.host.name: (r if not isinstance(r, Exception) else {"ok": False, "error": str(r)})
+                for n, r in results}
+
+    def push(self, plan: LaunchPlan) -> None:
+        """The supervisor and each node's script, into its run directory (after check())."""
+        self.each_or_fail(plan.nodes, lambda n: self._nodes[n.host.name].push(n))
 
     def each_or_fail(self, nodes: Any, fn: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
         """A check on every node at once; if any fails, one PreflightError listing each."""

@@ -58,6 +58,7 @@ def test_a_partial_start_stops_the_nodes_that_did_start(tmp_path: Path, monkeypa
                                 else LocalTransport())
     try:
         backend.check(plan)
+        backend.push(plan)
         if not detach:          # attached starts never run the detach command: fail another way
             backend._nodes["local1"].transport = BrokenSpawn()
         with pytest.raises(BackendError) as info:

@@ -15,21 +15,24 @@ export CLUSTER_NODE_RANK=0
 export CLUSTER_NNODES=2
 
 export NCCL_SOCKET_IFNAME='^docker0,lo'
-# Interface: the one that holds this node's address, which is the address the other
-# nodes reach it by (not docker0, not a VPN, not lo).
+# Interface, chosen here at run time: the one that holds this node's address (the address the
+# other nodes reach it by), else the one the route to the master leaves through; never by
+# name, so never docker0, a VPN or lo.
 cluster_ifname() {
-  local ip
+  local ip master
   ip=$(getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}') || true
-  ip -o -4 addr show 2>/dev/null | awk -v a="${ip:-$1}" '{split($4, p, "/"); if (p[1] == a) {print $2; exit}}'
+  IFNAME=$(ip -o -4 addr show 2>/dev/null | awk -v a="${ip:-$1}" '{split($4, p, "/"); if (p[1] == a) {print $2; exit}}') || true
+  if [ -z "$IFNAME" ] || [ "$IFNAME" = lo ]; then
+    master=$(getent ahostsv4 "$2" 2>/dev/null | awk 'NR == 1 {print $1}') || true
+    IFNAME=$(ip -o route get "${master:-$2}" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p') || true
+  fi
 }
-IFNAME=$(cluster_ifname 10.0.0.11) || true
-if [ -z "$IFNAME" ]; then
-  IFNAME=$(ip -o route get 10.0.0.11 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p') || true
-fi
-if [ -n "$IFNAME" ]; then
+IFNAME=""
+cluster_ifname 10.0.0.11 10.0.0.11
+if [ -n "$IFNAME" ] && [ "$IFNAME" != lo ]; then
   export GLOO_SOCKET_IFNAME="$IFNAME"
 else
-  echo "cluster: no interface holds 10.0.0.11; NCCL and Gloo will choose one" >&2
+  echo "cluster: no interface found for this node's address; NCCL and Gloo will choose one" >&2
 fi
 export NCCL_IB_DISABLE=1
 

@@ -28,9 +28,6 @@ export MASTER_ADDR
 # A requeued attempt gets a port and rendezvous of its own: the last attempt's processes may
 # still be shutting down on the first node, holding the old rendezvous store.
 export MASTER_PORT=$(( 30057 + ${SLURM_RESTART_COUNT:-0} ))
-export NCCL_SOCKET_IFNAME=ib0
-export GLOO_SOCKET_IFNAME=ib0
-export NCCL_IB_DISABLE=0
 # Lines reach the output file (and `cluster up`/`cluster logs`) as they are printed.
 export PYTHONUNBUFFERED=1
 
@@ -42,6 +39,9 @@ export CLUSTER_NODE_RANK="$SLURM_NODEID"
 # This node's address: the one its name resolves to (never loopback). torchrun advertises it.
 NODE_ADDR=$(getent ahostsv4 "$CLUSTER_NODE" 2>/dev/null | awk 'NR == 1 {print $1}') || true
 case "$NODE_ADDR" in 127.*) NODE_ADDR="" ;; esac
+export NCCL_SOCKET_IFNAME=ib0
+export GLOO_SOCKET_IFNAME=ib0
+export NCCL_IB_DISABLE=0
 PYTHON=$1
 shift
 exec "$PYTHON" -m torch.distributed.run \

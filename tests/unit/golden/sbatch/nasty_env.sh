@@ -27,8 +27,6 @@ export MASTER_ADDR
 # A requeued attempt gets a port and rendezvous of its own: the last attempt's processes may
 # still be shutting down on the first node, holding the old rendezvous store.
 export MASTER_PORT=$(( 30057 + ${SLURM_RESTART_COUNT:-0} ))
-export NCCL_SOCKET_IFNAME='^docker0,lo'
-export NCCL_IB_DISABLE=1
 # Lines reach the output file (and `cluster up`/`cluster logs`) as they are printed.
 export PYTHONUNBUFFERED=1
 
@@ -52,21 +50,27 @@ export CLUSTER_NODE_RANK="$SLURM_NODEID"
 # This node's address: the one its name resolves to (never loopback). torchrun advertises it.
 NODE_ADDR=$(getent ahostsv4 "$CLUSTER_NODE" 2>/dev/null | awk 'NR == 1 {print $1}') || true
 case "$NODE_ADDR" in 127.*) NODE_ADDR="" ;; esac
-# Interface (not given in the inventory): the one that holds this node's address, else the
-# one with the route to the master (not docker0, not a VPN, not lo).
+export NCCL_SOCKET_IFNAME='^docker0,lo'
+# Interface, chosen here at run time: the one that holds this node's address (the address the
+# other nodes reach it by), else the one the route to the master leaves through; never by
+# name, so never docker0, a VPN or lo.
+cluster_ifname() {
+  local ip master
+  ip=$(getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}') || true
+  IFNAME=$(ip -o -4 addr show 2>/dev/null | awk -v a="${ip:-$1}" '{split($4, p, "/"); if (p[1] == a) {print $2; exit}}') || true
+  if [ -z "$IFNAME" ] || [ "$IFNAME" = lo ]; then
+    master=$(getent ahostsv4 "$2" 2>/dev/null | awk 'NR == 1 {print $1}') || true
+    IFNAME=$(ip -o route get "${master:-$2}" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p') || true
+  fi
+}
 IFNAME=""
-if [ -n "$NODE_ADDR" ]; then
-  IFNAME=$(ip -o -4 addr show 2>/dev/null | awk -v a="$NODE_ADDR" '{split($4, p, "/"); if (p[1] == a) {print $2; exit}}') || true
-fi
-if [ -z "$IFNAME" ]; then
-  MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" 2>/dev/null | awk 'NR == 1 {print $1}') || true
-  IFNAME=$(ip -o route get "${MASTER_IP:-$MASTER_ADDR}" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p') || true
-fi
+cluster_ifname "$NODE_ADDR" "$MASTER_ADDR"
 if [ -n "$IFNAME" ] && [ "$IFNAME" != lo ]; then
   export GLOO_SOCKET_IFNAME="$IFNAME"
 else
-  echo "cluster: no interface found for $CLUSTER_NODE; NCCL and Gloo will choose one" >&2
+  echo "cluster: no interface found for this node's address; NCCL and Gloo will choose one" >&2
 fi
+export NCCL_IB_DISABLE=1
 NPROC=${SLURM_GPUS_ON_NODE:-}
 [ -n "$NPROC" ] || NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') || true
 [ "${NPROC:-0}" -gt 0 ] || NPROC=1

@@ -37,21 +37,25 @@ export CLUSTER_NODE_RANK="$SLURM_NODEID"
 # This node's address: the one its name resolves to (never loopback). torchrun advertises it.
 NODE_ADDR=$(getent ahostsv4 "$CLUSTER_NODE" 2>/dev/null | awk 'NR == 1 {print $1}') || true
 case "$NODE_ADDR" in 127.*) NODE_ADDR="" ;; esac
-# Interface (not given in the inventory): the one that holds this node's address, else the
-# one with the route to the master (not docker0, not a VPN, not lo).
+# Interface, chosen here at run time: the one that holds this node's address (the address the
+# other nodes reach it by), else the one the route to the master leaves through; never by
+# name, so never docker0, a VPN or lo.
+cluster_ifname() {
+  local ip master
+  ip=$(getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}') || true
+  IFNAME=$(ip -o -4 addr show 2>/dev/null | awk -v a="${ip:-$1}" '{split($4, p, "/"); if (p[1] == a) {print $2; exit}}') || true
+  if [ -z "$IFNAME" ] || [ "$IFNAME" = lo ]; then
+    master=$(getent ahostsv4 "$2" 2>/dev/null | awk 'NR == 1 {print $1}') || true
+    IFNAME=$(ip -o route get "${master:-$2}" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p') || true
+  fi
+}
 IFNAME=""
-if [ -n "$NODE_ADDR" ]; then
-  IFNAME=$(ip -o -4 addr show 2>/dev/null | awk -v a="$NODE_ADDR" '{split($4, p, "/"); if (p[1] == a) {print $2; exit}}') || true
-fi
-if [ -z "$IFNAME" ]; then
-  MASTER_IP=$(getent ahostsv4 "$MASTER_ADDR" 2>/dev/null | awk 'NR == 1 {print $1}') || true
-  IFNAME=$(ip -o route get "${MASTER_IP:-$MASTER_ADDR}" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p') || true
-fi
+cluster_ifname "$NODE_ADDR" "$MASTER_ADDR"
 if [ -n "$IFNAME" ] && [ "$IFNAME" != lo ]; then
   export NCCL_SOCKET_IFNAME="$IFNAME"
   export GLOO_SOCKET_IFNAME="$IFNAME"
 else
-  echo "cluster: no interface found for $CLUSTER_NODE; NCCL and Gloo will choose one" >&2
+  echo "cluster: no interface found for this node's address; NCCL and Gloo will choose one" >&2
 fi
 if compgen -G '/sys/class/infiniband/*' >/dev/null; then export NCCL_IB_DISABLE=0; else export NCCL_IB_DISABLE=1; fi
 NPROC=${SLURM_GPUS_ON_NODE:-}

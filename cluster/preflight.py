@@ -1,0 +1,197 @@
+"""What the nodes said about themselves, judged: pure functions from facts to findings.
+
+`cluster up` acts on the fast subset before it starts anything (every node has torch, the
+same torch, an interface that exists and reaches the master, the master port free and open
+to every node); `cluster doctor` shows all of them, deep ones included. Each finding names the
+node, the check, pass / warn / fail, what was seen and, for a problem, the fix in one line.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .plan import LaunchPlan
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Finding:
+    node: str              # a node's name, or "all" for a finding about the whole job
+    check: str
+    status: str            # pass | warn | fail
+    detail: str
+    fix: str = ""
+
+
+Facts = Mapping[str, Mapping[str, Any]]
+
+
+def evaluate(plan: LaunchPlan, facts: Facts, reach: Mapping[str, Mapping[str, Any]] | None = None,
+             *, deep: bool = False, clock: Mapping[str, float] | None = None) -> list[Finding]:
+    out: list[Finding] = []
+    for node in plan.nodes:
+        f = facts.get(node.host.name)
+        if f is None:
+            continue
+        out += node_findings(node, f, plan)
+        if reach is not None and node.host.name in reach:
+            out.append(reach_finding(node.host.name, reach[node.host.name], plan))
+        if deep:
+            out += deep_findings(node, f, (clock or {}).get(node.host.name))
+    out += agreement(facts, deep=deep)
+    return out
+
+
+def failures(findings: Sequence[Finding]) -> list[Finding]:
+    return [f for f in findings if f.status == FAIL]
+
+
+# --- one node -----------------------------------------------------------------------------------
+
+
+def node_findings(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Finding]:
+    name, out = node.host.name, []
+    torch = f.get("torch") or {}
+    if not torch.get("run_py"):
+        out.append(Finding(name, "torch", FAIL, f"torch is not installed for {f.get('executable')}",
+                           "pip install torch there, or point 'python:' at a venv that has it"))
+    else:
+        out.append(Finding(name, "torch", PASS, f"torch {torch.get('version')} "
+                           f"(CUDA {torch.get('cuda') or 'none'}), python {f.get('python')}"))
+    out.append(interface_finding(name, f.get("network") or {}))
+    out += ib_findings(name, node.host.network.ib, f.get("ib_devices") or [])
+    if "port_free" in f:
+        out.append(Finding(name, "master port", PASS if f["port_free"] else FAIL,
+                           f"port {plan.master_port} is {'free' if f['port_free'] else 'in use'} here",
+                           "" if f["port_free"] else "another program listens on it: choose "
+                           "another master_port (or leave it out to have one derived)"))
+    return out
+
+
+def interface_finding(name: str, net: Mapping[str, Any]) -> Finding:
+    if net.get("error"):
+        have = ", ".join(net.get("interfaces") or []) or "none"
+        return Finding(name, "interface", FAIL, net["error"],
+                       f"set network.ifname to one this node has ({have}), or fix its address")
+    text = f"{net.get('ifname')} ({net.get('how')})"
+    if net.get("warning"):
+        return Finding(name, "interface", WARN, f"{text}; {net['warning']}",
+                       "check the routes, or set network.ifname")
+    return Finding(name, "interface", PASS, text)
+
+
+def ib_findings(name: str, policy: str, devices: Sequence[str]) -> list[Finding]:
+    if policy == "on" and not devices:
+        return [Finding(name, "infiniband", FAIL, "ib: on, but /sys/class/infiniband is empty",
+                        "set network.ib to off or auto on this node")]
+    if policy == "off" and devices:
+        return [Finding(name, "infiniband", WARN, f"ib: off, yet the node has {', '.join(devices)}",
+                        "set network.ib to auto to let NCCL use them")]
+    return []
+
+
+def reach_finding(name: str, r: Mapping[str, Any], plan: LaunchPlan) -> Finding:
+    target = f"{plan.master_addr}:{plan.master_port}"
+    if r.get("ok"):
+        return Finding(name, "reach master", PASS, f"connected to {target} in {r.get('seconds', 0):.3f} s")
+    return Finding(name, "reach master", FAIL, f"cannot connect to {target}: {r.get('error')}",
+                   f"allow TCP from this node to {plan.master.host.name} port {plan.master_port} "
+                   f"(firewall, security group), or choose another master_port")
+
+
+# --- doctor's deeper look ---------------------------------------------------------------------
+
+
+def deep_findings(node: Any, f: Mapping[str, Any], offset: float | None) -> list[Finding]:
+    name, out = node.host.name, []
+    rt = f.get("torch_runtime") or {}
+    if rt.get("error"):
+        out.append(Finding(name, "torch import", FAIL, rt["error"], "reinstall torch on this node"))
+    gpus = f.get("gpus") if isinstance(f.get("gpus"), list) else []
+    nproc = node.host.nproc_per_node
+    if isinstance(nproc, int) and gpus and nproc > len(gpus):
+        out.append(Finding(name, "gpus", FAIL, f"nproc_per_node {nproc} but {len(gpus)} GPU(s)",
+                           f"set nproc_per_node to {len(gpus)} (or auto)"))
+    elif isinstance(nproc, int) and gpus and nproc < len(gpus):
+        out.append(Finding(name, "gpus", WARN, f"nproc_per_node {nproc} leaves "
+                           f"{len(gpus) - nproc} of {len(gpus)} GPU(s) idle", "set nproc_per_node: auto"))
+    elif gpus:
+        out.append(Finding(name, "gpus", PASS, f"{len(gpus)} x {gpus[0]['name']}, driver {gpus[0]['driver']}"))
+    busy = [g for g in gpus if g.get("processes") or (g.get("memory_used_mib") or 0) > 1024]
+    if busy:
+        out.append(Finding(name, "gpus busy", WARN, "; ".join(
+            f"GPU {g['index']}: {g.get('processes')} process(es), {g.get('memory_used_mib'):.0f} MiB used"
+            for g in busy), "another job holds these GPUs: wait, or stop it"))
+    out += threshold(name, "/dev/shm", f.get("shm_bytes"), 1 * GIB, None,
+                     "DataLoader workers and NCCL use shared memory: mount a larger /dev/shm "
+                     "(docker: --shm-size or --ipc=host)")
+    out += threshold(name, "disk", f.get("disk_free_bytes"), 5 * GIB, 1 * GIB,
+                     "free space in the workdir (checkpoints)")
+    nofile = f.get("nofile")
+    if nofile is not None and nofile < 4096:
+        out.append(Finding(name, "open files", WARN, f"ulimit -n is {nofile}",
+                           "raise it to 65536 (limits.conf, or ulimit -n in the node's setup)"))
+    if offset is not None:
+        status = FAIL if abs(offset) > 60 else WARN if abs(offset) > 2 else PASS
+        out.append(Finding(name, "clock", status, f"{offset:+.3f} s from this machine",
+                           "" if status == PASS else "run chrony/ntpd on the nodes"))
+    return out
+
+
+def threshold(name: str, what: str, value: float | None, warn_below: float,
+              fail_below: float | None, fix: str) -> list[Finding]:
+    if value is None:
+        return []
+    text = f"{value / GIB:.1f} GiB"
+    if fail_below is not None and value < fail_below:
+        return [Finding(name, what, FAIL, text, fix)]
+    if value < warn_below:
+        return [Finding(name, what, WARN, text, fix)]
+    return [Finding(name, what, PASS, text)]
+
+
+# --- across nodes: the same software where it matters -------------------------------------------
+
+
+def fingerprint(facts: Facts, *, deep: bool = False) -> dict[str, dict[str, list[str]]]:
+    """Attribute -> value -> the nodes that have it: one row per value, not one per node."""
+    rows: dict[str, dict[str, list[str]]] = {}
+
+    def put(attr: str, node: str, value: Any) -> None:
+        rows.setdefault(attr, {}).setdefault(str(value), []).append(node)
+    for node, f in facts.items():
+        torch = f.get("torch") or {}
+        put("python", node, f.get("python"))
+        put("torch", node, torch.get("version"))
+        put("torch CUDA", node, torch.get("cuda"))
+        if deep:
+            rt = f.get("torch_runtime") or {}
+            gpus = f.get("gpus") if isinstance(f.get("gpus"), list) else []
+            put("NCCL", node, rt.get("nccl"))
+            put("cuDNN", node, rt.get("cudnn"))
+            put("driver", node, gpus[0]["driver"] if gpus else None)
+            put("GPU", node, f"{len(gpus)} x {gpus[0]['name']}" if gpus else "none")
+    return rows
+
+
+# Differences that break a job fail; the others warn.
+BREAKING = {"torch", "NCCL"}
+
+
+def agreement(facts: Facts, *, deep: bool = False) -> list[Finding]:
+    out = []
+    for attr, values in fingerprint(facts, deep=deep).items():
+        if len(values) < 2:
+            continue
+        detail = "; ".join(f"{v} on {', '.join(nodes)}" for v, nodes in values.items())
+        status = FAIL if attr in BREAKING or (attr == "torch CUDA" and _majors(values) > 1) else WARN
+        out.append(Finding("all", f"same {attr}", status, f"{attr} differs: {detail}",
+                           f"install the same {attr} on every node"))
+    return out
+
+
+def _majors(values: Mapping[str, list[str]]) -> int:
+    return len({v.split(".")[0] for v in values})

@@ -1,0 +1,339 @@
+"""What a node says about itself before a run: run with the node's python, its source sent on
+standard input (`python - facts ...`), so that nothing has to be copied there first.
+
+Standard library only, Python 3.8+, because it runs on whatever interpreter the node has.
+
+    probe.py facts --dir D [--workdir W] [--own ADDR --master ADDR] [--ifname IF]
+                   [--port P] [--deep]
+        JSON: python, torch (found without importing it), the run directory (made, 0700),
+        the network interface that reaches the master, InfiniBand devices, whether the master
+        port is free; --deep adds what importing torch and nvidia-smi tell (CUDA, cuDNN, NCCL,
+        driver, GPUs and their use), /dev/shm, free disk, open-file limit.
+    probe.py listen --port P [--seconds S]
+        Listen on P (as torchrun's store will), print 'listening', accept and close every
+        connection until standard input closes or S seconds pass.
+    probe.py connect --addr A --port P [--timeout T]
+        JSON: whether a TCP connection to A:P opens within T seconds.
+"""
+import argparse
+import errno
+import json
+import os
+import re
+import select
+import socket
+import subprocess
+import sys
+import time
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.cmd == "facts":
+        print(json.dumps(facts(args)))
+        return 0
+    if args.cmd == "listen":
+        return listen(args.port, args.seconds)
+    if args.cmd == "connect":
+        print(json.dumps(connect(args.addr, args.port, args.timeout)))
+        return 0
+    return 2
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="probe.py")
+    sub = p.add_subparsers(dest="cmd")
+    sub.required = True
+    f = sub.add_parser("facts")
+    f.add_argument("--dir")
+    f.add_argument("--workdir")
+    f.add_argument("--own")
+    f.add_argument("--master")
+    f.add_argument("--ifname")
+    f.add_argument("--port", type=int)
+    f.add_argument("--deep", action="store_true")
+    ls = sub.add_parser("listen")
+    ls.add_argument("--port", type=int, required=True)
+    ls.add_argument("--seconds", type=float, default=60.0)
+    c = sub.add_parser("connect")
+    c.add_argument("--addr", required=True)
+    c.add_argument("--port", type=int, required=True)
+    c.add_argument("--timeout", type=float, default=3.0)
+    return p.parse_args(argv)
+
+
+# --- facts -----------------------------------------------------------------------------------
+
+def facts(args):
+    out = {"home": os.path.expanduser("~"), "python": sys.version.split()[0],
+           "executable": sys.executable, "hostname": socket.gethostname(),
+           "torch": torch_facts()}
+    for key, d in (("workdir", args.workdir), ("dir", args.dir)):
+        if d:
+            out[key] = make_dir(d, private=key == "dir")
+    if args.master:
+        out["network"] = network(args.own or socket.gethostname(), args.master, args.ifname)
+    out["ib_devices"] = sorted(os.listdir("/sys/class/infiniband")) \
+        if os.path.isdir("/sys/class/infiniband") else []
+    if args.port:
+        out["port_free"] = port_free(args.port)
+    if args.deep:
+        out.update(deep_facts(out.get("workdir") or out.get("dir") or "."))
+    out["time"] = time.time()
+    return out
+
+
+def make_dir(d, private):
+    path = os.path.abspath(os.path.expanduser(d))
+    try:
+        os.makedirs(path, exist_ok=True)
+        if private:
+            os.chmod(path, 0o700)
+    except OSError as exc:
+        return {"error": "cannot create %s: %s" % (path, exc.strerror)}
+    return path
+
+
+def torch_facts():
+    """Where torch is and its version, from its files (importing torch takes seconds)."""
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    if not spec or not spec.origin:
+        return None
+    base = os.path.dirname(spec.origin)
+    info = {"run_py": os.path.join(base, "distributed", "run.py"), "version": None, "cuda": None}
+    if not os.path.exists(info["run_py"]):
+        info["run_py"] = None
+    try:
+        with open(os.path.join(base, "version.py")) as f:
+            text = f.read()
+        for key, name in (("version", "__version__"), ("cuda", "cuda")):
+            m = re.search(r"^%s\s*(?::\s*\S+\s*)?=\s*'([^']*)'" % name, text, re.M)
+            info[key] = m.group(1) if m else None
+    except OSError:
+        pass
+    return info
+
+
+def port_free(port):
+    """Whether torchrun's rendezvous store could listen on port: it binds every address with
+    SO_REUSEADDR, so a port whose last connections sit in TIME_WAIT is free. Only a listener
+    that holds the port (EADDRINUSE), or a port this user may not bind (EACCES), is busy."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", port))
+        s.listen(1)
+        return True
+    except OSError as exc:
+        return exc.errno not in (errno.EADDRINUSE, errno.EACCES)
+    finally:
+        s.close()
+
+
+# --- the network interface ---------------------------------------------------------------------
+
+def ipv4(name):
+    try:
+        return socket.getaddrinfo(name, None, socket.AF_INET)[0][4][0]
+    except (socket.gaierror, IndexError, UnicodeError):
+        return None
+
+
+def interface_addresses():
+    """Interface name -> its IPv4 addresses (`ip -o -4 addr`, which lists secondary ones too)."""
+    found = {}
+    try:
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] == "inet":
+            found.setdefault(parts[1].split("@")[0], []).append(parts[3].split("/")[0])
+    return found
+
+
+def source_address(ip):
+    """The local address the kernel would send from to reach ip (a UDP connect sends nothing)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((ip, 9))
+        return s.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
+def link_state(name):
+    try:
+        with open("/sys/class/net/%s/operstate" % name) as f:
+            state = f.read().strip()
+    except OSError:
+        return None
+    return state
+
+
+def network(own, master, manual):
+    """The interface this node's NCCL and Gloo should use, and whether it reaches the master.
+    Chosen by address, never by name: the one holding the address the other nodes reach this
+    node by, else the one the route to the master leaves through (not docker0, not a VPN)."""
+    addrs = interface_addresses()
+    owner = {ip: name for name, ips in addrs.items() for ip in ips}
+    own_ip, master_ip = ipv4(own), ipv4(master)
+    out = {"own_ip": own_ip, "master_ip": master_ip, "interfaces": sorted(addrs)}
+    route = owner.get(source_address(master_ip)) if master_ip else None
+    out["route_to_master"] = route
+    if manual:
+        out["ifname"], out["how"] = manual, "set in the inventory"
+        missing = [n for n in manual_names(manual) if link_state(n) is None]
+        if missing:
+            out["error"] = "interface %s does not exist here (it has: %s)" % (
+                ", ".join(missing), ", ".join(sorted(addrs)) or "none")
+        return out
+    chosen, how = None, ""
+    if own_ip and owner.get(own_ip) and (owner[own_ip] != "lo" or (master_ip or "").startswith("127.")):
+        chosen, how = owner[own_ip], "holds this node's address %s" % own_ip
+    elif route:
+        chosen, how = route, "carries the route to the master %s" % master_ip
+    if not chosen:
+        out["error"] = ("no interface holds %s and none routes to the master %s"
+                        % (own_ip or own, master_ip or master))
+        return out
+    out.update(ifname=chosen, how=how, state=link_state(chosen))
+    if out["state"] == "down":
+        out["error"] = "interface %s is down" % chosen
+    elif route and master_ip and not master_ip.startswith("127.") and route not in (chosen, "lo"):
+        out["warning"] = "the route to the master leaves through %s, not %s" % (route, chosen)
+    return out
+
+
+def manual_names(spec):
+    """The exact interface names an NCCL_SOCKET_IFNAME value insists on: '=eth0,ib0' names
+    them; a plain name must exist; '^docker0' (exclude) and prefixes name none for sure."""
+    if spec.startswith("^"):
+        return []
+    exact = spec.startswith("=")
+    names = [n for n in spec.lstrip("=").split(",") if n]
+    if exact or len(names) == 1:
+        return names
+    return []
+
+
+# --- deep facts (cluster doctor) -----------------------------------------------------------------
+
+def deep_facts(workdir):
+    out = {"gpus": nvidia_smi(), "shm_bytes": None, "disk_free_bytes": None, "nofile": None}
+    for key, path in (("shm_bytes", "/dev/shm"), ("disk_free_bytes", workdir)):
+        try:
+            st = os.statvfs(path)
+            out[key] = st.f_bavail * st.f_frsize if key == "disk_free_bytes" else st.f_blocks * st.f_frsize
+        except OSError:
+            pass
+    try:
+        import resource
+        out["nofile"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        pass
+    out["torch_runtime"] = torch_runtime()
+    return out
+
+
+def torch_runtime():
+    """What only importing torch tells: CUDA as built, cuDNN, NCCL, devices it sees."""
+    try:
+        import torch
+    except Exception as exc:  # a broken install is a finding, not a crash
+        return {"error": "%s: %s" % (type(exc).__name__, exc)}
+    info = {"version": torch.__version__, "cuda": torch.version.cuda, "cudnn": None, "nccl": None,
+            "cuda_available": False, "device_count": 0}
+    try:
+        info["cudnn"] = torch.backends.cudnn.version()
+        info["cuda_available"] = bool(torch.cuda.is_available())
+        info["device_count"] = torch.cuda.device_count() if info["cuda_available"] else 0
+        if info["cuda_available"]:
+            nccl = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(str(x) for x in nccl) if isinstance(nccl, tuple) else str(nccl)
+    except Exception as exc:
+        info["error"] = "%s: %s" % (type(exc).__name__, exc)
+    return info
+
+
+def nvidia_smi():
+    """One entry per GPU: model, driver, memory used and total (MiB), processes using it."""
+    query = "index,name,driver_version,memory.used,memory.total,uuid"
+    try:
+        res = subprocess.run(["nvidia-smi", "--query-gpu=" + query, "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if res.returncode != 0:
+        return {"error": (res.stderr or res.stdout).strip()[-300:]}
+    gpus = []
+    for line in res.stdout.splitlines():
+        f = [x.strip() for x in line.split(",")]
+        if len(f) >= 6:
+            gpus.append({"index": int(f[0]), "name": f[1], "driver": f[2],
+                         "memory_used_mib": _num(f[3]), "memory_total_mib": _num(f[4]),
+                         "uuid": f[5], "processes": 0})
+    try:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        for line in apps.stdout.splitlines():
+            uuid = line.split(",")[0].strip()
+            for g in gpus:
+                if g["uuid"] == uuid:
+                    g["processes"] += 1
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return gpus
+
+
+def _num(text):
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+# --- reachability ------------------------------------------------------------------------------
+
+def listen(port, seconds):
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        srv.bind(("", port))
+        srv.listen(128)
+    except OSError as exc:
+        print(json.dumps({"error": "cannot listen on port %d: %s" % (port, exc.strerror)}), flush=True)
+        return 1
+    print("listening", flush=True)
+    deadline = time.time() + seconds
+    watch = [srv, sys.stdin]
+    while time.time() < deadline:
+        ready = select.select(watch, [], [], max(0.0, deadline - time.time()))[0]
+        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 4096):
+            break                          # the launcher is done checking
+        if srv in ready:
+            conn, _ = srv.accept()
+            conn.close()
+    srv.close()
+    return 0
+
+
+def connect(addr, port, timeout):
+    t0 = time.time()
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return {"ok": True, "seconds": time.time() - t0}
+    except socket.timeout:
+        why = "no answer within %g s (a firewall dropping packets?)" % timeout
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    return {"ok": False, "seconds": time.time() - t0, "error": why}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
