@@ -163,10 +163,11 @@ def fingerprint(facts: Facts, *, deep: bool = False) -> dict[str, dict[str, list
     def put(attr: str, node: str, value: Any) -> None:
         rows.setdefault(attr, {}).setdefault(str(value), []).append(node)
     for node, f in facts.items():
-        torch = f.get("torch") or {}
+        torch = f.get("torch")
         put("python", node, f.get("python"))
-        put("torch", node, torch.get("version"))
-        put("torch CUDA", node, torch.get("cuda"))
+        if torch:                 # a node without torch fails on its own; no second row
+            put("torch", node, torch.get("version"))
+            put("torch CUDA", node, torch.get("cuda"))
         if deep:
             rt = f.get("torch_runtime") or {}
             gpus = f.get("gpus") if isinstance(f.get("gpus"), list) else []

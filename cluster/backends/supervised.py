@@ -76,12 +76,14 @@ class SupervisedNode:
         return " ".join(cmd + [shlex.quote(a) for a in args])
 
     def probe(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
-              deep: bool = False) -> dict[str, Any]:
+              deep: bool = False, make_dir: bool = True) -> dict[str, Any]:
         """One round trip: make the workdir and the run directory (0700), and say what this
         node has (python, torch, the interface that reaches the master; the master port when
         `port`; doctor's findings when `deep`). Raises ClusterError with the reason."""
-        args = ["facts", "--dir", self.dir, "--workdir", node.host.workdir,
-                "--own", node.host.address, "--master", plan.master_addr]
+        args = ["facts", "--workdir", node.host.workdir, "--own", node.host.address,
+                "--master", plan.master_addr]
+        if make_dir:
+            args += ["--dir", self.dir]
         if node.host.network.ifname:
             args += ["--ifname", node.host.network.ifname]
         if port:
@@ -98,7 +100,7 @@ class SupervisedNode:
         for key in ("workdir", "dir"):
             if isinstance(facts.get(key), dict):
                 raise ClusterError(facts[key]["error"])
-        self.dir = facts["dir"]
+        self.dir = facts.get("dir", self.dir)
         return facts
 
     def push(self, node: NodePlan) -> None:
@@ -259,12 +261,16 @@ class SupervisedBackend:
         """Phase one on every node at once: connect, make the run directory, say what the
         node has (see SupervisedNode.probe). Raises PreflightError naming every node that
         could not be reached or probed; pushes and starts nothing."""
-        def one(node: NodePlan) -> dict[str, Any]:
-            remote = SupervisedNode(self.transport(node.host), node.host.python, node.run_dir)
-            facts = remote.probe(node, plan, port=node is plan.master, deep=deep)
-            self._nodes[node.host.name] = remote
-            return facts
-        return {n.host.name: r for n, r in self.each_or_fail(plan.nodes, one)}
+        results = self.each_or_fail(plan.nodes, lambda n: self.probe_node(n, plan, deep=deep))
+        return {n.host.name: r for n, r in results}
+
+    def probe_node(self, node: NodePlan, plan: LaunchPlan, *, deep: bool = False,
+                   make_dir: bool = True) -> dict[str, Any]:
+        """One node's facts (connecting first if need be); raises ClusterError."""
+        remote = SupervisedNode(self.transport(node.host), node.host.python, node.run_dir)
+        facts = remote.probe(node, plan, port=node is plan.master, deep=deep, make_dir=make_dir)
+        self._nodes[node.host.name] = remote
+        return facts
 
     def reach(self, plan: LaunchPlan, timeout: float = 3.0) -> dict[str, dict[str, Any]]:
         """Whether every node can open a TCP connection to the master port: a listener there

@@ -247,9 +247,10 @@ def torch_runtime():
         import torch
     except Exception as exc:  # a broken install is a finding, not a crash
         return {"error": "%s: %s" % (type(exc).__name__, exc)}
-    info = {"version": torch.__version__, "cuda": torch.version.cuda, "cudnn": None, "nccl": None,
-            "cuda_available": False, "device_count": 0}
+    info = {"version": getattr(torch, "__version__", None), "cuda": None, "cudnn": None,
+            "nccl": None, "cuda_available": False, "device_count": 0}
     try:
+        info["cuda"] = torch.version.cuda
         info["cudnn"] = torch.backends.cudnn.version()
         info["cuda_available"] = bool(torch.cuda.is_available())
         info["device_count"] = torch.cuda.device_count() if info["cuda_available"] else 0

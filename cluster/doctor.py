@@ -1,0 +1,242 @@
+"""`cluster doctor`: why nodes won't talk, found in seconds and named with the fix.
+
+Every node at once, over the same transport as `cluster up`: SSH login (batch mode, host keys
+per policy), what each node has (python, torch, CUDA, cuDNN, NCCL, driver, GPUs and whether
+they are busy, /dev/shm, free disk, open-file limit, clock offset), the interface that reaches
+the master, the master port free there and open to every node. Differences across nodes that
+break a job fail, the others warn; the fingerprint shows each value once with the nodes that
+have it. `--deep` runs a real collective across all nodes (cluster/remote/collective.py):
+the all_reduce sum, bus bandwidth per message size, and bandwidth between every pair of nodes,
+naming the slow one. `measure_collective` is the one function that runs such a collective with
+given environment variables, for a later NCCL tuning sweep to reuse.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hostlist
+
+from .errors import ClusterError, PreflightError, RunFailed
+from .plan import Job, LaunchPlan, Templates, render
+from .preflight import FAIL, PASS, Finding, evaluate, fingerprint
+from .runs import RunDir, new_run_id
+from .spec import Inventory
+from .watch import Console
+
+SCHEMA = 1
+REMOTE = Path(__file__).resolve().parent / "remote"
+TOOLS_SUBDIR = ".cluster/tools"          # where --deep syncs the collective program, over SSH
+SLOW_LINK = 0.5                          # a pair below half the median bandwidth is slow
+
+
+@dataclass
+class Report:
+    nodes: list[str]
+    master: str
+    port: int
+    findings: list[Finding]
+    fingerprint: dict[str, dict[str, list[str]]]
+    deep: dict[str, Any] | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.status == FAIL for f in self.findings)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "ok": self.ok, "seconds": round(self.seconds, 3),
+                "nodes": self.nodes, "master": {"name": self.master, "port": self.port},
+                "checks": [dataclasses.asdict(f) for f in self.findings],
+                "fingerprint": self.fingerprint, "deep": self.deep}
+
+
+def diagnose(inventory: Inventory, backend: Any, templates: Templates, *,
+             deep: bool = False, run_deep: Callable[[], dict[str, Any]] | None = None) -> Report:
+    """Probe every node (never raising for one node's failure: it becomes a finding), check
+    that every node reaches the master port, judge; with deep, run the collective too."""
+    t0 = time.monotonic()
+    plan = render(inventory, Job(run_id=f"doctor-{new_run_id()}", script="-"), templates)
+    facts, clock, findings = survey(backend, plan)
+    reach = None
+    if plan.master.host.name in facts:
+        try:
+            reach = backend.reach(plan)
+        except ClusterError as exc:
+            findings.append(Finding(plan.master.host.name, "reach master", FAIL,
+                                    f"no listener could be started: {exc}"))
+    findings += evaluate(plan, facts, reach, deep=True, clock=clock)
+    report = Report(nodes=[n.host.name for n in plan.nodes], master=plan.master.host.name,
+                    port=plan.master_port, findings=findings,
+                    fingerprint=fingerprint(facts, deep=True))
+    if deep and run_deep is not None and report.ok:
+        report.deep = deep_summary(run_deep())
+        report.findings += deep_findings(report.deep)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def survey(backend: Any, plan: LaunchPlan) -> tuple[dict[str, dict[str, Any]], dict[str, float],
+                                                    list[Finding]]:
+    """Each node's facts (deep), its clock offset from this machine, and a finding for every
+    node that could not be reached or probed."""
+    def one(node: Any) -> tuple[dict[str, Any], float]:
+        facts = backend.probe_node(node, plan, deep=True, make_dir=False)
+        return facts, facts["time"] - time.time()
+    results = backend.each(plan.nodes, one)
+    facts, clock, findings = {}, {}, []
+    for node, r in results:
+        name = node.host.name
+        if isinstance(r, Exception):      # the message says what to do (errors carry their fix)
+            findings.append(Finding(name, "ssh" if isinstance(r, PreflightError) else "python",
+                                    FAIL, str(r)))
+            continue
+        facts[name], clock[name] = r
+        findings.append(Finding(name, "ssh", PASS, "logged in over SSH (batch mode, host key checked)"
+                                if backend.name == "ssh" else f"reached ({backend.name})"))
+    return facts, clock, findings
+
+
+# --- --deep: a real collective -----------------------------------------------------------------
+
+
+def collective_job(run_id: str, over_ssh: bool) -> Job:
+    script = f"{TOOLS_SUBDIR}/collective.py" if over_ssh else str(REMOTE / "collective.py")
+    return Job(run_id=run_id, script=script)
+
+
+def collective_env(sizes: Sequence[int], iters: int,
+                   extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {"CLUSTER_DOCTOR_SIZES": ",".join(str(s) for s in sizes),
+           "CLUSTER_DOCTOR_ITERS": str(iters)}
+    env.update(extra or {})
+    return env
+
+
+def measure_collective(inventory: Inventory, launch_job: Callable[[Inventory, Job, Console], int],
+                       job: Job, env: Mapping[str, str]) -> dict[str, Any]:
+    """Run the collective across the inventory's nodes with `env` added to every node's
+    environment; return what rank 0 measured (sum_ok, allreduce bandwidth per size, pairs).
+    `launch_job` is cluster.launch.up bound to a backend: the same path as any run."""
+    hosts = tuple(h.replace(env=tuple({**dict(h.env), **env}.items())) for h in inventory.hosts)
+    console = Capture()
+    try:
+        launch_job(dataclasses.replace(inventory, hosts=hosts), job, console)
+    except RunFailed as exc:
+        raise RunFailed(f"the collective failed: {exc}", details="\n".join(console.lines[-20:])) from None
+    for line in console.lines:
+        if "@@doctor " in line:
+            return json.loads(line.split("@@doctor ", 1)[1])
+    raise RunFailed("the collective printed no result", details="\n".join(console.lines[-20:]))
+
+
+class Capture(Console):
+    """A console that keeps what the nodes print instead of showing it."""
+
+    def __init__(self) -> None:
+        super().__init__(color=False)
+        self.lines: list[str] = []
+
+    def node_line(self, label: str, index: int, text: str) -> None:
+        with self.lock:
+            self.lines.append(text)
+
+    def info(self, text: str) -> None:
+        with self.lock:
+            self.lines.append(f"cluster: {text}")
+
+    def raw(self, text: str) -> None:
+        pass
+
+
+def deep_summary(measured: dict[str, Any]) -> dict[str, Any]:
+    pairs = measured.get("pairs") or []
+    median = statistics.median(p["gbps"] for p in pairs) if pairs else None
+    slow = [p for p in pairs if median and p["gbps"] < SLOW_LINK * median]
+    return {**measured, "median_pair_gbps": median, "slow_pairs": slow, "slowest": slowest(slow, pairs)}
+
+
+def slowest(slow: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str | None:
+    """The node every slow link touches (a slow NIC), else the slowest link itself."""
+    if not slow:
+        return None
+    common = set.intersection(*({p["a"], p["b"]} for p in slow))
+    nodes = {n for p in pairs for n in (p["a"], p["b"])}
+    if len(common) == 1 and len(nodes) > 2:
+        return f"node {common.pop()}"
+    worst = min(slow, key=lambda p: p["gbps"])
+    return f"link {worst['a']} - {worst['b']}"
+
+
+def deep_findings(deep: dict[str, Any]) -> list[Finding]:
+    out = [Finding("all", "collective", PASS if deep.get("sum_ok") else FAIL,
+                   f"all_reduce over {deep.get('world_size')} process(es) ({deep.get('backend')}): "
+                   f"{'right sum' if deep.get('sum_ok') else 'WRONG sum'}",
+                   "" if deep.get("sum_ok") else "a node computes or transfers wrongly: run again, "
+                   "then check its GPUs and NICs")]
+    if deep.get("slowest"):
+        out.append(Finding("all", "bandwidth", "warn",
+                           f"{deep['slowest']} is far below the others ({len(deep['slow_pairs'])} "
+                           f"link(s) under {SLOW_LINK:.0%} of the median "
+                           f"{deep['median_pair_gbps']:.2f} GB/s)",
+                           "check that node's NIC, cable and interface choice"))
+    return out
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def render_text(report: Report) -> str:
+    """Nodes with the same results share a row (hostlist); problems each get their fix."""
+    from rich.console import Console as RichConsole
+    from rich.table import Table
+    checks = list(dict.fromkeys(f.check for f in report.findings if f.node != "all"))
+    status = {(f.node, f.check): f.status for f in report.findings}
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for node in report.nodes:
+        groups.setdefault(tuple(status.get((node, c), "") for c in checks), []).append(node)
+    table = Table(title=f"cluster doctor: {len(report.nodes)} node(s), master "
+                        f"{report.master}:{report.port}")
+    table.add_column("nodes")
+    for c in checks:
+        table.add_column(c)
+    for row, nodes in groups.items():
+        table.add_row(hostlist.collect_hostlist(nodes), *row)
+    rc = RichConsole(record=True, width=160)
+    with rc.capture() as cap:
+        rc.print(table)
+    lines = [cap.get().rstrip()]
+    problems = [f for f in report.findings if f.status in ("warn", "fail")]
+    if problems:
+        lines.append("")
+        for f in problems:
+            lines.append(f"{f.status.upper()} {f.node}: {f.check}: {f.detail}")
+            if f.fix:
+                lines.append(f"     fix: {f.fix}")
+    lines.append("")
+    for attr, values in report.fingerprint.items():
+        text = "; ".join(f"{v} on {hostlist.collect_hostlist(n)}" for v, n in values.items())
+        lines.append(f"{attr}: {text}")
+    if report.deep:
+        lines += deep_lines(report.deep)
+    lines.append("")
+    lines.append(f"{'OK' if report.ok else 'FAILED'}: {sum(f.status == 'fail' for f in report.findings)} "
+                 f"failure(s), {sum(f.status == 'warn' for f in report.findings)} warning(s) "
+                 f"in {report.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def deep_lines(deep: dict[str, Any]) -> list[str]:
+    lines = ["", f"collective ({deep['backend']}, {deep['world_size']} processes): "
+                 f"sum {'right' if deep['sum_ok'] else 'WRONG'}"]
+    for r in deep["allreduce"]:
+        lines.append(f"  all_reduce {r['bytes'] / 2**20:9.3f} MiB  bus bandwidth {r['busbw_gbps']:8.3f} GB/s")
+    for p in deep["pairs"]:
+        lines.append(f"  {p['a']} <-> {p['b']}: {p['gbps']:8.3f} GB/s ({p['bytes'] / 2**20:.1f} MiB ping-pong)")
+    return lines

@@ -1,0 +1,134 @@
+"""`cluster doctor --deep` on the nodes: a real collective across all of them, under torchrun.
+
+NCCL on GPUs, gloo on CPUs. Rank 0 prints one line, '@@doctor ' and a JSON object:
+    sum_ok        an all_reduce of rank+1 gave world*(world+1)/2 on every rank
+    allreduce     [{bytes, seconds, busbw_gbps}] for each message size (bus bandwidth, as
+                  nccl-tests counts it: algorithm bandwidth x 2(n-1)/n)
+    pairs         [{a, b, bytes, gbps}]: ping-pong between the first process of each two nodes,
+                  every pair of nodes, in rounds where no node is in two pairs at once
+
+Settings from the environment (the launcher sets them):
+    CLUSTER_DOCTOR_SIZES  message sizes in bytes, comma-separated
+    CLUSTER_DOCTOR_ITERS  timed iterations per size (after two warm-ups)
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_SIZES = "65536,1048576,16777216"
+
+
+def main():
+    on_gpu = torch.cuda.is_available()
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    sizes = [int(s) for s in os.environ.get("CLUSTER_DOCTOR_SIZES", DEFAULT_SIZES).split(",")]
+    iters = int(os.environ.get("CLUSTER_DOCTOR_ITERS", "5"))
+    result = {"backend": dist.get_backend(), "world_size": world, "sum_ok": check_sum(device, world),
+              "allreduce": [allreduce_bw(size, iters, device, world) for size in sizes]}
+    result["pairs"] = pairs(sizes[-1], iters, device, local)
+    if rank == 0:
+        sys.stdout.write("@@doctor " + json.dumps(result) + "\n")
+        sys.stdout.flush()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if result["sum_ok"] else 1
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_sum(device, world):
+    t = torch.tensor([float(dist.get_rank() + 1)], device=device)
+    dist.all_reduce(t)
+    ok = torch.tensor([1.0 if t.item() == world * (world + 1) / 2 else 0.0], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return ok.item() == 1.0
+
+
+def allreduce_bw(size, iters, device, world):
+    x = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
+    for _ in range(2):
+        dist.all_reduce(x)
+    sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    sync(device)
+    seconds = (time.perf_counter() - t0) / iters
+    seconds = max_over_ranks(seconds, device)
+    algbw = size / seconds / 1e9
+    return {"bytes": size, "seconds": seconds,
+            "busbw_gbps": algbw * (2 * (world - 1) / world if world > 1 else 1.0)}
+
+
+def max_over_ranks(value, device):
+    t = torch.tensor([value], dtype=torch.float64 if device.type == "cpu" else torch.float32,
+                     device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def leaders():
+    """The global rank of each node's first process, and each node's name, in node order."""
+    me = (dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), os.environ.get("CLUSTER_NODE", ""))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, me)
+    return [(r, name) for r, local, name in everyone if local == 0]
+
+
+def rounds(n):
+    """Round-robin pairings of n players: every pair once, nobody twice in a round."""
+    players = list(range(n)) + ([None] if n % 2 else [])
+    m = len(players)
+    out = []
+    for _ in range(m - 1):
+        out.append([(players[i], players[m - 1 - i]) for i in range(m // 2)
+                    if players[i] is not None and players[m - 1 - i] is not None])
+        players = [players[0], players[-1]] + players[1:-1]
+    return out
+
+
+def pairs(size, iters, device, local):
+    nodes = leaders()
+    index = {r: i for i, (r, _) in enumerate(nodes)}
+    mine = index.get(dist.get_rank()) if local == 0 else None
+    found = []
+    x = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
+    for pairing in rounds(len(nodes)):
+        for a, b in pairing:
+            if mine not in (a, b):
+                continue
+            peer = nodes[b][0] if mine == a else nodes[a][0]
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                if mine == a:
+                    dist.send(x, peer)
+                    dist.recv(x, peer)
+                else:
+                    dist.recv(x, peer)
+                    dist.send(x, peer)
+            sync(device)
+            seconds = (time.perf_counter() - t0) / iters
+            if mine == a:
+                found.append({"a": nodes[a][1], "b": nodes[b][1], "bytes": size,
+                              "gbps": 2 * size / seconds / 1e9})
+        dist.barrier()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, found)
+    return [p for part in gathered for p in part]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Doctor and preflight logic on facts the nodes could have sent (no node contacted)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster import inventory
+from cluster.doctor import Report, deep_findings, deep_summary, render_text
+from cluster.plan import Job, Templates, render
+from cluster.preflight import FAIL, PASS, WARN, evaluate, fingerprint
+
+REMOTE = Path(__file__).resolve().parents[2] / "cluster" / "remote"
+
+
+def plan_for(text: str):
+    return render(inventory.parse_yaml(text, "x.yaml"), Job(run_id="r", script="t.py"), Templates())
+
+
+def node_facts(version="2.13.0", ifname="eth0", **extra):
+    f = {"python": "3.11.2", "executable": "/venv/bin/python",
+         "torch": {"version": version, "cuda": "12.4", "run_py": "/x/run.py"},
+         "network": {"ifname": ifname, "how": "holds this node's address 10.0.0.1"},
+         "ib_devices": []}
+    f.update(extra)
+    return f
+
+
+def by(findings, node, check):
+    return [f for f in findings if f.node == node and f.check == check]
+
+
+def test_a_healthy_job_passes_everything() -> None:
+    plan = plan_for("hosts: [a, b]\n")
+    facts = {"a": node_facts(port_free=True), "b": node_facts()}
+    reach = {"a": {"ok": True, "seconds": 0.001}, "b": {"ok": True, "seconds": 0.002}}
+    found = evaluate(plan, facts, reach)
+    assert {f.status for f in found} == {PASS}
+    assert by(found, "a", "master port") and not by(found, "b", "master port")
+
+
+def test_problems_each_name_node_check_and_fix() -> None:
+    plan = plan_for("defaults: {network: {ib: on}}\nhosts: [a, b, c]\n")
+    facts = {"a": node_facts(port_free=False),
+             "b": node_facts(version="2.12.0", network={"error": "interface ens9 does not exist here",
+                                                        "interfaces": ["eth0", "lo"]}),
+             "c": node_facts(torch=None)}
+    reach = {"a": {"ok": True}, "b": {"ok": False, "error": "no answer within 3 s"}, "c": {"ok": True}}
+    found = evaluate(plan, facts, reach)
+    fails = {(f.node, f.check) for f in found if f.status == FAIL}
+    assert fails == {("a", "master port"), ("b", "interface"), ("b", "reach master"),
+                     ("c", "torch"), ("a", "infiniband"), ("b", "infiniband"), ("c", "infiniband"),
+                     ("all", "same torch")}
+    assert "eth0, lo" in by(found, "b", "interface")[0].fix
+    assert "2.12.0 on b" in by(found, "all", "same torch")[0].detail
+    assert all(f.fix for f in found if f.status == FAIL)
+
+
+def test_fingerprint_is_one_row_per_value() -> None:
+    facts = {n: node_facts() for n in ("a", "b", "c")}
+    facts["c"]["torch"]["version"] = "2.12.0"
+    rows = fingerprint(facts)
+    assert rows["torch"] == {"2.13.0": ["a", "b"], "2.12.0": ["c"]}
+    assert rows["python"] == {"3.11.2": ["a", "b", "c"]}
+
+
+def test_deep_findings_gpus_shm_clock() -> None:
+    plan = plan_for("defaults: {nproc_per_node: 4}\nhosts: [a]\n")
+    gpu = {"index": 0, "name": "H200", "driver": "580", "memory_used_mib": 30000.0, "processes": 1}
+    facts = {"a": node_facts(port_free=True, gpus=[gpu, {**gpu, "index": 1, "memory_used_mib": 0.0,
+                                                          "processes": 0}],
+                             shm_bytes=64 << 20, disk_free_bytes=100 << 30, nofile=1024,
+                             torch_runtime={"nccl": "2.21.5", "cudnn": 90100})}
+    found = evaluate(plan, facts, deep=True, clock={"a": 5.0})
+    assert by(found, "a", "gpus")[0].status == FAIL          # 4 processes, 2 GPUs
+    assert by(found, "a", "gpus busy")[0].status == WARN and "GPU 0" in by(found, "a", "gpus busy")[0].detail
+    assert by(found, "a", "/dev/shm")[0].status == WARN
+    assert by(found, "a", "open files")[0].status == WARN
+    assert by(found, "a", "clock")[0].status == WARN
+
+
+def test_slow_node_is_named_from_the_pairs() -> None:
+    pairs = [{"a": "n1", "b": "n2", "gbps": 10.0}, {"a": "n1", "b": "n3", "gbps": 1.0},
+             {"a": "n2", "b": "n3", "gbps": 1.1}, {"a": "n1", "b": "n4", "gbps": 9.5},
+             {"a": "n2", "b": "n4", "gbps": 9.8}, {"a": "n3", "b": "n4", "gbps": 0.9}]
+    deep = deep_summary({"sum_ok": True, "backend": "nccl", "world_size": 4, "allreduce": [],
+                         "pairs": pairs})
+    assert deep["slowest"] == "node n3"
+    warn = [f for f in deep_findings(deep) if f.check == "bandwidth"]
+    assert warn and "node n3 is far below the others" in warn[0].detail
+    even = deep_summary({"sum_ok": True, "pairs": [{**p, "gbps": 5.0} for p in pairs]})
+    assert even["slowest"] is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_pair_rounds_meet_every_pair_once() -> None:
+    spec = importlib.util.spec_from_file_location("collective", REMOTE / "collective.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for n in range(2, 10):
+        seen = []
+        for r in mod.rounds(n):
+            members = [x for p in r for x in p]
+            assert len(members) == len(set(members)), "a node twice in one round"
+            seen += [tuple(sorted(p)) for p in r]
+        assert sorted(seen) == sorted((i, j) for i in range(n) for j in range(i + 1, n))
+
+
+def test_report_text_groups_equal_nodes_and_json_is_stable() -> None:
+    plan = plan_for("hosts: ['n[1-4]']\n")
+    facts = {f"n{i}": node_facts(**({"port_free": True} if i == 1 else {})) for i in range(1, 5)}
+    facts["n4"]["network"] = {"error": "interface x missing", "interfaces": ["eth0"]}
+    rep = Report(nodes=[n.host.name for n in plan.nodes], master="n1", port=plan.master_port,
+                 findings=evaluate(plan, facts), fingerprint=fingerprint(facts))
+    text = render_text(rep)
+    assert "n[2-3]" in text and "FAIL n4: interface: interface x missing" in text
+    assert "torch: 2.13.0 on n[1-4]" in text and text.rstrip().splitlines()[-1].startswith("FAILED")
+    data = json.loads(json.dumps(rep.to_json()))
+    assert data["schema"] == 1 and data["ok"] is False
