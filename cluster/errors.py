@@ -52,6 +52,7 @@ class InventoryError(InputError):
 
 class PreflightError(ClusterError):
     exit_code = 3
+    nodes: list[str] = []          # the nodes that failed, where known
 
 
 class RunFailed(ClusterError):

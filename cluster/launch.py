@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .backends import Backend
@@ -12,8 +14,9 @@ from .errors import InputError, Interrupted, NodeLost, PreflightError, RunFailed
 from .spec import Inventory
 from .plan import Job, LaunchPlan, Templates, derived_port, render
 from .preflight import WARN, Finding, evaluate, failures
-from .runs import RunDir
-from .watch import Console, Watcher
+from .hang import summary as hang_summary
+from .runs import RunDir, make_private_dir, write_private
+from .watch import Console, Hang, Watcher, WatchResult
 
 PORT_ATTEMPTS = 5
 
@@ -39,29 +42,137 @@ def secret_values(inventory: Inventory,
     return {h.name: {name: environ[name] for name in h.secret_env} for h in inventory.hosts}
 
 
+@dataclass(frozen=True)
+class Options:
+    """How `cluster up` runs a job, beyond what to run and where."""
+    detach: bool = False
+    preflight: bool = True        # cross-node checks and the interface written into each script
+    restarts: int = 0             # whole-job restarts after a failure, one budget for the job
+    restart_after: float = 0.0    # failures in the first S seconds are configuration: no restart
+    min_nodes: int | None = None  # a lost node is left out of the next attempt while this many remain
+    hang_timeout: float = 0.0     # no progress anywhere for this long: stacks, then stop
+
+
 def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, run: RunDir,
-       argv: list[str], console: Console, *, detach: bool = False, preflight: bool = True,
+       argv: list[str], console: Console, options: Options = Options(),
        environ: Mapping[str, str] = os.environ) -> int:
+    """Check, start, watch; after a failure, with restarts left, the whole job again on a
+    fresh rendezvous (CLUSTER_RESTART_COUNT on the nodes), leaving lost nodes out while
+    options.min_nodes remain."""
     secrets = secret_values(inventory, environ)
-    plan, facts = _check(inventory, job, templates, backend, run, argv, console, preflight)
+    history: list[dict[str, Any]] = []
+    while True:
+        job = dataclasses.replace(job, attempt=len(history))
+        inventory, plan = _check_leaving_out(inventory, job, templates, backend, run, argv,
+                                             console, options, history)
+        console.info(f"run {plan.run_id}: starting {len(plan.nodes)} node(s), master "
+                     f"{plan.master_addr}:{plan.master_port}"
+                     + (f" (attempt {job.attempt + 1} of {options.restarts + 1})" if job.attempt else ""))
+        procs = backend.start(plan, detach=options.detach, secrets=secrets)
+        if options.detach:
+            run.update(pgids={n.host.name: p for n, p in zip(plan.nodes, procs)})
+            console.info(f"detached; follow with `cluster logs -f {plan.run_id}`, "
+                         f"stop with `cluster down {plan.run_id}`")
+            return 0
+        result = Watcher(procs, console, {n.label: run.log_path(n) for n in plan.nodes},
+                         settle=plan.stop_grace + 30, hang_timeout=options.hang_timeout).run()
+        _record(run, plan, procs, result, history, console)
+        retry = _retry(result, plan, options, history)
+        if retry is None:
+            return _outcome(result, plan, console)
+        console.info(retry)
+        inventory = _without_lost(inventory, result, options)
+
+
+def _check_leaving_out(inventory: Inventory, job: Job, templates: Templates, backend: Backend,
+                       run: RunDir, argv: list[str], console: Console, options: Options,
+                       history: list[dict[str, Any]]) -> tuple[Inventory, LaunchPlan]:
+    """The check phase; at a relaunch, a node that fails it is left out while min_nodes remain."""
+    while True:
+        try:
+            plan, facts = _check(inventory, job, templates, backend, run, argv, console,
+                                 options.preflight)
+            break
+        except PreflightError as exc:
+            bad = set(getattr(exc, "nodes", ()))
+            keep = tuple(h for h in inventory.hosts if h.name not in bad)
+            if not history or not bad or not options.min_nodes or len(keep) < options.min_nodes:
+                raise
+            console.info(f"leaving out {', '.join(sorted(bad))}, which failed the check; "
+                         f"{len(keep)} node(s) remain (--min-nodes {options.min_nodes})")
+            inventory = dataclasses.replace(inventory, hosts=keep)
     nodes = [dict(rank=n.rank, name=n.host.name, address=n.host.address, run_dir=n.run_dir,
                   dir=facts[n.host.name]["dir"], hostname=facts[n.host.name].get("hostname"))
              for n in plan.nodes]
-    run.update(nodes=nodes, detached=detach)
-    console.info(f"run {plan.run_id}: starting {len(plan.nodes)} node(s), "
-                 f"master {plan.master_addr}:{plan.master_port}")
-    procs = backend.start(plan, detach=detach, secrets=secrets)
-    if detach:
-        run.update(pgids={n.host.name: p for n, p in zip(plan.nodes, procs)})
-        console.info(f"detached; follow with `cluster logs -f {plan.run_id}`, "
-                     f"stop with `cluster down {plan.run_id}`")
-        return 0
-    log_paths = {n.label: run.log_path(n) for n in plan.nodes}
-    result = Watcher(procs, console, log_paths, settle=plan.stop_grace + 30).run()
+    run.update(nodes=nodes, detached=options.detach, attempt=job.attempt, attempts=history)
+    return inventory, plan
+
+
+def _record(run: RunDir, plan: LaunchPlan, procs: list[Any], result: WatchResult,
+            history: list[dict[str, Any]], console: Console) -> None:
+    """run.json: this attempt's exits and how it ended; the hang evidence under hang/."""
+    if result.hang is not None:
+        _save_hang(run, plan, result.hang, console)
+    history.append({"attempt": len(history), "nodes": [n.host.name for n in plan.nodes],
+                    "ended": _ending(result), "joined": sorted(result.joined),
+                    "seconds": round(time.monotonic() - result.started, 1)})
     pgids = {p.node.host.name: getattr(p, "pgid", None) for p in procs}
     run.update(pgids=pgids, exits={k: dataclasses.asdict(v) for k, v in result.exits.items()},
-               interrupted=signal.Signals(result.signum).name if result.interrupted else None)
-    return _outcome(result, plan, console)
+               interrupted=signal.Signals(result.signum).name if result.interrupted else None,
+               attempts=history)
+
+
+def _ending(result: WatchResult) -> str:
+    if result.interrupted:
+        return f"interrupted ({signal.Signals(result.signum).name})"
+    if result.hang is not None:
+        return f"hang: no progress for {result.hang.seconds:.0f} s"
+    if result.first_failure:
+        label, ex = result.first_failure
+        return f"node [{label}] failed: {ex.describe()}"
+    return "finished"
+
+
+def _retry(result: WatchResult, plan: LaunchPlan, options: Options,
+           history: list[dict[str, Any]]) -> str | None:
+    """Why the job starts again, or None when it does not."""
+    if result.ok or result.interrupted or len(history) > options.restarts:
+        return None
+    elapsed = time.monotonic() - result.started
+    everyone = {n.label for n in plan.nodes}
+    if result.joined != everyone or elapsed < options.restart_after:
+        result.not_retried = (                                    # type: ignore[attr-defined]
+            "it failed before every node had joined the rendezvous" if result.joined != everyone
+            else f"it failed in its first {options.restart_after:g} s (--restart-after)")
+        return None
+    left = options.restarts - len(history) + 1
+    return (f"{_ending(result)}; restarting the whole job on a fresh rendezvous "
+            f"({left} restart(s) left)")
+
+
+def _without_lost(inventory: Inventory, result: WatchResult, options: Options) -> Inventory:
+    lost = {label.rsplit(" ", 1)[0] for label, ex in result.exits.items() if ex.lost}
+    keep = tuple(h for h in inventory.hosts if h.name not in lost)
+    if lost and options.min_nodes and len(keep) >= options.min_nodes:
+        return dataclasses.replace(inventory, hosts=keep)
+    return inventory
+
+
+def _save_hang(run: RunDir, plan: LaunchPlan, hang: Hang, console: Console) -> None:
+    folder = run.path / "hang"
+    make_private_dir(folder)
+    for label, records in hang.stacks.items():
+        node = label.rsplit(" ", 1)[0]
+        for rec in records:
+            write_private(folder / f"{node}-rank{rec['rank']}.txt",
+                          f"# {rec.get('how')} stack of rank {rec['rank']} (pid {rec.get('pid')}) "
+                          f"on {node}\n{rec.get('text', '')}")
+    lines = hang_summary(hang.stacks)
+    write_private(folder / "summary.txt", "\n".join(lines) + "\n")
+    console.info(f"where every rank was after {hang.seconds:.0f} s without progress "
+                 f"(stacks in {folder}/):")
+    for line in lines:
+        console.info(f"  {line}")
 
 
 def _check(inventory: Inventory, job: Job, templates: Templates, backend: Backend, run: RunDir,
@@ -105,8 +216,10 @@ def _judge(findings: list[Finding], nodes: int, console: Console) -> None:
         lines = "\n".join(f"  {f.node}: {f.check}: {f.detail}" + (f"\n    fix: {f.fix}" if f.fix else "")
                           for f in bad)
         named = sorted({f.node for f in bad})
-        raise PreflightError(f"{len(bad)} check(s) failed on {', '.join(named)} "
-                             f"({nodes} node(s) checked); nothing was started", details=lines)
+        error = PreflightError(f"{len(bad)} check(s) failed on {', '.join(named)} "
+                               f"({nodes} node(s) checked); nothing was started", details=lines)
+        error.nodes = [n for n in named if n != "all"]
+        raise error
 
 
 def _outcome(result: Any, plan: LaunchPlan, console: Console) -> int:
@@ -117,6 +230,13 @@ def _outcome(result: Any, plan: LaunchPlan, console: Console) -> int:
         name = signal.Signals(result.signum).name
         raise Interrupted(f"interrupted ({name}); every node of run {plan.run_id} was stopped"
                           + (f" except {left}" if left else ""), signum=result.signum)
+    not_retried = getattr(result, "not_retried", None)
+    why_not = (f"; not restarted: {not_retried}, which is configuration (a bad path, an "
+               f"import error, a wrong interface) and would fail again") if not_retried else ""
+    if result.hang is not None:
+        raise RunFailed(f"run {plan.run_id} hung: no progress on any node for "
+                        f"{result.hang.seconds:.0f} s; every node was stopped (stacks: "
+                        f"runs/{plan.run_id}/hang/){why_not}")
     if result.first_failure:
         label, ex = result.first_failure
         stopped = len(result.stops)
@@ -126,6 +246,6 @@ def _outcome(result: Any, plan: LaunchPlan, console: Console) -> int:
         if ex.lost:
             msg += (f"; if it is only cut off, [{label}] stops its own processes within "
                     f"ssh.keepalive of losing the launcher")
-        raise (NodeLost if ex.lost else RunFailed)(msg)
+        raise (NodeLost if ex.lost else RunFailed)(msg + why_not)
     console.info(f"run {plan.run_id}: all {len(plan.nodes)} node(s) finished")
     return 0

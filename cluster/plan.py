@@ -28,6 +28,12 @@ class Job:
     args: tuple[str, ...] = ()
     master_port: int | None = None   # None: the master host's setting, else derived from run_id
     node_root: str | None = None      # None: <workdir>/.cluster/<run id>/<host> on each node
+    attempt: int = 0                  # restarts so far (CLUSTER_RESTART_COUNT on the nodes)
+
+    @property
+    def rdzv_id(self) -> str:
+        """A rendezvous of its own for every attempt: the last one's may still be closing."""
+        return self.run_id if self.attempt == 0 else f"{self.run_id}-a{self.attempt}"
 
 
 @dataclass(frozen=True)
@@ -164,12 +170,14 @@ def _node(rank: int, host: Host, inv: Inventory, job: Job, templates: Templates,
           port: int, resolved: str | None) -> NodePlan:
     net = network.policy(host, resolved)
     text = templates.render(
-        "node.sh.j2", run_id=job.run_id, rank=rank, nnodes=len(inv.hosts), host=host,
+        "node.sh.j2", run_id=job.run_id, rdzv_id=job.rdzv_id, attempt=job.attempt, rank=rank,
+        nnodes=len(inv.hosts), host=host,
         master_addr=inv.master.address, master_port=port, rendezvous=inv.master.rendezvous,
         net=net, env=host.env, secret_env=host.secret_env, nproc=_nproc(host),
         script=job.script, args=job.args)
     decided = [("CLUSTER_RUN_ID", job.run_id), ("CLUSTER_NODE", host.name),
                ("CLUSTER_NODE_RANK", str(rank)), ("CLUSTER_NNODES", str(len(inv.hosts))),
+               ("CLUSTER_RESTART_COUNT", str(job.attempt)),
                ("MASTER_ADDR", inv.master.address), ("MASTER_PORT", str(port))]
     return NodePlan(rank=rank, host=host, script=text, run_dir=node_run_dir(host, job),
                     env=tuple(decided + network.decided_env(net)) + host.env)
@@ -177,9 +185,10 @@ def _node(rank: int, host: Host, inv: Inventory, job: Job, templates: Templates,
 
 def node_run_dir(host: Host, job: Job) -> str:
     """The node's own directory for this run (may start with ~, expanded on the node)."""
+    attempt = f".{job.attempt}" if job.attempt else ""    # each attempt: its own supervisor files
     if job.node_root:
-        return f"{job.node_root}/{host.name}"
-    return f"{host.workdir.rstrip('/')}/.cluster/{job.run_id}/{host.name}"
+        return f"{job.node_root}/{host.name}{attempt}"
+    return f"{host.workdir.rstrip('/')}/.cluster/{job.run_id}/{host.name}{attempt}"
 
 
 def _nproc(host: Host) -> int | str:

@@ -12,14 +12,14 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
-from .backends import NodeExit, NodeProcess, signal_name
 from .errors import signum_of
+from .nodes import NodeExit, signal_name
 
 COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92", "94", "91")
 TAIL_LINES = 20
@@ -91,6 +91,26 @@ class LineSplitter:
         return (parts[-1] if parts else b"").decode(errors="replace")
 
 
+class Watched(Protocol):
+    """What the watcher needs of a running node (backends.NodeProcess has this shape)."""
+    node: Any                        # has .label
+
+    def output(self) -> Iterator[bytes | dict[str, Any]]: ...
+
+    def wait(self) -> NodeExit: ...
+
+    def stop(self) -> dict[str, Any]: ...
+
+    def request_stacks(self) -> None: ...
+
+
+@dataclass
+class Hang:
+    """What the watchdog found: no progress on any node for `seconds`, and each worker's stack."""
+    seconds: float
+    stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)   # label -> records
+
+
 @dataclass
 class WatchResult:
     exits: dict[str, NodeExit] = field(default_factory=dict)        # label -> exit
@@ -99,10 +119,14 @@ class WatchResult:
     signum: int = 2                                                  # what interrupted it
     stops: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> stop report
     tails: dict[str, list[str]] = field(default_factory=dict)
+    joined: set[str] = field(default_factory=set)    # nodes whose workers started (rendezvous done)
+    group_ranks: dict[str, int] = field(default_factory=dict)       # label -> torch's group rank
+    hang: Hang | None = None
+    started: float = 0.0                              # monotonic time the watch began
 
     @property
     def ok(self) -> bool:
-        return self.first_failure is None and not self.interrupted
+        return self.first_failure is None and not self.interrupted and self.hang is None
 
     def leftovers(self) -> dict[str, list[int]]:
         return {k: v["left"] for k, v in self.stops.items() if v.get("left")}
@@ -114,26 +138,43 @@ def _open_log(path: Path) -> IO[bytes]:
 
 
 class Watcher:
-    def __init__(self, procs: Sequence[NodeProcess], console: Console,
-                 log_paths: dict[str, Path], settle: float = 30.0) -> None:
+    """hang_timeout: seconds with no progress on any node (no output line, no heartbeat from
+    the reference trainer) after which every worker's stack is collected and the run stopped;
+    0 turns the watchdog off."""
+
+    def __init__(self, procs: Sequence[Watched], console: Console,
+                 log_paths: dict[str, Path], settle: float = 30.0, hang_timeout: float = 0.0,
+                 clock: Any = time.monotonic) -> None:
         self.procs = list(procs)
         self.console = console
         self.log_paths = log_paths
         self.settle = settle                   # how long to wait for stopped nodes to report
-        self.events: queue.Queue[tuple[NodeProcess, NodeExit]] = queue.Queue()
+        self.hang_timeout = hang_timeout
+        self.clock = clock
+        self.events: queue.Queue[tuple[Watched, NodeExit]] = queue.Queue()
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
         # Nodes we are stopping print their shutdown tracebacks; those go to the log files only.
         self.muted: set[str] = set()
+        self.progress = clock()
+        self.result = WatchResult(started=self.progress)
+        self.stacks: dict[str, list[dict[str, Any]]] = {}
+        self.dumped: set[str] = set()
+        self.lock = threading.Lock()
 
     def run(self) -> WatchResult:
-        result = WatchResult()
+        result = self.result
         for index, proc in enumerate(self.procs):
             threading.Thread(target=self._pump, args=(proc, index), daemon=True,
                              name=f"pump-{proc.node.label}").start()
         pending = {p.node.label for p in self.procs}
         try:
             while pending:
-                proc, ex = self._next_event()
+                event = self._next_event()
+                if event is None:                       # the watchdog fired
+                    result.hang = self._collect_stacks(pending)
+                    result.stops = self.stop_all(pending)
+                    break
+                proc, ex = event
                 pending.discard(proc.node.label)
                 result.exits[proc.node.label] = ex
                 if not ex.ok and result.first_failure is None:
@@ -151,13 +192,47 @@ class Watcher:
         result.tails = {k: list(v) for k, v in self.tails.items()}
         return result
 
-    def _next_event(self) -> tuple[NodeProcess, NodeExit]:
-        # A timeout keeps the main thread responsive to Ctrl-C while it waits.
+    def _next_event(self) -> tuple[Watched, NodeExit] | None:
+        """The next node to end, or None when no node has made progress for hang_timeout.
+        A timeout keeps the main thread responsive to Ctrl-C while it waits."""
         while True:
             try:
                 return self.events.get(timeout=0.5)
             except queue.Empty:
-                continue
+                if self.hang_timeout and self.clock() - self.progress >= self.hang_timeout:
+                    return None
+
+    def _collect_stacks(self, pending: set[str]) -> Hang:
+        quiet = self.clock() - self.progress
+        self.console.info(f"no progress on any node for {quiet:.0f} s (--hang-timeout): "
+                          f"collecting every worker's stack before stopping")
+        targets = [p for p in self.procs if p.node.label in pending]
+        for p in targets:
+            try:
+                p.request_stacks()
+            except Exception as exc:  # a node that cannot be asked is reported, not fatal
+                self.console.info(f"[{p.node.label}] stacks not collected: {exc}")
+        deadline = self.clock() + 30
+        while self.clock() < deadline:
+            with self.lock:
+                if all(p.node.label in self.dumped for p in targets):
+                    break
+            time.sleep(0.1)
+        with self.lock:
+            return Hang(seconds=quiet, stacks={k: list(v) for k, v in self.stacks.items()})
+
+    def _control(self, label: str, record: dict[str, Any]) -> None:
+        with self.lock:
+            if record.get("joined"):
+                self.result.joined.add(label)
+                self.result.group_ranks[label] = int(record.get("group_rank", -1))
+                self.progress = self.clock()
+            elif "beat" in record:
+                self.progress = self.clock()
+            elif "stack" in record:
+                self.stacks.setdefault(label, []).append(record["stack"])
+            elif "dumped" in record:
+                self.dumped.add(label)
 
     def _collect(self, pending: set[str], result: WatchResult) -> None:
         deadline = time.monotonic() + self.settle
@@ -212,6 +287,9 @@ class Watcher:
         log = _open_log(path) if path else None
         try:
             for chunk in proc.output():
+                if isinstance(chunk, dict):
+                    self._control(label, chunk)
+                    continue
                 if log:
                     log.write(chunk)
                     log.flush()
@@ -231,6 +309,7 @@ class Watcher:
         self.events.put((proc, ex))
 
     def _emit(self, label: str, index: int, line: str) -> None:
+        self.progress = self.clock()
         self.tails[label].append(line)
         if label not in self.muted:
             self.console.node_line(label, index, line)

@@ -9,62 +9,29 @@ and cluster.watch, not here.
 """
 from __future__ import annotations
 
-import signal as _signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+
+from ..nodes import NodeExit, NodeStatus, signal_name
+
+__all__ = ["Backend", "NodeExit", "NodeProcess", "NodeStatus", "signal_name"]
 
 if TYPE_CHECKING:
     from ..plan import LaunchPlan, NodePlan
     from ..runs import RunDir
 
 
-@dataclass(frozen=True)
-class NodeExit:
-    """How one node's work ended."""
-    code: int | None = None          # exit status, when it exited
-    signal: int | None = None        # the signal that killed it, when one did
-    lost: bool = False               # the connection to the node broke first
-    reason: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.code == 0 and not self.lost
-
-    def describe(self) -> str:
-        if self.lost:
-            return f"connection lost{': ' + self.reason if self.reason else ''}"
-        if self.signal:
-            return f"killed by {signal_name(self.signal)}"
-        if self.code is not None and self.code > 128 and self.code - 128 < 65:
-            return f"exit code {self.code} ({signal_name(self.code - 128)})"
-        return f"exit code {self.code}"
-
-
-def signal_name(num: int) -> str:
-    try:
-        return _signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
-
-
-@dataclass
-class NodeStatus:
-    rank: int
-    name: str
-    state: str                       # running | exited | lost | unknown | pending | ...
-    code: int | None = None
-    pid: int | None = None
-    uptime: float | None = None
-    detail: str = ""
-
-
 class NodeProcess(Protocol):
     """One node's running work, as seen from `cluster up`."""
     node: "NodePlan"
 
-    def output(self) -> Iterator[bytes]:
-        """Chunks of the node's combined stdout/stderr until it ends."""
+    def output(self) -> Iterator[bytes | dict[str, Any]]:
+        """Chunks of the node's combined stdout/stderr until it ends, and among them the
+        supervisor's control records (dicts: joined, beat, stack, dumped)."""
+
+    def request_stacks(self) -> None:
+        """Ask for every worker's stack (answered by 'stack' records, then 'dumped')."""
 
     def wait(self) -> NodeExit:
         """Block until the node's work has ended (or the connection is lost)."""

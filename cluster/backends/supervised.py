@@ -20,9 +20,10 @@ from typing import Any, Protocol
 from ..errors import BackendError, ClusterError, PreflightError
 from ..plan import LaunchPlan, NodePlan, shpath
 from ..spec import DEFAULT_STOP_GRACE
-from . import NodeExit, NodeStatus
+from ..nodes import Demux, NodeExit, NodeStatus
 
 SUPERVISOR = Path(__file__).resolve().parent.parent / "remote" / "supervisor.py"
+WORKERS = SUPERVISOR.with_name("workers.py")      # imported by the supervisor, beside it
 PROBE = SUPERVISOR.with_name("probe.py")
 PGID_HEADER = b"@@cluster pgid="
 
@@ -105,7 +106,8 @@ class SupervisedNode:
 
     def push(self, node: NodePlan) -> None:
         """The supervisor and the node's rendered script, into its run directory."""
-        self.transport.put(SUPERVISOR.read_bytes(), f"{self.dir}/supervisor.py", 0o600)
+        for part in (SUPERVISOR, WORKERS):
+            self.transport.put(part.read_bytes(), f"{self.dir}/{part.name}", 0o600)
         self.transport.put(node.script.encode(), f"{self.dir}/launch.sh", 0o700)
 
     def listen(self, port: int, seconds: float) -> Channel:
@@ -194,8 +196,8 @@ class SupervisedProcess:
         self.pgid: int | None = None
         self.ended = False
 
-    def output(self) -> Iterator[bytes]:
-        first = True
+    def output(self) -> Iterator[bytes | dict[str, Any]]:
+        first, demux = True, Demux()
         while True:
             data = self.channel.read()
             if not data:
@@ -204,8 +206,11 @@ class SupervisedProcess:
                 head, _, data = data.partition(b"\n")
                 self.pgid = int(head[len(PGID_HEADER):] or 0) or None
             first = False
-            if data:
-                yield data
+            yield from demux.feed(data)
+
+    def request_stacks(self) -> None:
+        if not self.ended:
+            self.channel.write(b"dump\n")
 
     def wait(self) -> NodeExit:
         code = self.channel.wait()
@@ -296,8 +301,10 @@ class SupervisedBackend:
         if failures:
             lines = "\n".join(f"  {label}: {why}" for label, why in failures.items())
             ok = len(nodes) - len(failures)
-            raise PreflightError(f"{len(failures)} of {len(nodes)} node(s) failed the checks; "
-                                 f"nothing was started ({ok} ready)", details=lines)
+            error = PreflightError(f"{len(failures)} of {len(nodes)} node(s) failed the checks; "
+                                   f"nothing was started ({ok} ready)", details=lines)
+            error.nodes = [n.host.name for n, r in results if isinstance(r, Exception)]
+            raise error
         return results
 
     def start(self, plan: LaunchPlan, *, detach: bool = False,

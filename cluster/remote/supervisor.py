@@ -36,6 +36,9 @@ import sys
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workers  # noqa: E402  (beside this file on the node)
+
 GRACE = 30.0
 LAUNCHER_GRACE = 0.25
 CONFIG_TIMEOUT = 30.0
@@ -315,8 +318,9 @@ def run(args):
                                             "leftovers": [], "stopped": True,
                                             "reason": "stop requested before the start"}))
         return 143
-    env = dict(os.environ, **secret_env)
-    env.update(CLUSTER_RUN_ID=args.run_id, CLUSTER_NODE=args.node)
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", **secret_env)
+    env.update(CLUSTER_RUN_ID=args.run_id, CLUSTER_NODE=args.node,
+               CLUSTER_HEARTBEAT_FILE=path(d, "heartbeat"))
     log = os.fdopen(os.open(path(d, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
                     "ab", buffering=0)
     child = subprocess.Popen(["bash", path(d, "launch.sh")], stdin=subprocess.DEVNULL,
@@ -340,16 +344,20 @@ def run(args):
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, on_signal)
+    out = Out(None if args.detach else sys.stdout.buffer)
+    tap = workers.Tap()
+    ended = threading.Event()
     if not args.detach:
-        header = ("@@cluster pgid=%d\n" % child.pid).encode()
-        sys.stdout.buffer.write(header)
-        sys.stdout.buffer.flush()
-        threading.Thread(target=watch_launcher, args=(0, args.keepalive, stop_async),
+        out.write(("@@cluster pgid=%d\n" % child.pid).encode())
+        commands = {"dump": lambda: dump(d, tap, out)}
+        threading.Thread(target=watch_launcher, args=(0, args.keepalive, stop_async, commands),
                          daemon=True).start()
-    pump = threading.Thread(target=copy_output, args=(child.stdout, log, not args.detach, stop_async),
+        workers.Progress(lambda: identity(d, True), path(d, "heartbeat"), out.record, ended).start()
+    pump = threading.Thread(target=copy_output, args=(child.stdout, log, out, tap, stop_async),
                             daemon=True)
     pump.start()
     code = child.wait()
+    ended.set()
     # torchrun's workers live in sessions of their own: if it died hard they are orphans now.
     leftovers = terminate(d, args.grace, True)
     pump.join(timeout=2.0)
@@ -388,24 +396,58 @@ def daemonize(d):
     return False
 
 
-def watch_launcher(fd, keepalive, on_lost):
-    """Stop the run when the launcher's input closes, or stays silent for `keepalive` s."""
+def watch_launcher(fd, keepalive, on_lost, commands):
+    """Stop the run when the launcher's input closes, or stays silent for `keepalive` s. Any
+    bytes are a heartbeat; a line naming a command (`dump`) runs it."""
+    pending = b""
     while True:
         try:
             ready = select.select([fd], [], [], keepalive if keepalive > 0 else None)[0]
             if not ready:
                 on_lost("lost the launcher: no heartbeat for %g s" % keepalive)
                 return
-            if not os.read(fd, 4096):
-                break
+            data = os.read(fd, 4096)
         except (OSError, ValueError):
             break
+        if not data:
+            break
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            action = commands.get(line.strip().decode("ascii", "replace"))
+            if action is not None:
+                threading.Thread(target=action, daemon=True).start()
     on_lost("the launcher's connection closed")
 
 
-def copy_output(pipe, log, to_stdout, on_lost):
-    out = sys.stdout.buffer if to_stdout else None
+class Out:
+    """The supervisor's standard output (the launcher's stream, or None when detached): the
+    node's output bytes, and control records framed by RS/US so that the launcher can take
+    them out even where one falls between two halves of a line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.lock = threading.Lock()
+
+    def write(self, data):
+        if self.stream is None:
+            return True
+        with self.lock:
+            try:
+                self.stream.write(data)
+                self.stream.flush()
+                return True
+            except (OSError, ValueError):
+                self.stream = None
+                return False
+
+    def record(self, obj):
+        self.write(b"\x1e" + json.dumps(obj).encode() + b"\x1f")
+
+
+def copy_output(pipe, log, out, tap, on_lost):
     fd = pipe.fileno()
+    attached = out.stream is not None
     while True:
         try:
             data = os.read(fd, 65536)
@@ -414,13 +456,23 @@ def copy_output(pipe, log, to_stdout, on_lost):
         if not data:
             break
         log.write(data)
-        if out is not None:
-            try:
-                out.write(data)
-                out.flush()
-            except OSError:
-                out = None
-                on_lost("the launcher's connection closed")
+        tap.feed(data)
+        if attached and not out.write(data):
+            attached = False
+            on_lost("the launcher's connection closed")
+
+
+def dump(d, tap, out):
+    """Every worker's stack, for the launcher's hang watchdog: files under hang/, and one
+    control record each."""
+    ident = identity(d, True)
+    found = workers.dump_stacks(ident, tap) if ident else []
+    os.makedirs(path(d, "hang"), exist_ok=True)
+    for rank, pid, how, text in found:
+        with open(path(d, "hang/rank%d.txt" % rank), "w") as f:
+            f.write(text)
+        out.record({"stack": {"rank": rank, "pid": pid, "how": how, "text": text}})
+    out.record({"dumped": len(found)})
 
 
 # --- stop, status, logs ------------------------------------------------------------------------

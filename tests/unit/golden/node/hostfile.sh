@@ -13,6 +13,7 @@ export CLUSTER_RUN_ID=golden-run
 export CLUSTER_NODE=gpu01
 export CLUSTER_NODE_RANK=0
 export CLUSTER_NNODES=3
+export CLUSTER_RESTART_COUNT=0
 
 # Interface, chosen here at run time: the one that holds this node's address (the address the
 # other nodes reach it by), else the one the route to the master leaves through; never by
@@ -67,6 +68,7 @@ export CLUSTER_RUN_ID=golden-run
 export CLUSTER_NODE=gpu02
 export CLUSTER_NODE_RANK=1
 export CLUSTER_NNODES=3
+export CLUSTER_RESTART_COUNT=0
 
 # Interface, chosen here at run time: the one that holds this node's address (the address the
 # other nodes reach it by), else the one the route to the master leaves through; never by
@@ -121,6 +123,7 @@ export CLUSTER_RUN_ID=golden-run
 export CLUSTER_NODE=worker-3
 export CLUSTER_NODE_RANK=2
 export CLUSTER_NNODES=3
+export CLUSTER_RESTART_COUNT=0
 
 # Interface, chosen here at run time: the one that holds this node's address (the address the
 # other nodes reach it by), else the one the route to the master leaves through; never by

@@ -13,6 +13,7 @@ export CLUSTER_RUN_ID=golden-run
 export CLUSTER_NODE=gpu-a
 export CLUSTER_NODE_RANK=0
 export CLUSTER_NNODES=2
+export CLUSTER_RESTART_COUNT=0
 
 export NCCL_SOCKET_IFNAME='^docker0,lo'
 # Interface, chosen here at run time: the one that holds this node's address (the address the
@@ -73,6 +74,7 @@ export CLUSTER_RUN_ID=golden-run
 export CLUSTER_NODE=gpu-b
 export CLUSTER_NODE_RANK=1
 export CLUSTER_NNODES=2
+export CLUSTER_RESTART_COUNT=0
 
 export GLOO_SOCKET_IFNAME=ens5
 export NCCL_IB_DISABLE=1

@@ -21,6 +21,8 @@ set -uo pipefail
 # Identity of this run: every process started below inherits it.
 export CLUSTER_RUN_ID=20250101-120000-abcd
 export CLUSTER_NNODES="$SLURM_NNODES"
+# Restarts so far: a requeued job is the next attempt of the same run.
+export CLUSTER_RESTART_COUNT="${SLURM_RESTART_COUNT:-0}"
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 export MASTER_ADDR

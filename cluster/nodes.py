@@ -1,0 +1,87 @@
+"""What a running node reports, as plain data: how it ended (NodeExit), a row of `cluster status`
+(NodeStatus), and the control records its supervisor sends among its output (Demux).
+
+Backend-free: the watcher and every backend use these, and import nothing of each other.
+"""
+from __future__ import annotations
+
+import json
+import signal as _signal
+from dataclasses import dataclass
+from typing import Any
+
+RECORD_START, RECORD_END = b"\x1e", b"\x1f"     # ASCII record / unit separators
+
+
+@dataclass(frozen=True)
+class NodeExit:
+    """How one node's work ended."""
+    code: int | None = None          # exit status, when it exited
+    signal: int | None = None        # the signal that killed it, when one did
+    lost: bool = False               # the connection to the node broke first
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0 and not self.lost
+
+    def describe(self) -> str:
+        if self.lost:
+            return f"connection lost{': ' + self.reason if self.reason else ''}"
+        if self.signal:
+            return f"killed by {signal_name(self.signal)}"
+        if self.code is not None and self.code > 128 and self.code - 128 < 65:
+            return f"exit code {self.code} ({signal_name(self.code - 128)})"
+        return f"exit code {self.code}"
+
+
+def signal_name(num: int) -> str:
+    try:
+        return _signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+@dataclass
+class NodeStatus:
+    rank: int
+    name: str
+    state: str                       # running | exited | lost | unknown | pending | ...
+    code: int | None = None
+    pid: int | None = None
+    uptime: float | None = None
+    detail: str = ""
+
+
+class Demux:
+    """A node's stream: its output bytes with the supervisor's control records among them
+    (RS, a JSON object, US). feed() returns the pieces in order: bytes, or a dict per record;
+    a record split across two reads is held until it is whole."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def feed(self, data: bytes) -> list[bytes | dict[str, Any]]:
+        self.pending += data
+        out: list[bytes | dict[str, Any]] = []
+        while True:
+            start = self.pending.find(RECORD_START)
+            if start < 0:
+                if self.pending:
+                    out.append(self.pending)
+                self.pending = b""
+                return out
+            end = self.pending.find(RECORD_END, start)
+            if end < 0:
+                if start:
+                    out.append(self.pending[:start])
+                self.pending = self.pending[start:]
+                return out
+            if start:
+                out.append(self.pending[:start])
+            try:
+                record = json.loads(self.pending[start + 1:end])
+                out.append(record if isinstance(record, dict) else self.pending[start:end + 1])
+            except ValueError:          # not ours after all: it is output
+                out.append(self.pending[start:end + 1])
+            self.pending = self.pending[end + 1:]

@@ -1,0 +1,144 @@
+"""The supervisor's view of torchrun's workers on one node (standard library only, 3.8+).
+
+Imported by supervisor.py, which sits beside it in the node's run directory.
+
+- Progress: reports once when the workers exist (torchrun starts them only after every node
+  joined the rendezvous: the boundary between a configuration error and a run that failed),
+  with their group rank; then a beat whenever the reference trainer's heartbeat file moves.
+- Stacks: for the launcher's hang watchdog, every worker's Python stack, each alone: py-spy
+  where the node has it and may use it, else Python's own faulthandler (the node script sets
+  PYTHONFAULTHANDLER) through SIGABRT, one worker at a time while torchrun is paused, so
+  that its dump can be told from the others' and torchrun does not tear the rest down first.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+BEAT_EVERY = 1.0
+
+
+def environ(pid):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return {}
+
+
+def workers(ident):
+    """[(pid, rank)] of this run's torchrun workers on this node (they carry RANK)."""
+    found = []
+    for pid in ident.members():
+        env = environ(pid)
+        if b"GROUP_RANK" in env and b"RANK" in env:
+            try:
+                found.append((pid, int(env[b"RANK"])))
+            except ValueError:
+                continue
+    return sorted(found, key=lambda pr: pr[1])
+
+
+def group_rank(pid):
+    try:
+        return int(environ(pid).get(b"GROUP_RANK", b"-1"))
+    except ValueError:
+        return -1
+
+
+class Progress(threading.Thread):
+    """Tells the launcher (through emit) when the workers appear and when the heartbeat moves."""
+
+    def __init__(self, ident_of, heartbeat_file, emit, done):
+        super().__init__(daemon=True)
+        self.ident_of, self.heartbeat_file, self.emit, self.done = ident_of, heartbeat_file, emit, done
+
+    def run(self):
+        joined, last_mtime, last_beat = False, None, 0.0
+        while not self.done.wait(0.25):
+            if not joined:
+                ident = self.ident_of()
+                found = workers(ident) if ident else []
+                if found:
+                    joined = True
+                    self.emit({"joined": True, "group_rank": group_rank(found[0][0]),
+                               "ranks": [r for _, r in found]})
+            try:
+                mtime = os.stat(self.heartbeat_file).st_mtime
+            except OSError:
+                continue
+            now = time.time()
+            if mtime != last_mtime and now - last_beat >= BEAT_EVERY:
+                last_mtime, last_beat = mtime, now
+                self.emit({"beat": mtime})
+
+
+class Tap:
+    """A copy of the node's output while one worker dumps its stack."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.buf = None
+
+    def feed(self, data):
+        with self.lock:
+            if self.buf is not None:
+                self.buf.extend(data)
+
+    def start(self):
+        with self.lock:
+            self.buf = bytearray()
+
+    def stop(self):
+        with self.lock:
+            data, self.buf = bytes(self.buf or b""), None
+        return data
+
+
+def dump_stacks(ident, tap, wait=5.0):
+    """[(rank, pid, how, text)] for every worker of the run on this node."""
+    found = workers(ident)
+    spy = shutil.which("py-spy")
+    out, paused = [], []
+    for pid, rank in found:
+        text = py_spy(spy, pid) if spy else None
+        if text is not None:
+            out.append((rank, pid, "py-spy", text))
+    rest = [(pid, rank) for pid, rank in found if rank not in {r for r, _, _, _ in out}]
+    if rest and ident.pgid:
+        # torchrun (the group's leader) would stop the others when the first worker dies.
+        if ident.signal(ident.pgid, signal.SIGSTOP):
+            paused.append(ident.pgid)
+    try:
+        for pid, rank in rest:
+            tap.start()
+            ident.signal(pid, signal.SIGABRT)
+            deadline = time.time() + wait
+            while time.time() < deadline and alive_pid(pid):
+                time.sleep(0.05)
+            time.sleep(0.2)                     # what it wrote last is still in the pipe
+            out.append((rank, pid, "faulthandler", tap.stop().decode("utf-8", "replace")))
+    finally:
+        for pid in paused:
+            ident.signal(pid, signal.SIGCONT)
+    return out
+
+
+def alive_pid(pid):
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            state = f.read().decode("ascii", "replace")
+    except OSError:
+        return False
+    return state[state.rfind(")") + 2:].split()[0] not in ("Z", "X")
+
+
+def py_spy(spy, pid):
+    try:
+        res = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout if res.returncode == 0 and res.stdout.strip() else None
