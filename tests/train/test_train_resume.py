@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_helpers import (checkpoints, final_weights, kill_tree, load_ckpt,  # noqa: E402
@@ -169,12 +170,16 @@ def test_peer_stopping_first_fails_rank0s_collective_and_rank0_still_saves(unint
     assert_same_as_uninterrupted(final, tmp_path, uninterrupted, loss_rel=STOP_LOSS_REL)
 
 
-def test_watchdog_saves_when_the_main_thread_is_stuck(tmp_path):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_watchdog_saves_when_the_main_thread_is_stuck(tmp_path, device):
     """The main thread blocks after step 12 (as in a collective whose peer has left) and never
     reaches a boundary: --stop-timeout after SIGTERM the watchdog thread saves step 12 and the
     process exits with 143."""
     proc = start_train(1, ["--epochs", "1", "--log-every", "5", "--ckpt-every", "0", "--no-plot",
-                           "--stop-timeout", "1", "--out", str(tmp_path)],
+                           "--stop-timeout", "1", "--device", device, "--out", str(tmp_path)],
                        env={"CLUSTER_TRAIN_TEST_HANG_AFTER_STEP": "12"})
     try:
         wait_for(lambda: step_logged(tmp_path, 10), 120, proc, "step 10")
@@ -188,3 +193,25 @@ def test_watchdog_saves_when_the_main_thread_is_stuck(tmp_path):
     assert proc.returncode == 143, out[-3000:]
     assert "saving from the watchdog" in out and took >= 1.0
     assert saved_on_stop(out, tmp_path) == 12
+
+
+@CUDA
+def test_sigterm_on_cuda_saves_and_a_relaunch_finishes(tmp_path):
+    """One process on a GPU: SIGTERM mid-run saves the step reached (CUDA events, side-stream
+    copy), exit code 143; the relaunch resumes there and runs to the end."""
+    args = ["--device", "cuda", "--dataset", "synthetic", "--image-size", "32", "--num-classes", "10",
+            "--steps-per-epoch", "300", "--epochs", "1", "--batch-size", "64", "--log-every", "10",
+            "--ckpt-every", "0", "--no-plot", "--out", str(tmp_path)]
+    proc = start_train(1, args, env={"CLUSTER_TRAIN_TEST_STEP_SLEEP": "0.01"})
+    try:
+        wait_for(lambda: step_logged(tmp_path, 50), 120, proc, "step 50")
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 143, out[-3000:]
+    m = STOP_LINE.search(out)
+    assert m and 50 <= int(m.group(1)) < 300, out[-3000:]
+    assert load_ckpt(checkpoints(tmp_path)[-1])["step"] == int(m.group(1))
+    final = run_train(1, args)
+    assert final["steps"] == 300 and final["resumed_from"].endswith(f"ckpt_step{int(m.group(1)):08d}.pt")
