@@ -195,6 +195,11 @@ class StepLedger:
                 self.lock.release()
 
 
+def _default_sigterm_in_child() -> None:
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 class GracefulStop:
     """SIGTERM -> a stop request that the training loop honours at its next step boundary.
 
@@ -221,6 +226,10 @@ class GracefulStop:
         self._fds = (reader, writer)  # keep both ends open for the life of the process
         threading.Thread(target=self._watch, args=(reader,), name="graceful-stop",
                          daemon=True).start()
+        # Forked children (DataLoader workers) must not inherit either: with the wakeup fd a
+        # SIGTERM to a worker would read, in this process, as a stop request; with the handler
+        # a worker would ignore the SIGTERM that DataLoader's shutdown may send it.
+        os.register_at_fork(after_in_child=_default_sigterm_in_child)
 
     def begin_training(self, rescue: Callable[[], None] | None) -> None:
         self._rescue, self._training = rescue, True

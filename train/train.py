@@ -706,6 +706,8 @@ def save_checkpoint(run: Run, progress: Progress) -> None:
 def save_on_stop(run: Run, progress: Progress, wait_s: float) -> None:
     """Rank 0, on a stop: the newest step whose update has finished, without collectives
     (peers may have left). Only rank 0's random streams are known here."""
+    if run.info.device.type == "cuda":
+        torch.cuda.set_device(run.info.device)  # the watchdog thread starts on device 0
     got = run.ledger.capture(lambda: lifecycle.to_cpu(training_state(run)), wait_s)
     if got is None:
         print("stop: no completed step can be saved consistently; the newest checkpoint stays"

@@ -78,3 +78,31 @@ def test_cuda_capture_skips_an_update_stuck_behind_other_work():
     torch.cuda.synchronize()
     point, state = t.ledger.capture(t.state, wait_s=1.0)
     assert point == {"step": 4} and not same(state, after3)
+
+
+FORK_CHECK = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import lifecycle
+stop = lifecycle.GracefulStop(timeout_s=60)
+stop.install()
+pid = os.fork()
+if pid == 0:  # a DataLoader worker, say
+    time.sleep(30)
+    os._exit(0)
+time.sleep(0.2)
+os.kill(pid, signal.SIGTERM)
+_, status = os.waitpid(pid, 0)
+time.sleep(0.3)
+print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, stop.requested.is_set())
+"""
+
+
+def test_forked_children_keep_the_default_sigterm_and_cannot_fake_a_stop():
+    """A SIGTERM to a forked worker ends it (default action) and is not taken, through the
+    inherited wakeup fd, for a stop request of the trainer."""
+    import subprocess
+    from train_helpers import REPO
+    out = subprocess.run([sys.executable, "-c", FORK_CHECK, str(REPO / "train")], text=True,
+                         capture_output=True, timeout=60)
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
