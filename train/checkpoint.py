@@ -1,7 +1,7 @@
 """Atomic checkpoints: temp file in the same directory, fsync, os.replace, fsync dir.
 
 A reader only ever sees complete files named ``ckpt_step00000042.pt``; temp files
-(``.ckpt_step...pt.tmp.<pid>``) left by a process killed mid-save are ignored and
+(``.ckpt_step...pt.tmp.<pid>.<thread>``) left by a process killed mid-save are ignored and
 removed at the next save or resume.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 import random
 import re
 import sys
+import threading
 import time
 
 import numpy as np
@@ -67,7 +68,8 @@ def _fsync_dir(path: str) -> None:
 
 def atomic_save(obj, path: str) -> None:
     d = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(d, f"{TMP_PREFIX}{os.path.basename(path)[5:]}.tmp.{os.getpid()}")
+    # pid and thread: a stop's watchdog thread may save while the main thread does
+    tmp = os.path.join(d, f"{TMP_PREFIX}{os.path.basename(path)[5:]}.tmp.{os.getpid()}.{threading.get_ident()}")
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)

@@ -1,25 +1,23 @@
-"""Datasets: sklearn digits (default, offline), CIFAR-10 (torchvision), synthetic on-device."""
+"""Datasets: sklearn digits (default, offline), CIFAR-10 (cifar10.py), synthetic on the device.
+
+Each comes out of `build_data` as micro-batches already on the training device.
+"""
 from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+if __package__ in (None, ""):
+    import cifar10
+else:
+    from . import cifar10
+
 DIGITS_VAL_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0  # fixed: the held-out split never depends on --seed
-
-
-@dataclass
-class DataSpec:
-    in_channels: int
-    num_classes: int
-    image_size: int
-    train: Dataset | None  # None for synthetic
-    val: Dataset | None
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -95,57 +93,62 @@ def load_digits_split():
     return TensorDataset(x[idx_tr], y[idx_tr]), TensorDataset(x[idx_va], y[idx_va])
 
 
-def load_cifar10(data_dir: str, is_main: bool, barrier) -> tuple[Dataset, Dataset]:
-    try:
-        import torchvision  # noqa: F401
-        import torchvision.transforms as T
-        from torchvision.datasets import CIFAR10
-    except ImportError as e:  # pragma: no cover - depends on the host
-        raise SystemExit(f"--dataset cifar10 needs torchvision, which is not importable: {e}")
-    mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-    tr = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(),
-                    T.ToTensor(), T.Normalize(mean, std)])
-    te = T.Compose([T.ToTensor(), T.Normalize(mean, std)])
-
-    def present() -> bool:
-        try:
-            CIFAR10(data_dir, train=True, download=False)
-            CIFAR10(data_dir, train=False, download=False)
-            return True
-        except RuntimeError:
-            return False
-
-    if not present():
-        # Only rank 0 downloads; the others wait and then read what it wrote.
-        err = None
-        if is_main:
-            print(f"CIFAR-10 not found in {data_dir!r}; downloading it", file=sys.stderr, flush=True)
-            try:
-                os.makedirs(data_dir, exist_ok=True)
-                CIFAR10(data_dir, train=True, download=True)
-                CIFAR10(data_dir, train=False, download=True)
-            except Exception as e:  # no network, disk full, ...
-                err = e
-        barrier()
-        if not present():
-            raise SystemExit(
-                f"CIFAR-10 is not in --data-dir {data_dir!r} and could not be downloaded"
-                f" ({err or 'see rank 0'}). Put cifar-10-batches-py/ there, or use"
-                " --dataset digits (offline) or --dataset synthetic.")
-    return (CIFAR10(data_dir, train=True, download=False, transform=tr),
-            CIFAR10(data_dir, train=False, download=False, transform=te))
-
-
-def build_data(args, is_main: bool, barrier) -> DataSpec:
-    if args.dataset == "digits":
-        tr, va = load_digits_split()
-        return DataSpec(1, 10, 8, tr, va)
-    if args.dataset == "cifar10":
-        tr, va = load_cifar10(args.data_dir, is_main, barrier)
-        return DataSpec(3, 10, 32, tr, va)
+def build_data(args, info, barrier) -> "Data":
+    """The dataset named by --dataset, as micro-batches ready on `info.device`."""
     if args.dataset == "synthetic":
-        return DataSpec(3, args.num_classes, args.image_size, None, None)
-    raise SystemExit(f"unknown --dataset {args.dataset}")
+        batches = SyntheticBatches(args.batch_size, args.image_size, args.num_classes, info.device,
+                                   args.seed + info.rank, args.channels_last, args.accum)
+        return Data(3, args.num_classes, args.steps_per_epoch, batches, None)
+    if args.dataset == "digits":
+        train, val = load_digits_split()
+        channels, classes, prepare = 1, 10, None
+    elif args.dataset == "cifar10":
+        train, val = cifar10.load(args.data_dir, info.is_main, barrier)
+        channels, classes, prepare = 3, 10, cifar10.Augment(info.device)
+    else:
+        raise SystemExit(f"unknown --dataset {args.dataset}")
+    spe = steps_per_epoch(len(train), args, info.world_size)
+    if spe < 1:
+        raise SystemExit("dataset too small for this --batch-size x world size x --accum")
+    return Data(channels, classes, spe, LoaderBatches(train, args, info, prepare),
+                LoaderBatches(val, args, info, prepare, held_out=True))
+
+
+@dataclass
+class Data:
+    in_channels: int
+    num_classes: int
+    steps_per_epoch: int
+    train: "LoaderBatches | SyntheticBatches"
+    val: "LoaderBatches | None"
+
+
+class LoaderBatches:
+    """A DataLoader over this rank's shard; batches come out on the device, prepared there
+    (uint8 -> normalised float, augmentation) and in the memory format the model uses."""
+
+    def __init__(self, ds: Dataset, args, info, prepare, held_out: bool = False):
+        self.device, self.prepare, self.train = info.device, prepare, not held_out
+        self.samples_per_step = args.accum * args.batch_size
+        self.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+        pin = info.device.type == "cuda"
+        if held_out:
+            self.sampler = None
+            self.loader = make_val_loader(ds, args, info.rank, info.world_size, pin)
+        else:
+            self.loader, self.sampler = make_train_loader(ds, args, info.rank, info.world_size, pin)
+
+    def epoch(self, epoch: int = 0, first_step: int = 0):
+        """Micro-batches of `epoch`, from optimizer step `first_step` on."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+            self.sampler.set_start(first_step * self.samples_per_step)
+        for x, y in self.loader:
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            if self.prepare is not None:
+                x = self.prepare(x, self.train)
+            yield x.contiguous(memory_format=self.memory_format), y
 
 
 def make_train_loader(ds: Dataset, args, rank: int, world: int, pin: bool):
@@ -178,7 +181,8 @@ class SyntheticBatches:
     """ImageNet-shaped batches created once on the device: no loader, no H2D copies."""
 
     def __init__(self, batch_size: int, image_size: int, num_classes: int,
-                 device: torch.device, seed: int, channels_last: bool, pool: int = 4):
+                 device: torch.device, seed: int, channels_last: bool, accum: int = 1, pool: int = 4):
+        self.accum = accum
         g = torch.Generator(device=device)
         g.manual_seed(seed)
         self.batches = []
@@ -189,5 +193,9 @@ class SyntheticBatches:
             y = torch.randint(0, num_classes, (batch_size,), device=device, generator=g)
             self.batches.append((x, y))
 
-    def get(self, i: int):
-        return self.batches[i % len(self.batches)]
+    def epoch(self, epoch: int = 0, first_step: int = 0):  # noqa: ARG002 - same as LoaderBatches
+        """Endless micro-batches, rotating through the pool (the caller counts the steps)."""
+        i = first_step * self.accum
+        while True:
+            yield self.batches[i % len(self.batches)]
+            i += 1

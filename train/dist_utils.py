@@ -6,7 +6,6 @@ and without it (plain ``python train/train.py``: one process, no process group).
 from __future__ import annotations
 
 import os
-import signal
 from dataclasses import dataclass
 
 import torch
@@ -29,15 +28,10 @@ class DistInfo:
     def distributed(self) -> bool:
         return self.backend is not None
 
-
-def _sigterm_to_exit(signum, frame):  # noqa: ARG001
-    # Raising SystemExit lets every try/finally run, so the process group is
-    # destroyed and files are closed even when torchrun or SLURM stops us.
-    raise SystemExit(128 + signum)
-
-
-def install_signal_handlers() -> None:
-    signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    @property
+    def peers(self) -> bool:
+        """Other processes to talk to: a process group with more than one rank."""
+        return self.backend is not None and self.world_size > 1
 
 
 def init_distributed(device_arg: str = "auto") -> DistInfo:
@@ -73,7 +67,7 @@ def cleanup_distributed() -> None:
 
 
 def barrier(info: DistInfo) -> None:
-    if info.distributed:
+    if info.peers:
         if info.device.type == "cuda":
             dist.barrier(device_ids=[info.device.index])
         else:
@@ -81,13 +75,13 @@ def barrier(info: DistInfo) -> None:
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    if info.distributed:
+    if info.peers:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def all_gather_object(obj, info: DistInfo) -> list:
-    if not info.distributed:
+    if not info.peers:
         return [obj]
     out = [None] * info.world_size
     dist.all_gather_object(out, obj)
@@ -95,7 +89,7 @@ def all_gather_object(obj, info: DistInfo) -> list:
 
 
 def broadcast_object(obj, info: DistInfo, src: int = 0):
-    if not info.distributed:
+    if not info.peers:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)

@@ -1,10 +1,84 @@
-"""Metrics: stdout + JSONL (rank 0 only), and a PNG plot at the end."""
+"""Metrics: per-step sums kept on the device, images/s per epoch, stdout + JSONL (rank 0
+only), and a PNG plot at the end."""
 from __future__ import annotations
 
 import json
 import os
 import sys
 import time
+
+import torch
+
+if __package__ in (None, ""):
+    import dist_utils as du
+else:
+    from . import dist_utils as du
+
+
+class StepMetrics:
+    """Loss and accuracy sums of the steps since the last flush, kept on the device so that no
+    step waits for the host; `flush` sums them over ranks (one all-reduce) into host totals."""
+
+    def __init__(self, device: torch.device):
+        self.buf = torch.zeros(3, dtype=torch.float64, device=device)  # loss*n, correct, n (local)
+        self.log_sums = [0.0, 0.0, 0.0]
+        self.t_log, self.log_steps = time.perf_counter(), 0
+
+    def add(self, loss: torch.Tensor, out: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.buf[0] += loss.detach().double() * y.shape[0]
+            self.buf[1] += (out.argmax(1) == y).sum()
+            self.buf[2] += y.shape[0]
+
+    def flush(self, info, totals: list[float]) -> None:
+        du.all_reduce_sum(self.buf, info)
+        vals = self.buf.tolist()
+        self.buf.zero_()
+        for i in range(3):
+            totals[i] += vals[i]
+            self.log_sums[i] += vals[i]
+
+    def take_log_window(self) -> tuple[float, float, float, float]:
+        """(loss, accuracy, images/s, seconds per step) since the previous log line."""
+        now = time.perf_counter()
+        loss, correct, n = self.log_sums
+        n1, dt = max(n, 1.0), now - self.t_log
+        window = (loss / n1, correct / n1, n / dt, dt / max(self.log_steps, 1))
+        self.log_sums = [0.0, 0.0, 0.0]
+        self.t_log, self.log_steps = now, 0
+        return window
+
+
+class EpochClock:
+    """Images/s of an epoch's steps after its first --bench-warmup ones. Synchronises the device
+    at the epoch's start, at the end of the warm-up and at the end: never per step."""
+
+    def __init__(self, device: torch.device, warmup: int, first_pos: int):
+        self.device, self.warmup, self.first = device, warmup, first_pos
+        self._sync()
+        self.t0 = time.perf_counter()
+        self.t_bench: float | None = None
+        self.bench_from = 0
+        self.steps, self.seconds, self.elapsed = 0, 0.0, 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step_done(self, pos: int, steps_per_epoch: int) -> None:
+        done = pos - self.first
+        if self.t_bench is None and done >= self.warmup and pos < steps_per_epoch:
+            self._sync()
+            self.t_bench, self.bench_from = time.perf_counter(), done
+
+    def stop(self, pos: int) -> None:
+        self._sync()
+        t_end, done = time.perf_counter(), pos - self.first
+        self.elapsed = t_end - self.t0
+        if self.t_bench is not None and done > self.bench_from:
+            self.steps, self.seconds = done - self.bench_from, t_end - self.t_bench
+        else:  # too few steps for a warm-up: measure them all
+            self.steps, self.seconds = done, self.elapsed
 
 
 class MetricsLog:

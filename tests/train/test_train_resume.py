@@ -1,14 +1,19 @@
-"""Resume: runs stopped (--max-steps), SIGKILLed mid-run, or SIGKILLed in the middle of
-writing a checkpoint, and then resumed, end exactly like an uninterrupted run."""
+"""Resume: runs stopped (--max-steps), SIGKILLed mid-run, SIGKILLed in the middle of
+writing a checkpoint, or stopped with SIGTERM (all ranks at once, one rank first, or with the
+main thread stuck), and then relaunched, end like an uninterrupted run."""
 import json
 import os
+import re
+import signal
 import sys
+import time
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_helpers import (checkpoints, final_weights, kill_tree, load_ckpt,  # noqa: E402
-                           max_abs_diff, run_train, start_train, wait_for)
+                           max_abs_diff, run_train, start_train, step_logged, wait_for, worker_pid)
 
 EPOCHS, SPE = 2, 22  # digits: 1438 train images, 2 ranks x batch 32 -> 22 steps/epoch
 ARGS = ["--epochs", str(EPOCHS), "--ckpt-every", "10", "--log-every", "5", "--no-plot", "--seed", "1"]
@@ -28,19 +33,21 @@ def uninterrupted(tmp_path_factory):
     return final, final_weights(out), epoch_records(out)
 
 
-def assert_same_as_uninterrupted(final, out, uninterrupted):
+def assert_same_as_uninterrupted(final, out, uninterrupted, ckpt_dir=None, loss_rel=1e-9):
+    """Same steps and weights; the reported epoch losses match to `loss_rel` (a checkpoint
+    written on SIGTERM lacks the loss sums of the steps since the last log line)."""
     ref_final, ref_w, ref_epochs = uninterrupted
     assert final["steps"] == ref_final["steps"] == EPOCHS * SPE
     assert final["epochs"] == ref_final["epochs"] == EPOCHS
-    assert final["train_loss"] == pytest.approx(ref_final["train_loss"], rel=1e-9, abs=1e-12)
+    assert final["train_loss"] == pytest.approx(ref_final["train_loss"], rel=loss_rel, abs=1e-12)
     assert final["val_acc"] == ref_final["val_acc"]
-    diff = max_abs_diff(final_weights(out), ref_w)
+    diff = max_abs_diff(final_weights(ckpt_dir or out), ref_w)
     assert diff <= WEIGHT_ATOL, f"final weights differ by {diff}"
     # metrics.jsonl reads like one run: one record per epoch, same numbers
     eps = epoch_records(out)
     assert [e["step"] for e in eps] == [e["step"] for e in ref_epochs]
     for a, b in zip(eps, ref_epochs):
-        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-9)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=loss_rel)
 
 
 def test_resume_after_max_steps(uninterrupted, tmp_path):
@@ -100,3 +107,111 @@ def test_sigkill_during_checkpoint_write(uninterrupted, tmp_path):
     assert final["resumed_from"].endswith("ckpt_step00000010.pt")
     assert not list(tmp_path.glob(".ckpt_*.tmp.*"))
     assert_same_as_uninterrupted(final, tmp_path, uninterrupted)
+
+
+STOP_LINE = re.compile(r"stop requested \(SIGTERM\): saved step (\d+) to (\S+)")
+STOP_LOSS_REL = 0.05  # the loss sums of at most --log-every steps are missing from one epoch
+
+
+def saved_on_stop(out_text: str, ckpt_dir) -> int:
+    """The step rank 0 saved on the stop; it is the newest complete checkpoint."""
+    m = STOP_LINE.search(out_text)
+    assert m, f"no stop checkpoint was reported:\n{out_text[-4000:]}"
+    step = int(m.group(1))
+    assert 0 < step < EPOCHS * SPE and "FINAL" not in out_text
+    assert load_ckpt(checkpoints(ckpt_dir)[-1])["step"] == step
+    assert not list(ckpt_dir.glob(".ckpt_*")), "a temp file of a save was left behind"
+    return step
+
+
+def test_sigterm_saves_last_step_and_a_relaunch_finishes_the_run(uninterrupted, tmp_path):
+    """SIGTERM to torchrun (it forwards it to both workers) after the step-10 checkpoint:
+    rank 0 saves the step it stopped at into --checkpoint-dir; a later launch with another
+    --out resumes from there. Also: the heartbeat advances, the restart count is reported."""
+    ck, hb, first = tmp_path / "ckpt", tmp_path / "hb" / "beat", tmp_path / "attempt0"
+    proc = start_train(2, ARGS + ["--out", str(first), "--checkpoint-dir", str(ck)],
+                       env={"CLUSTER_TRAIN_TEST_STEP_SLEEP": "0.1", "CLUSTER_HEARTBEAT_FILE": str(hb),
+                            "CLUSTER_RESTART_COUNT": "0"})
+    try:
+        wait_for(lambda: hb.exists(), 120, proc, "the heartbeat file")
+        beat = hb.stat().st_mtime_ns
+        wait_for(lambda: hb.stat().st_mtime_ns > beat, 60, proc, "the heartbeat to advance")
+        wait_for(lambda: step_logged(first, 15), 120, proc, "step 15")
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode != 0
+    assert "restart_count=0" in out
+    step = saved_on_stop(out, ck)
+    assert step >= 15
+    final = run_train(2, ARGS + ["--out", str(first), "--checkpoint-dir", str(ck)],
+                      env={"CLUSTER_RESTART_COUNT": "1"})
+    assert final["resumed_from"].endswith(f"ckpt_step{step:08d}.pt")
+    assert final["restart_count"] == 1 and "restart_count=1" in final["_stdout"]
+    assert_same_as_uninterrupted(final, first, uninterrupted, ck, loss_rel=STOP_LOSS_REL)
+
+
+def test_peer_stopping_first_fails_rank0s_collective_and_rank0_still_saves(uninterrupted, tmp_path):
+    """SIGTERM to rank 1 alone: it leaves at its next boundary, rank 0's next collective fails
+    (torchrun then stops it too), and rank 0 saves its last completed step."""
+    proc = start_train(2, ARGS + ["--out", str(tmp_path)],
+                       env={"CLUSTER_TRAIN_TEST_STEP_SLEEP": "0.1"})
+    try:
+        wait_for(lambda: step_logged(tmp_path, 15), 120, proc, "step 15")
+        os.kill(worker_pid(proc.pid, rank=1), signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        kill_tree(proc.pid)
+    assert "exitcode  : 143" in out, out[-4000:]  # torchrun's report of rank 1
+    step = saved_on_stop(out, tmp_path)
+    final = run_train(2, ARGS + ["--out", str(tmp_path)])
+    assert final["resumed_from"].endswith(f"ckpt_step{step:08d}.pt")
+    assert_same_as_uninterrupted(final, tmp_path, uninterrupted, loss_rel=STOP_LOSS_REL)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_watchdog_saves_when_the_main_thread_is_stuck(tmp_path, device):
+    """The main thread blocks after step 12 (as in a collective whose peer has left) and never
+    reaches a boundary: --stop-timeout after SIGTERM the watchdog thread saves step 12 and the
+    process exits with 143."""
+    proc = start_train(1, ["--epochs", "1", "--log-every", "5", "--ckpt-every", "0", "--no-plot",
+                           "--stop-timeout", "1", "--device", device, "--out", str(tmp_path)],
+                       env={"CLUSTER_TRAIN_TEST_HANG_AFTER_STEP": "12"})
+    try:
+        wait_for(lambda: step_logged(tmp_path, 10), 120, proc, "step 10")
+        time.sleep(1.0)  # steps take milliseconds: by now the main thread is stuck after step 12
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+        took = time.monotonic() - t0
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 143, out[-3000:]
+    assert "saving from the watchdog" in out and took >= 1.0
+    assert saved_on_stop(out, tmp_path) == 12
+
+
+@CUDA
+def test_sigterm_on_cuda_saves_and_a_relaunch_finishes(tmp_path):
+    """One process on a GPU: SIGTERM mid-run saves the step reached (CUDA events, side-stream
+    copy), exit code 143; the relaunch resumes there and runs to the end."""
+    args = ["--device", "cuda", "--dataset", "synthetic", "--image-size", "32", "--num-classes", "10",
+            "--steps-per-epoch", "300", "--epochs", "1", "--batch-size", "64", "--log-every", "10",
+            "--ckpt-every", "0", "--no-plot", "--out", str(tmp_path)]
+    proc = start_train(1, args, env={"CLUSTER_TRAIN_TEST_STEP_SLEEP": "0.01"})
+    try:
+        wait_for(lambda: step_logged(tmp_path, 50), 120, proc, "step 50")
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 143, out[-3000:]
+    m = STOP_LINE.search(out)
+    assert m and 50 <= int(m.group(1)) < 300, out[-3000:]
+    assert load_ckpt(checkpoints(tmp_path)[-1])["step"] == int(m.group(1))
+    final = run_train(1, args)
+    assert final["steps"] == 300 and final["resumed_from"].endswith(f"ckpt_step{int(m.group(1)):08d}.pt")

@@ -34,7 +34,8 @@ def train_cmd(nproc: int, args: list[str]) -> list[str]:
 def train_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "CLUSTER_RESTART_COUNT", "CLUSTER_HEARTBEAT_FILE"):
         env.pop(k, None)
     env.update(extra or {})
     return env
@@ -77,15 +78,32 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def descendants(pid: int) -> list[int]:
+    todo, found = [pid], []
+    while todo:
+        kids = _children(todo.pop())
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int:
+    """The torchrun worker of `rank` under the launcher we started (by its environment)."""
+    for p in descendants(launcher_pid):
+        try:
+            with open(f"/proc/{p}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode() and env.get(b"LOCAL_RANK") is not None:
+            return p
+    raise AssertionError(f"no worker of rank {rank} under {launcher_pid}")
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process we started and all its descendants (torchrun puts its
     workers in new sessions, so a process-group kill would miss them)."""
-    todo, seen = [pid], []
-    while todo:
-        p = todo.pop()
-        seen.append(p)
-        todo.extend(_children(p))
-    for p in seen:
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
@@ -103,6 +121,22 @@ def wait_for(pred, timeout: float, proc: subprocess.Popen | None = None, what: s
             pytest.fail(f"training exited (rc {proc.returncode}) before {what}:\n{out[-4000:]}")
         time.sleep(0.02)
     pytest.fail(f"timed out waiting for {what}")
+
+
+def step_logged(out: Path, step: int) -> bool:
+    """Has metrics.jsonl in `out` a step record at `step` or later?"""
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return False
+    for ln in lines:
+        try:
+            r = json.loads(ln)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if r.get("type") == "step" and r["step"] >= step:
+            return True
+    return False
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -126,9 +160,13 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 def load_train_module(name: str):
-    """Import train/<name>.py in-process under a private module name."""
-    spec = importlib.util.spec_from_file_location(f"_cluster_train_{name}", REPO / "train" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    """Import train/<name>.py in-process as a module of a private package, so its relative
+    imports of sibling modules work and nothing is put on sys.path."""
+    pkg = "_cluster_train"
+    if pkg not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            pkg, REPO / "train" / "__init__.py", submodule_search_locations=[str(REPO / "train")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[pkg] = mod  # dataclasses and relative imports look it up there
+        spec.loader.exec_module(mod)
+    return importlib.import_module(f"{pkg}.{name}")
