@@ -22,6 +22,7 @@ from .runs import RunDir, new_run_id
 from .watch import Console
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
+CHECKPOINTS = "checkpoints"          # the reference trainer's, in the working directory
 _ARGV: list[str] | None = None      # the command line as given, recorded in the run directory
 
 
@@ -61,6 +62,16 @@ def main() -> None:
 @click.option("--env", "env_pairs", multiple=True, metavar="KEY=VALUE", help="Extra environment (repeatable).")
 @click.option("--secret-env", "secret_names", multiple=True, metavar="NAME",
               help="Pass NAME from this shell to every node without writing its value anywhere (repeatable).")
+@click.option("--max-restarts", type=click.IntRange(0), metavar="N",
+              help="After a failure, start the whole job again up to N times (default: the "
+                   "inventory's restarts, else 0). Not after a failure before every node joined.")
+@click.option("--restart-after", type=click.FloatRange(min=0), metavar="SECONDS",
+              help="A failure in the first SECONDS of running is configuration: never restarted.")
+@click.option("--min-nodes", type=click.IntRange(1), metavar="M",
+              help="Leave a lost node out of the next attempt while M nodes remain.")
+@click.option("--hang-timeout", type=click.FloatRange(min=0), metavar="SECONDS",
+              help="No progress on any node for SECONDS: collect every rank's stack, then stop "
+                   "(or restart). Default: the inventory's hang_timeout, else off.")
 @click.option("--stop-grace", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="SIGTERM to SIGKILL when stopping a node (default 30; the inventory's stop_grace).")
 @click.option("--keepalive", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
@@ -81,7 +92,9 @@ def main() -> None:
 def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
        backend: str | None, force_local: bool, dry_run: bool, detach: bool, no_preflight: bool,
        templates_dir: str | None, nproc_per_node: int | None, master_port: int | None,
-       env_pairs: tuple[str, ...], secret_names: tuple[str, ...], stop_grace: float | None,
+       env_pairs: tuple[str, ...], secret_names: tuple[str, ...], max_restarts: int | None,
+       restart_after: float | None, min_nodes: int | None, hang_timeout: float | None,
+       stop_grace: float | None,
        keepalive: float | None, sync_dir: str | None, sync_exclude: tuple[str, ...],
        host_key_policy: str | None,
        partition: str | None, time_limit: str | None, account: str | None,
@@ -132,8 +145,12 @@ def up(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude
     sync = [(d, sub) for d, sub in ((sync_dir, "."), (code_dir, "cluster-train")) if d]
     impl = _backend(backend, inventory, sync=sync, sync_exclude=sync_exclude)
     try:
-        launch.up(inventory, job, templates, impl, run, argv, console, detach=detach,
-                  preflight=not no_preflight)
+        options = launch.Options(
+            detach=detach, preflight=not no_preflight,
+            restarts=inventory.restarts if max_restarts is None else max_restarts,
+            restart_after=restart_after or 0.0, min_nodes=min_nodes,
+            hang_timeout=inventory.hang_timeout if hang_timeout is None else hang_timeout)
+        launch.up(inventory, job, templates, impl, run, argv, console, options)
     finally:
         impl.close()
 
@@ -256,12 +273,17 @@ def _command(command: tuple[str, ...], backend: str,
         # `-- cluster-train/train.py ARGS` over SSH: the built-in trainer with your arguments.
         synced = str(train_dir) if backend == "ssh" and command[0].startswith("cluster-train/") else None
         return command[0], tuple(command[1:]), synced
+    # Checkpoints go to a place that outlives one run, so that every attempt of a restarted
+    # job, and the next `cluster up`, resumes from the newest one.
     if backend == "ssh":
-        return "cluster-train/train.py", ("--out", f".cluster/{run_id}/train"), str(train_dir)
+        return "cluster-train/train.py", ("--out", f".cluster/{run_id}/train", "--checkpoint-dir",
+                                          CHECKPOINTS), str(train_dir)
     if backend == "slurm":
-        return str(train_dir / "train.py"), ("--out", f"runs/{run_id}/train"), None
+        return str(train_dir / "train.py"), ("--out", f"runs/{run_id}/train", "--checkpoint-dir",
+                                             str(Path(CHECKPOINTS).resolve())), None
     out = (Path(os.environ.get("CLUSTER_RUNS_DIR", "runs")) / run_id / "train").resolve()
-    return str(train_dir / "train.py"), ("--out", str(out)), None
+    return str(train_dir / "train.py"), ("--out", str(out), "--checkpoint-dir",
+                                         str(Path(CHECKPOINTS).resolve())), None
 
 
 def _backend(name: str, inventory: inv_mod.Inventory, sync: list[tuple[str, str]],
@@ -359,7 +381,13 @@ def status(run: str | None) -> None:
         uptime = time.strftime("%H:%M:%S", time.gmtime(r.uptime)) if r.uptime else ""
         table.add_row(str(r.rank), r.name, r.state, "" if r.code is None else str(r.code),
                       "" if r.pid is None else str(r.pid), uptime, r.detail)
-    RichConsole().print(table)
+    out = RichConsole()
+    out.print(table)
+    attempts = rd.meta().get("attempts") or []
+    if len(attempts) > 1 or rd.meta().get("attempt"):
+        for a in attempts:
+            out.print(f"attempt {a['attempt'] + 1} ({', '.join(a['nodes'])}): {a['ended']}",
+                      markup=False, highlight=False)
 
 
 @main.command(context_settings=CONTEXT)

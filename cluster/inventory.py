@@ -24,7 +24,7 @@ HOST_SETTINGS = ("user", "port", "identity_file", "workdir", "python", "nproc_pe
 # The same for every node (one rendezvous): set under defaults only, never per host.
 JOB_WIDE = ("master_port", "rendezvous")
 HOST_KEYS = ("name", "address") + tuple(k for k in HOST_SETTINGS if k not in JOB_WIDE)
-TOP_KEYS = ("defaults", "hosts", "backend", "ssh", "slurm", "stop_grace")
+TOP_KEYS = ("defaults", "hosts", "backend", "ssh", "slurm", "stop_grace", "restarts", "hang_timeout")
 NETWORK_KEYS = ("ifname", "ib")
 SSH_KEYS = ("host_key_policy", "connect_timeout", "config", "keepalive")
 SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "cpus_per_task",
@@ -207,8 +207,11 @@ class _Parser:
         ssh = self.ssh(self.mapping(data["ssh"], data, "ssh")) if "ssh" in data else SshSettings()
         slurm = self.slurm(self.mapping(data["slurm"], data, "slurm")) if "slurm" in data else SlurmSettings()
         grace = self.seconds(data, "stop_grace") if "stop_grace" in data else DEFAULT_STOP_GRACE
+        restarts = self.integer(data, "restarts", minimum=0) if "restarts" in data else 0
+        hang = self.seconds(data, "hang_timeout") if "hang_timeout" in data else 0.0
         return Inventory(hosts=hosts, source=self.source, backend=backend, ssh=ssh, slurm=slurm,
-                         stop_grace=grace, text=text, hosts_given=given)
+                         stop_grace=grace, restarts=restarts, hang_timeout=hang, text=text,
+                         hosts_given=given)
 
     def hosts(self, value: Any, where: _Map, base: Host) -> tuple[Host, ...]:
         if not isinstance(value, _List) or not value:

@@ -117,6 +117,8 @@ class Inventory:
     ssh: SshSettings = SshSettings()
     slurm: SlurmSettings = SlurmSettings()
     stop_grace: float = DEFAULT_STOP_GRACE
+    restarts: int = 0              # whole-job restarts after a failure (--max-restarts)
+    hang_timeout: float = 0.0      # no progress this long: stacks, then stop (0: off)
     text: str = ""                 # the file as read, recorded in the run directory
     hosts_given: bool = True       # False: SLURM chooses the nodes (one placeholder host)
 
@@ -178,6 +180,7 @@ def dump(inv: Inventory) -> str:
         d.pop("line")
         return d
     data = {"source": inv.source, "backend": inv.backend, "stop_grace": inv.stop_grace,
+            "restarts": inv.restarts, "hang_timeout": inv.hang_timeout,
             "ssh": dataclasses.asdict(inv.ssh), "slurm": dataclasses.asdict(inv.slurm),
             "hosts": [host(h) for h in inv.hosts]}
     return yaml.safe_dump(data, sort_keys=False)

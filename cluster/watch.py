@@ -207,6 +207,7 @@ class Watcher:
         self.console.info(f"no progress on any node for {quiet:.0f} s (--hang-timeout): "
                           f"collecting every worker's stack before stopping")
         targets = [p for p in self.procs if p.node.label in pending]
+        self.muted.update(pending)               # the dumps go to the logs and to hang/
         for p in targets:
             try:
                 p.request_stacks()

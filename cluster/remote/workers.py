@@ -2,9 +2,10 @@
 
 Imported by supervisor.py, which sits beside it in the node's run directory.
 
-- Progress: reports once when the workers exist (torchrun starts them only after every node
-  joined the rendezvous: the boundary between a configuration error and a run that failed),
-  with their group rank; then a beat whenever the reference trainer's heartbeat file moves.
+- Progress: reports once when every worker has joined the job (it holds a connection to the
+  rendezvous store: init_process_group got that far; a failure before is configuration, a bad
+  path or an import error, and not worth a restart), with the node's group rank; then a beat
+  whenever the reference trainer's heartbeat file moves.
 - Stacks: for the launcher's hang watchdog, every worker's Python stack, each alone: py-spy
   where the node has it and may use it, else Python's own faulthandler (the node script sets
   PYTHONFAULTHANDLER) through SIGABRT, one worker at a time while torchrun is paused, so
@@ -48,21 +49,70 @@ def group_rank(pid):
         return -1
 
 
+def sockets(pid):
+    """The inodes of a process's sockets."""
+    found = set()
+    try:
+        for fd in os.listdir("/proc/%d/fd" % pid):
+            try:
+                link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                found.add(link[8:-1])
+    except OSError:
+        pass
+    return found
+
+
+def connected_to(pid, port):
+    """Whether pid has (or had, with the connection still open) a TCP connection to port:
+    a worker that reached the rendezvous store has joined the job."""
+    mine = sockets(pid)
+    if not mine:
+        return False
+    want = ":%04X" % port
+    for table in ("tcp", "tcp6"):
+        try:
+            with open("/proc/%d/net/%s" % (pid, table)) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[2].endswith(want) and fields[9] in mine:
+                        return True
+        except OSError:
+            continue
+    return False
+
+
+def joined(found):
+    """Every worker has connected to the rendezvous store (MASTER_PORT in its environment)."""
+    for pid, _ in found:
+        try:
+            port = int(environ(pid).get(b"MASTER_PORT", b"0"))
+        except ValueError:
+            return False
+        if not port or not connected_to(pid, port):
+            return False
+    return True
+
+
 class Progress(threading.Thread):
-    """Tells the launcher (through emit) when the workers appear and when the heartbeat moves."""
+    """Tells the launcher (through emit) when every worker has joined the job (reached the
+    rendezvous store: before that, a failure is configuration) and when the heartbeat moves."""
 
     def __init__(self, ident_of, heartbeat_file, emit, done):
         super().__init__(daemon=True)
         self.ident_of, self.heartbeat_file, self.emit, self.done = ident_of, heartbeat_file, emit, done
 
     def run(self):
-        joined, last_mtime, last_beat = False, None, 0.0
+        done_joining, last_mtime, last_beat = False, None, 0.0
         while not self.done.wait(0.25):
-            if not joined:
+            if not done_joining:
                 ident = self.ident_of()
                 found = workers(ident) if ident else []
-                if found:
-                    joined = True
+                if found and joined(found):
+                    done_joining = True
                     self.emit({"joined": True, "group_rank": group_rank(found[0][0]),
                                "ranks": [r for _, r in found]})
             try:

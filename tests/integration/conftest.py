@@ -192,6 +192,21 @@ def node_leftovers(ssh_nodes: SshNodes, *nodes: int) -> dict[str, list[str]]:
     return out
 
 
+def run_processes_in(ssh_nodes: SshNodes, node: int) -> list[str]:
+    """Every process in one node's network namespace but sshd's own (its daemon, and the
+    sessions of a connection that is cut but not yet timed out): what a run left there."""
+    out = []
+    for pid in ssh_nodes.network.processes_in(node):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        if comm != "sshd":
+            out.append(f"{pid} {cmd}")
+    return out
+
+
 def wait_until(pred: Callable[[], object], timeout: float, interval: float = 0.05) -> float | None:
     """Seconds until pred() held, or None if it did not within timeout."""
     t0 = time.monotonic()

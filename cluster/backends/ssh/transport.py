@@ -6,7 +6,7 @@ import posixpath
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -275,36 +275,51 @@ class SshTransport:
             return self._sftp
 
     def put(self, data: bytes, path: str, mode: int) -> None:
-        sftp = self.sftp()
-        target = sftp_path(path)
-        tmp = posixpath.join(posixpath.dirname(target), f".{posixpath.basename(target)}.tmp")
-        try:
-            with sftp.open(tmp, "wb") as f:
-                f.set_pipelined(True)
-                f.write(data)
-            sftp.chmod(tmp, mode)
-            sftp.posix_rename(tmp, target)
-        except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise ClusterError(f"{self.label}: cannot write {path}: {exc}") from None
+        self._write(iter((data,)), len(data), path, mode, None, f"cannot write {path}")
 
     def upload(self, local: Path, path: str, mode: int, mtime: int) -> None:
-        """Copy a local file to path, with its mode and modification time (for --sync). It is
-        written under a temporary name and renamed into place, so a reader (or a run started
-        meanwhile) never sees half a file."""
+        """Copy a local file to path, with its mode and modification time (for --sync)."""
+        def chunks() -> Iterator[bytes]:
+            with open(local, "rb") as src:
+                while chunk := src.read(1 << 20):
+                    yield chunk
+        self._write(chunks(), local.stat().st_size, path, mode, mtime,
+                    f"sync: cannot copy {local} to {self.label}:{path}")
+
+    def _write(self, chunks: Iterator[bytes], size: int, path: str, mode: int,
+               mtime: int | None, what: str) -> None:
+        """Write under a temporary name, check the size that arrived, then rename into place:
+        a reader (or a run started meanwhile) never sees half a file. The size check matters:
+        paramiko drops the server's answers to pipelined writes, so a full disk would
+        otherwise leave a short file and no error."""
         sftp = self.sftp()
         target = sftp_path(path)
         tmp = posixpath.join(posixpath.dirname(target),
                              f".{posixpath.basename(target)}.cluster-tmp-{os.getpid()}")
         try:
-            with open(local, "rb") as src, sftp.open(tmp, "wb") as dst:
+            with sftp.open(tmp, "wb") as dst:
                 dst.set_pipelined(True)
-                while chunk := src.read(1 << 20):
+                for chunk in chunks:
                     dst.write(chunk)
+            arrived = sftp.stat(tmp).st_size
+            if arrived != size:
+                self._remove(sftp, tmp)
+                raise ClusterError(f"{what}: only {arrived} of {size} bytes arrived "
+                                   f"(is the disk full there?)")
             sftp.chmod(tmp, mode)
-            sftp.utime(tmp, (mtime, mtime))
+            if mtime is not None:
+                sftp.utime(tmp, (mtime, mtime))
             sftp.posix_rename(tmp, target)
         except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise ClusterError(f"sync: cannot copy {local} to {self.label}:{path}: {exc}") from None
+            self._remove(sftp, tmp)
+            raise ClusterError(f"{what}: {exc}") from None
+
+    @staticmethod
+    def _remove(sftp: paramiko.SFTPClient, path: str) -> None:
+        try:
+            sftp.remove(path)
+        except (OSError, paramiko.SSHException, EOFError):
+            pass
 
     def close(self) -> None:
         self._closed.set()

@@ -2,6 +2,9 @@
 
     --sleep S     after the all-reduce and a barrier, sleep S seconds (to be killed meanwhile)
     --fail-rank R exit 3 right after the all-reduce on that global rank
+    --fail-first  ... only in the first attempt of a restarted job (CLUSTER_RESTART_COUNT 0)
+    --hang-rank R after the all-reduce, rank R sleeps --hang S seconds while the others wait
+                  in the next all-reduce (a hang: nobody prints, nobody progresses)
     --env-hash N  add the sha256 of environment variable N to the line (proves a secret
                   arrived without printing it)
 """
@@ -37,6 +40,9 @@ def main() -> int:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--env-hash")
+    p.add_argument("--fail-first", action="store_true")
+    p.add_argument("--hang-rank", type=int, default=-1)
+    p.add_argument("--hang", type=float, default=600.0)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -44,9 +50,15 @@ def main() -> int:
     dist.all_reduce(t)
     say({"rank": rank, "world_size": world, "sum": t.item(), "host": socket.gethostname(),
          "pid": os.getpid(), "node": os.environ.get("CLUSTER_NODE"),
-         "env_hash": env_hash(args.env_hash)})
-    if rank == args.fail_rank:
+         "env_hash": env_hash(args.env_hash),
+         "restart": int(os.environ.get("CLUSTER_RESTART_COUNT", "0"))})
+    first = os.environ.get("CLUSTER_RESTART_COUNT", "0") == "0"
+    if rank == args.fail_rank and (first or not args.fail_first):
         return 3
+    if args.hang_rank >= 0:
+        if rank == args.hang_rank:
+            time.sleep(args.hang)          # outside any collective
+        dist.all_reduce(t)                 # the others wait here for it
     dist.barrier()
     if args.sleep:
         say({"rank": rank, "sleeping": args.sleep})

@@ -1,0 +1,26 @@
+"""Fixtures for every tier.
+
+    reliability   record(fault=..., does=..., outcome=..., exit=..., figures={...}): one row of
+                  docs/RELIABILITY.md, written when the suite runs with
+                  CLUSTER_WRITE_RELIABILITY=1 (tests/reliability.py renders it)
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+RELIABILITY: list[dict] = []
+
+
+@pytest.fixture
+def reliability(request):
+    def record(**fields) -> None:
+        RELIABILITY.append({"test": request.node.nodeid, **fields})
+    return record
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if RELIABILITY and os.environ.get("CLUSTER_WRITE_RELIABILITY") == "1":
+        from tests import reliability
+        reliability.write(RELIABILITY)

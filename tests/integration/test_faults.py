@@ -1,0 +1,350 @@
+"""The fault suite: each fault injected into a real run on namespaced sshd nodes; for each,
+the time to detect it, every node clean (checked per network namespace), the exit code, and a
+message that names the node and the cause. Each test records a row of docs/RELIABILITY.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+try:
+    from tests.integration.conftest import PROGRAMS, Cli, Proc, run_processes_in, wait_until
+except ImportError:  # run with tests/integration on sys.path
+    from conftest import PROGRAMS, Cli, Proc, run_processes_in, wait_until  # type: ignore
+
+pytestmark = [pytest.mark.integration]
+
+SYNC = ["--sync", str(PROGRAMS), "--", "allreduce.py"]
+KEEPALIVE = 6.0
+GRACE = 3.0
+
+
+def inventory(ssh_nodes, cli: Cli, **overrides) -> str:
+    return ssh_nodes.write_inventory(cli.home / "inv.yaml", **overrides)
+
+
+def settings_inventory(ssh_nodes, cli: Cli) -> str:
+    """Short timings, so that a lost node is declared (and stops itself) within seconds."""
+    path = Path(inventory(ssh_nodes, cli))
+    path.write_text(path.read_text() + f"ssh: {{keepalive: {KEEPALIVE}}}\nstop_grace: {GRACE}\n")
+    return str(path)
+
+
+def records(proc: Proc) -> list[dict]:
+    out = []
+    for line in proc.out:
+        m = re.match(r"^\[(\S+) (\d+)\] (\{.*\})$", line)
+        if m:
+            out.append(json.loads(m.group(3)))
+    return out
+
+
+def asleep(proc: Proc, nodes: int) -> None:
+    proc.wait_for(lambda p: sum('"sleeping"' in line for line in p.out) >= nodes, 180, "ranks asleep")
+
+
+def clean(ssh_nodes, nodes, timeout: float = 20.0) -> float | None:
+    """Seconds until no process but sshd's own is left in any of these nodes' namespaces."""
+    return wait_until(lambda: not any(run_processes_in(ssh_nodes, i) for i in nodes), timeout, 0.1)
+
+
+def agent_pid(ssh_nodes, node: int, run_id: str) -> int:
+    """torchrun's pid on a node: the process group the supervisor recorded."""
+    pgid = Path(ssh_nodes.workdir(node)) / ".cluster" / run_id / f"node{node}" / "pgid"
+    return int(pgid.read_text())
+
+
+# --- processes killed ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("victim", ["worker", "agent", "master"])
+def test_kill_9(ssh_nodes4, cli, reliability, victim):
+    inv = inventory(ssh_nodes4, cli)
+    proc = cli.start("up", "-i", inv, "--nodes", "3", *SYNC, "--sleep", "300")
+    asleep(proc, 3)
+    run_id = proc.run_id()
+    node = 1 if victim == "master" else 2
+    if victim == "worker":
+        pids = [r["pid"] for r in records(proc) if r.get("node") == "node2" and "pid" in r]
+    elif victim == "agent":
+        pids = [agent_pid(ssh_nodes4, 2, run_id)]
+    else:
+        pids = [int(p.split()[0]) for p in run_processes_in(ssh_nodes4, 1)]
+    t0 = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    code = proc.wait(60)
+    detect = time.monotonic() - t0
+    gone = clean(ssh_nodes4, (1, 2, 3))
+    assert gone is not None, {i: run_processes_in(ssh_nodes4, i) for i in (1, 2, 3)}
+    assert code == 4, proc.dump()
+    assert f"node [node{node} " in proc.stderr and "failed" in proc.stderr, proc.dump()
+    what = {"worker": "one worker on node2", "agent": "node2's torchrun agent",
+            "master": "every process of the run on the master node"}[victim]
+    reliability(order=1, fault=f"kill -9 of {what}", does="3-node all_reduce asleep; SIGKILL",
+                outcome="the node is named as failed first, the others are stopped, every node "
+                        "clean", exit=code,
+                figures={"to exit": f"{detect:.1f} s", "to all clean": f"{detect + gone:.1f} s"})
+
+
+# --- the network -------------------------------------------------------------------------------
+
+
+def test_link_cut_stops_the_others_and_the_cut_off_node_stops_itself(ssh_nodes4, cli, reliability):
+    inv = settings_inventory(ssh_nodes4, cli)
+    proc = cli.start("up", "-i", inv, "--nodes", "3", *SYNC, "--sleep", "300")
+    asleep(proc, 3)
+    run_id = proc.run_id()
+    ssh_nodes4.network.set_link(3, up=False)
+    t0 = time.monotonic()
+    seen: dict[str, float] = {}
+    try:
+        # watched from the moment of the cut, each by what is left in the namespaces
+        while len(seen) < 3 and time.monotonic() - t0 < KEEPALIVE + GRACE + 40:
+            now = time.monotonic() - t0
+            if "exit" not in seen and proc.popen.poll() is not None:
+                seen["exit"] = now
+            if "others" not in seen and not any(run_processes_in(ssh_nodes4, i) for i in (1, 2)):
+                seen["others"] = now
+            if "node3" not in seen and not run_processes_in(ssh_nodes4, 3):
+                seen["node3"] = now       # the link is still down
+            time.sleep(0.1)
+    finally:
+        ssh_nodes4.network.set_link(3, up=True)
+    code = proc.wait(60)
+    assert set(seen) == {"exit", "others", "node3"}, (seen, run_processes_in(ssh_nodes4, 3))
+    assert code == 5, proc.dump()
+    assert "node [node3 2] failed: connection lost" in proc.stderr, proc.dump()
+    assert "stops its own processes" in proc.stderr
+    exit_file = Path(ssh_nodes4.workdir(3)) / ".cluster" / run_id / "node3" / "exit"
+    assert json.loads(exit_file.read_text())["reason"].startswith("lost the launcher")
+    assert seen["others"] < KEEPALIVE * 1.25 + 5, seen
+    assert seen["node3"] < KEEPALIVE * 1.25 + GRACE + 5, seen
+    reliability(order=2, fault="a node's link cut mid-run (veth down)",
+                does=f"3-node run, ssh.keepalive {KEEPALIVE:g} s, stop_grace {GRACE:g} s",
+                outcome="the launcher declares node3 lost and stops the others; node3, still cut "
+                        "off, stops its own processes (\"lost the launcher\")", exit=code,
+                figures={"launcher exits": f"{seen['exit']:.1f} s",
+                         "other nodes clean": f"{seen['others']:.1f} s",
+                         "node3 clean, link still down": f"{seen['node3']:.1f} s"})
+
+
+def test_a_short_blip_is_not_a_failure(ssh_nodes4, cli, reliability):
+    inv = settings_inventory(ssh_nodes4, cli)
+    proc = cli.start("up", "-i", inv, "--nodes", "2", *SYNC, "--sleep", "12")
+    asleep(proc, 2)
+    ssh_nodes4.network.set_link(2, up=False)
+    time.sleep(KEEPALIVE / 3)
+    ssh_nodes4.network.set_link(2, up=True)
+    code = proc.wait(120)
+    assert code == 0, proc.dump()
+    reliability(order=3, fault="a node's link down for a moment, back before ssh.keepalive",
+                does=f"2-node run; link of node2 down {KEEPALIVE / 3:g} s (keepalive {KEEPALIVE:g} s)",
+                outcome="the run goes on and finishes", exit=code)
+
+
+def test_sshd_killed_mid_run(ssh_nodes4, cli, reliability):
+    """Every sshd process of node2 (daemon and sessions) killed: the supervisor's channel
+    closes, it stops its node; the launcher reports node2 lost and stops the rest."""
+    inv = settings_inventory(ssh_nodes4, cli)
+    proc = cli.start("up", "-i", inv, "--nodes", "3", *SYNC, "--sleep", "300")
+    asleep(proc, 3)
+    t0 = time.monotonic()
+    try:
+        for pid in ssh_nodes4.network.processes_in(2):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "sshd":
+                os.kill(pid, signal.SIGKILL)
+        code = proc.wait(120)
+        detect = time.monotonic() - t0
+        gone = clean(ssh_nodes4, (1, 2, 3), timeout=30)
+        assert gone is not None, {i: run_processes_in(ssh_nodes4, i) for i in (1, 2, 3)}
+    finally:
+        ssh_nodes4.stop_sshd(2)
+        ssh_nodes4.start_sshd(2)
+    assert code in (4, 5), proc.dump()
+    assert "node [node2 1] failed" in proc.stderr, proc.dump()
+    reliability(order=4, fault="a node's sshd killed mid-run (daemon and sessions)",
+                does="3-node run asleep; SIGKILL to every sshd process of node2",
+                outcome="node2's supervisor sees its channel close and stops its node; node2 is "
+                        "reported and the others stopped; every node clean", exit=code,
+                figures={"to exit": f"{detect:.1f} s", "to all clean": f"{detect + gone:.1f} s"})
+
+
+# --- before the start ----------------------------------------------------------------------------
+
+
+def test_master_port_in_use_at_launch(ssh_nodes4, cli, reliability):
+    port = 29700 + os.getpid() % 200
+    holder = subprocess.Popen(["ip", "netns", "exec", ssh_nodes4.nodes[0].ns, "python3", "-c",
+                               f"import socket,time;s=socket.socket();s.bind(('',{port}));"
+                               f"s.listen();time.sleep(60)"])
+    try:
+        assert wait_until(lambda: ssh_nodes4.network.tcp_open(ssh_nodes4.nodes[0].address, port), 10)
+        t0 = time.monotonic()
+        proc = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "2", "--master-port",
+                       str(port), *SYNC, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.popen.returncode == 3, proc.dump()
+    assert f"port {port} is in use here" in proc.stderr and "node1: master port" in proc.stderr
+    assert "nothing was started" in proc.stderr
+    reliability(order=5, fault="the master port is held by another program", does=f"--master-port {port}, a listener on it on node1",
+                outcome="the check names node1 and the port; nothing starts", exit=3,
+                figures={"to exit": f"{took:.1f} s"})
+
+
+def test_runs_directory_not_writable(ssh_nodes4, cli, reliability):
+    (cli.cwd / "runs").write_text("not a directory")
+    proc = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "2", *SYNC, timeout=60)
+    assert proc.popen.returncode == 2, proc.dump()
+    assert "cannot create the run directory" in proc.stderr and "CLUSTER_RUNS_DIR" in proc.stderr
+    assert not any(run_processes_in(ssh_nodes4, i) for i in (1, 2))
+    reliability(order=6, fault="the local runs directory cannot be written",
+                does="runs/ is a file", outcome="a clear error naming the directory and the "
+                "setting that moves it; no node contacted", exit=2)
+
+
+def test_remote_disk_full_at_sync(ssh_nodes4, cli, reliability, tmp_path):
+    """node2's workdir is a 64 KiB tmpfs; the synced program does not fit."""
+    work2 = Path(ssh_nodes4.workdir(2))
+    for d in (work2.parent, work2):          # as the nodes' user would have made them
+        d.mkdir(exist_ok=True)
+        os.chown(d, ssh_nodes4.uid, ssh_nodes4.gid)
+    # in node2's own mount namespace (sshd's), where its sessions will see it
+    inside = ["nsenter", "-t", str(ssh_nodes4.sshd_pids()["node2"]), "-m"]
+    subprocess.run([*inside, "mount", "-t", "tmpfs", "-o", "size=64k,mode=0777", "tmpfs", str(work2)],
+                   check=True)
+    try:
+        big = tmp_path / "prog"
+        big.mkdir()
+        (big / "allreduce.py").write_text((PROGRAMS / "allreduce.py").read_text())
+        (big / "weights.bin").write_bytes(os.urandom(256 * 1024))
+        proc = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "2", "--sync", str(big),
+                       "--", "allreduce.py", timeout=120)
+    finally:
+        subprocess.run([*inside, "umount", str(work2)], check=False)
+    assert proc.popen.returncode == 3, proc.dump()
+    assert "node2 1: sync: cannot copy" in proc.stderr and "weights.bin" in proc.stderr, proc.dump()
+    assert re.search(r"only \d+ of 262144 bytes arrived \(is the disk full there\?\)", proc.stderr)
+    assert "nothing was started" in proc.stderr
+    assert not any(run_processes_in(ssh_nodes4, i) for i in (1, 2))
+    reliability(order=7, fault="the remote disk is full at sync", does="node2's workdir is a 64 KiB tmpfs; --sync of 256 KiB",
+                outcome="the check names node2 and the file; nothing starts", exit=3)
+
+
+# --- restarts -------------------------------------------------------------------------------------
+
+
+def trainer(cli: Cli, inv: str, *extra: str, timeout: float = 400) -> Proc:
+    return cli.run("up", "-i", inv, "--nodes", "2", *extra, "--", "cluster-train/train.py",
+                   "--epochs", "3", "--ckpt-every", "10", "--log-every", "10", "--out", "out",
+                   "--checkpoint-dir", f"ckpt-{len(cli.run_ids())}", timeout=timeout)
+
+
+def final(proc: Proc) -> dict:
+    line = next(line for line in reversed(proc.out) if "FINAL" in line)
+    return json.loads(line.split("FINAL", 1)[1])
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_and_completes(ssh_nodes4, cli, reliability):
+    inv = inventory(ssh_nodes4, cli)
+    straight = trainer(cli, inv)
+    assert straight.popen.returncode == 0, straight.dump()
+    want = final(straight)
+
+    proc = cli.start("up", "-i", inv, "--nodes", "2", "--max-restarts", "1", "--",
+                     "cluster-train/train.py", "--epochs", "3", "--ckpt-every", "10",
+                     "--log-every", "10", "--out", "out", "--checkpoint-dir", "ckpt-restart")
+    proc.wait_for(lambda p: any(re.search(r"\bstep (2\d|3\d) loss", line) for line in p.out), 240,
+                  "training past step 20")
+    run_id = proc.run_id()
+    workers = [p.split()[0] for p in run_processes_in(ssh_nodes4, 2) if "train.py" in p and "torch.distributed.run" not in p]
+    assert workers, run_processes_in(ssh_nodes4, 2)
+    os.kill(int(workers[0]), signal.SIGKILL)
+    t0 = time.monotonic()
+    code = proc.wait(400)
+    assert code == 0, proc.dump()
+    got = final(proc)
+    assert got["steps"] == want["steps"], (got, want)
+    assert got["restart_count"] == 1
+    assert abs(got["val_loss"] - want["val_loss"]) <= 0.1 * max(want["val_loss"], 0.1), (got, want)
+    assert "restarting the whole job on a fresh rendezvous" in proc.stderr
+    assert any("resumed from" in line for line in proc.out), proc.dump()
+    meta = json.loads((cli.cwd / "runs" / run_id / "run.json").read_text())
+    assert [a["ended"].split(":")[0] for a in meta["attempts"]] == ["node [node2 1] failed", "finished"]
+    assert clean(ssh_nodes4, (1, 2)) is not None
+    reliability(order=8, fault="a rank killed mid-training, --max-restarts 1",
+                does="2-node reference trainer, 3 epochs, checkpoint every 10 steps; SIGKILL of "
+                     "a worker on node2 past step 20",
+                outcome=f"the whole job restarts on a fresh rendezvous, resumes from its newest "
+                        f"checkpoint and completes: {got['steps']} steps as uninterrupted, "
+                        f"held-out loss {got['val_loss']:.4f} vs {want['val_loss']:.4f}", exit=code,
+                figures={"kill to done": f"{time.monotonic() - t0:.1f} s"})
+
+
+def test_a_bad_script_fails_once_not_four_times(ssh_nodes4, cli, reliability):
+    t0 = time.monotonic()
+    proc = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "2", "--max-restarts", "3",
+                   "--", "no-such-script.py", timeout=180)
+    took = time.monotonic() - t0
+    assert proc.popen.returncode == 4, proc.dump()
+    assert "not restarted: it failed before every node had joined the rendezvous" in proc.stderr
+    assert proc.stderr.count("starting 2 node(s)") == 1, proc.dump()
+    reliability(order=9, fault="a bad script path, --max-restarts 3",
+                does="2 nodes, a script that does not exist",
+                outcome="fails once: the failure came before every node joined the rendezvous "
+                        "(configuration), so it is not retried", exit=4,
+                figures={"to exit": f"{took:.1f} s"})
+
+
+def test_a_lost_node_is_left_out_of_the_next_attempt(ssh_nodes4, cli, reliability):
+    inv = settings_inventory(ssh_nodes4, cli)
+    proc = cli.start("up", "-i", inv, "--nodes", "3", "--max-restarts", "1", "--min-nodes", "2",
+                     *SYNC, "--sleep", "20")
+    asleep(proc, 3)
+    ssh_nodes4.network.set_link(3, up=False)
+    try:
+        code = proc.wait(240)
+    finally:
+        ssh_nodes4.network.set_link(3, up=True)
+    assert code == 0, proc.dump()
+    assert "restarting the whole job" in proc.stderr and "2 node(s)" in proc.stderr, proc.dump()
+    second = [r for r in records(proc) if r.get("restart") == 1 and "sum" in r]
+    assert sorted(r["node"] for r in second) == ["node1", "node2"] and {r["world_size"] for r in second} == {2}
+    reliability(order=10, fault="a node lost mid-run, --max-restarts 1 --min-nodes 2",
+                does="3-node run; node3's link cut", outcome="node3 is declared lost, the job "
+                "restarts on node1 and node2 (world size 2) and completes", exit=code)
+
+
+# --- a hang ----------------------------------------------------------------------------------------
+
+
+def test_hang_watchdog_names_the_stuck_rank(ssh_nodes4, cli, reliability):
+    inv = inventory(ssh_nodes4, cli)
+    t0 = time.monotonic()
+    proc = cli.run("up", "-i", inv, "--nodes", "3", "--hang-timeout", "8", *SYNC,
+                   "--hang-rank", "1", "--hang", "300", timeout=240)
+    took = time.monotonic() - t0
+    assert proc.popen.returncode == 4, proc.dump()
+    run_id = cli.run_ids()[-1]
+    summary = (cli.cwd / "runs" / run_id / "hang" / "summary.txt").read_text()
+    assert "ranks 0,2 (node[1,3]): all_reduce in allreduce.py" in summary, summary
+    assert "odd one(s) out: rank 1 (node2): main in allreduce.py" in summary, summary
+    dumps = sorted(p.name for p in (cli.cwd / "runs" / run_id / "hang").iterdir())
+    assert dumps == ["node1-rank0.txt", "node2-rank1.txt", "node3-rank2.txt", "summary.txt"]
+    assert "hung: no progress on any node for" in proc.stderr
+    assert clean(ssh_nodes4, (1, 2, 3)) is not None
+    reliability(order=11, fault="one rank stuck outside the collective the others wait in",
+                does="3 nodes, --hang-timeout 8; rank 1 sleeps, ranks 0 and 2 wait in all_reduce",
+                outcome="every rank's stack saved (faulthandler), the summary names rank 1 on "
+                        "node2 as the odd one, every node stopped and clean", exit=4,
+                figures={"start to exit": f"{took:.1f} s"})
