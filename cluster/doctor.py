@@ -17,7 +17,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,9 @@ import hostlist
 from .errors import ClusterError, PreflightError, RunFailed
 from .plan import Job, LaunchPlan, Templates, render
 from .preflight import FAIL, PASS, Finding, evaluate, fingerprint
-from .runs import RunDir, new_run_id
+from .runs import new_run_id
 from .spec import Inventory
-from .watch import Console
+from .console import Console
 
 SCHEMA = 1
 REMOTE = Path(__file__).resolve().parent / "remote"

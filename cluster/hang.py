@@ -14,6 +14,8 @@ from typing import Any
 
 import hostlist
 
+from .runs import make_private_dir, write_private
+
 FAULTHANDLER_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
 PY_SPY_FRAME = re.compile(r"^\s+(\S+) \(([^:()]+):(\d+)\)")
 # Frames of these are where a rank waits, not where the program is: look past them for the
@@ -114,3 +116,23 @@ def _ranges(ranks: Sequence[int]) -> str:
     if start is not None:
         parts.append(f"{start}" if start == prev else f"{start}-{prev}")
     return ",".join(parts)
+
+
+def save(run: Any, hang: Any, console: Any) -> None:
+    """The evidence under runs/<id>/hang/ (private): one file per rank and the summary, which
+    is printed too."""
+
+    folder = run.path / "hang"
+    make_private_dir(folder)
+    for label, records in hang.stacks.items():
+        node = label.rsplit(" ", 1)[0]
+        for rec in records:
+            write_private(folder / f"{node}-rank{rec['rank']}.txt",
+                          f"# {rec.get('how')} stack of rank {rec['rank']} (pid {rec.get('pid')}) "
+                          f"on {node}\n{rec.get('text', '')}")
+    lines = summary(hang.stacks)
+    write_private(folder / "summary.txt", "\n".join(lines) + "\n")
+    console.info(f"where every rank was after {hang.seconds:.0f} s without progress "
+                 f"(stacks in {folder}/):")
+    for line in lines:
+        console.info(f"  {line}")

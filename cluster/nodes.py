@@ -20,12 +20,15 @@ class NodeExit:
     signal: int | None = None        # the signal that killed it, when one did
     lost: bool = False               # the connection to the node broke first
     reason: str = ""
+    detail: str = ""                 # how the backend puts it (a scheduler's final state)
 
     @property
     def ok(self) -> bool:
         return self.code == 0 and not self.lost
 
     def describe(self) -> str:
+        if self.detail:
+            return self.detail
         if self.lost:
             return f"connection lost{': ' + self.reason if self.reason else ''}"
         if self.signal:

@@ -10,6 +10,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -59,6 +60,15 @@ class NodePlan:
 
 
 @dataclass(frozen=True)
+class Recording:
+    """What the run directory keeps of a plan (runs.RunDir.record writes it, privately)."""
+    scripts: dict[str, str]                  # scripts/<name> -> its text
+    env: dict[str, dict[str, str]]           # env.json: per node (or job), what cluster decided
+    meta: dict[str, Any]                     # run.json fields particular to this kind of plan
+    logs: tuple[str, ...] = ()               # logs/<name> to create, empty and private
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     run_id: str
     nodes: tuple[NodePlan, ...]       # in group-rank order
@@ -80,6 +90,38 @@ class LaunchPlan:
             parts.append(f"# ==== node {n.rank}: {n.host.name} ({n.host.address}) -> {n.script_path}\n")
             parts.append(n.script)
         return "".join(parts)
+
+    @property
+    def logs_hint(self) -> str:
+        return f"runs/{self.run_id}/logs/"
+
+    @property
+    def node_names(self) -> list[str]:
+        return [n.host.name for n in self.nodes]
+
+    @property
+    def node_count(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def log_names(self) -> dict[str, str]:
+        """Each node's label -> its log file under runs/<id>/logs/."""
+        return {n.label: f"{n.rank}-{n.host.name}.log" for n in self.nodes}
+
+    def dry_run_note(self, run_path: Any) -> str:
+        return f"{len(self.nodes)} node script(s) in {run_path}; nothing was contacted"
+
+    def recording(self) -> Recording:
+        return Recording(
+            scripts={f"{n.rank}-{n.host.name}.sh": n.script for n in self.nodes},
+            env={n.host.name: dict(n.env) for n in self.nodes},
+            logs=tuple(self.log_names.values()),
+            meta={"master_addr": self.master_addr, "master_port": self.master_port,
+                  "master": self.master_name, "rendezvous": self.rendezvous,
+                  "script": self.script, "args": list(self.args), "stop_grace": self.stop_grace,
+                  "secret_env": sorted({s for n in self.nodes for s in n.secret_env}),
+                  "nodes": [{"rank": n.rank, "name": n.host.name, "address": n.host.address,
+                             "run_dir": n.run_dir} for n in self.nodes]})
 
 
 def derived_port(run_id: str, attempt: int = 0) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 from . import spec
 from .errors import InputError
-from .plan import LaunchPlan, NodePlan
+from .plan import NodePlan
 
 RUNS_ENV = "CLUSTER_RUNS_DIR"
 
@@ -101,26 +101,24 @@ class RunDir:
 
     # -- writing --
 
-    def record(self, plan: LaunchPlan, inventory: spec.Inventory, backend: str,
+    def record(self, plan: Any, inventory: spec.Inventory, backend: str,
                argv: list[str], extra: dict[str, Any] | None = None) -> None:
+        """The plan (a LaunchPlan, an SbatchPlan: anything with recording()), the inventory
+        as loaded and as read, and what the command line was."""
+        rec = plan.recording()
         self.write_inventory(inventory)
-        for node in plan.nodes:
-            write_private(self.path / "scripts" / f"{node.rank}-{node.host.name}.sh", node.script)
-            write_private(self.log_path(node), b"")
-        env = {node.host.name: dict(node.env) for node in plan.nodes}
-        write_private(self.path / "env.json", json.dumps(env, indent=2) + "\n")
-        meta = {
-            "run_id": plan.run_id, "backend": backend, "created": time.time(),
-            "command": argv, "cwd": os.getcwd(), "git_commit": git_commit(),
-            "master_addr": plan.master_addr, "master_port": plan.master_port,
-            "master": plan.master_name, "rendezvous": plan.rendezvous, "script": plan.script,
-            "args": list(plan.args), "stop_grace": plan.stop_grace,
-            "secret_env": sorted({name for n in plan.nodes for name in n.secret_env}),
-            "nodes": [{"rank": n.rank, "name": n.host.name, "address": n.host.address,
-                       "run_dir": n.run_dir} for n in plan.nodes],
-        }
+        for name, text in rec.scripts.items():
+            write_private(self.path / "scripts" / name, text)
+        for name in rec.logs:
+            write_private(self.path / "logs" / name, b"")
+        write_private(self.path / "env.json", json.dumps(rec.env, indent=2) + "\n")
+        meta = {"run_id": plan.run_id, "backend": backend, "created": time.time(),
+                "command": argv, "cwd": os.getcwd(), "git_commit": git_commit(), **rec.meta}
         meta.update(extra or {})
         self.write_meta(meta)
+
+    def script_path(self, name: str) -> Path:
+        return self.path / "scripts" / name
 
     def write_inventory(self, inventory: spec.Inventory) -> None:
         write_private(self.path / "inventory.yaml", spec.dump(inventory))

@@ -9,11 +9,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import network
 from .errors import InputError
-from .spec import Inventory, SlurmSettings, control_char
-from .plan import Job, Templates, derived_port
+from .spec import DEFAULT_STOP_GRACE, Inventory, SlurmSettings, control_char
+from .plan import Job, Recording, Templates, derived_port
 
 TEMPLATE = "sbatch.sh.j2"
 
@@ -32,9 +33,41 @@ class SbatchPlan:
     python: str
     command: tuple[str, ...]                  # script and its arguments
     env: tuple[tuple[str, str], ...]          # what cluster decided, then the user's own
+    secret_env: tuple[str, ...] = ()          # names only: sbatch's environment carries them
+    stop_grace: float = DEFAULT_STOP_GRACE
+
+    SCRIPT_NAME = "sbatch.sh"
 
     def __str__(self) -> str:
         return self.script
+
+    @property
+    def logs_hint(self) -> str:
+        return self.output
+
+    @property
+    def node_names(self) -> list[str]:
+        return []                             # SLURM names the nodes once the job starts
+
+    @property
+    def log_names(self) -> dict[str, str]:
+        return {}                             # the job's output file is its log
+
+    @property
+    def node_count(self) -> int:
+        return self.nodes
+
+    def dry_run_note(self, run_path: Any) -> str:
+        return f"batch script in {run_path}/scripts/{self.SCRIPT_NAME}; nothing was submitted"
+
+    def recording(self) -> Recording:
+        return Recording(
+            scripts={self.SCRIPT_NAME: self.script}, env={"slurm": dict(self.env)},
+            meta={"cwd": self.workdir, "master_port": self.master_port, "script": self.command[0],
+                  "args": list(self.command[1:]), "nodes": [], "secret_env": list(self.secret_env),
+                  "stop_grace": self.stop_grace,
+                  "slurm": {"output": self.output, "nodes": self.nodes,
+                            "nproc_per_node": self.nproc, "options": list(self.options)}})
 
 
 SBATCH_BARE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+$")
@@ -127,7 +160,8 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
     return SbatchPlan(run_id=job.run_id, script=text, options=options, output=output,
                       workdir=cwd, nodes=nodes, nproc=nproc, master_port=port,
                       python=host.python, command=(job.script, *job.args),
-                      env=tuple(decided) + host.env)
+                      env=tuple(decided) + host.env, secret_env=host.secret_env,
+                      stop_grace=inventory.stop_grace)
 
 
 def _output_path(output_dir: str, cwd: str, run_id: str) -> str:

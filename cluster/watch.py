@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -18,84 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from .console import TAIL_LINES, Console, LineSplitter
 from .errors import signum_of
 from .nodes import NodeExit, signal_name
 
-COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92", "94", "91")
-TAIL_LINES = 20
-
-
-class Console:
-    """Prefixed, optionally coloured lines from many threads, never interleaved mid-line."""
-
-    def __init__(self, out: IO[str] | None = None, err: IO[str] | None = None,
-                 color: bool | None = None) -> None:
-        self.out = out or sys.stdout
-        self.err = err or sys.stderr
-        if color is None:
-            color = self.out.isatty() and "NO_COLOR" not in os.environ
-        self.color = color
-        self.lock = threading.Lock()
-
-    def node_line(self, label: str, index: int, text: str) -> None:
-        prefix = f"[{label}]"
-        if self.color:
-            prefix = f"\x1b[{COLORS[index % len(COLORS)]}m{prefix}\x1b[0m"
-        with self.lock:
-            self.out.write(f"{prefix} {text}\n")
-            self.out.flush()
-
-    def info(self, text: str) -> None:
-        with self.lock:
-            self.err.write(f"cluster: {text}\n")
-            self.err.flush()
-
-    def raw(self, text: str) -> None:
-        with self.lock:
-            self.out.write(text)
-            self.out.flush()
-
-
-class LineSplitter:
-    """Bytes in, display lines out. A line rewritten with \\r (a progress bar) shows its last
-    state, at most once a second until its newline comes."""
-
-    def __init__(self, clock: Any = time.monotonic) -> None:
-        self.buf = b""
-        self.clock = clock
-        self.last_progress = float("-inf")
-
-    def feed(self, data: bytes) -> list[str]:
-        self.buf += data
-        out: list[str] = []
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            out.append(self._last_state(line))
-        if b"\r" in self.buf:
-            now = self.clock()
-            if now - self.last_progress >= 1.0:
-                state = self._last_state(self.buf)
-                if state:
-                    out.append(state)
-                self.last_progress = now
-            self.buf = self.buf[self.buf.rfind(b"\r") + 1:]
-        return out
-
-    def flush(self) -> list[str]:
-        rest, self.buf = self.buf, b""
-        return [self._last_state(rest)] if rest.strip(b"\r") else []
-
-    @staticmethod
-    def _last_state(line: bytes) -> str:
-        parts = [p for p in line.rstrip(b"\r").split(b"\r") if p]
-        return (parts[-1] if parts else b"").decode(errors="replace")
-
+__all__ = ["Console", "Hang", "LineSplitter", "TAIL_LINES", "Watched", "WatchResult", "Watcher"]
 
 class Watched(Protocol):
     """What the watcher needs of a running node (backends.NodeProcess has this shape)."""
     node: Any                        # has .label
 
-    def output(self) -> Iterator[bytes | dict[str, Any]]: ...
+    def output(self) -> Iterator[bytes | tuple[str, bytes] | dict[str, Any]]: ...
 
     def wait(self) -> NodeExit: ...
 
@@ -121,6 +53,7 @@ class WatchResult:
     tails: dict[str, list[str]] = field(default_factory=dict)
     joined: set[str] = field(default_factory=set)    # nodes whose workers started (rendezvous done)
     group_ranks: dict[str, int] = field(default_factory=dict)       # label -> torch's group rank
+    nodes: list[str] = field(default_factory=list)   # the nodes a scheduler gave the job
     hang: Hang | None = None
     started: float = 0.0                              # monotonic time the watch began
 
@@ -163,11 +96,11 @@ class Watcher:
 
     def run(self) -> WatchResult:
         result = self.result
-        for index, proc in enumerate(self.procs):
-            threading.Thread(target=self._pump, args=(proc, index), daemon=True,
-                             name=f"pump-{proc.node.label}").start()
         pending = {p.node.label for p in self.procs}
-        try:
+        try:                  # from the first moment: a Ctrl-C while the pumps start stops all too
+            for index, proc in enumerate(self.procs):
+                threading.Thread(target=self._pump, args=(proc, index), daemon=True,
+                                 name=f"pump-{proc.node.label}").start()
             while pending:
                 event = self._next_event()
                 if event is None:                       # the watchdog fired
@@ -234,6 +167,10 @@ class Watcher:
                 self.stacks.setdefault(label, []).append(record["stack"])
             elif "dumped" in record:
                 self.dumped.add(label)
+            elif "nodes" in record:
+                self.result.nodes = list(record["nodes"])
+        if "info" in record:
+            self.console.info(record["info"])
 
     def _collect(self, pending: set[str], result: WatchResult) -> None:
         deadline = time.monotonic() + self.settle
@@ -271,33 +208,37 @@ class Watcher:
         return out
 
     def _report_failure(self, label: str, ex: NodeExit) -> None:
-        tail = list(self.tails[label])
+        """Said at once; its last lines come with the final error (cluster.launch)."""
         self.console.info(f"node [{label}] failed first: {ex.describe()}")
-        if tail:
-            self.console.info(f"last {len(tail)} line(s) of [{label}]:")
-            for line in tail:
-                self.console.info(f"  | {line}")
         others = len(self.procs) - 1
         if others:
             self.console.info(f"stopping the other {others} node(s)")
 
-    def _pump(self, proc: NodeProcess, index: int) -> None:
+    def _pump(self, proc: Watched, index: int) -> None:
+        """Copy one node's stream: bytes are its output; (label, bytes) pairs are the output of
+        a job that speaks for several nodes (SLURM's, labelled by srun); dicts are records."""
         label = proc.node.label
-        splitter = LineSplitter()
+        splitters: dict[str, LineSplitter] = {}
+        colours: dict[str, int] = {}
         path = self.log_paths.get(label)
         log = _open_log(path) if path else None
+
+        def show(sub: str, lines: list[str]) -> None:
+            for line in lines:
+                shown = colours.setdefault(sub, index + len(colours))
+                self._emit(label, shown, line, sub)
         try:
             for chunk in proc.output():
                 if isinstance(chunk, dict):
                     self._control(label, chunk)
                     continue
+                sub, data = chunk if isinstance(chunk, tuple) else (label, chunk)
                 if log:
-                    log.write(chunk)
+                    log.write(data)
                     log.flush()
-                for line in splitter.feed(chunk):
-                    self._emit(label, index, line)
-            for line in splitter.flush():
-                self._emit(label, index, line)
+                show(sub, splitters.setdefault(sub, LineSplitter()).feed(data))
+            for sub, splitter in splitters.items():
+                show(sub, splitter.flush())
         except Exception as exc:  # a broken stream is reported through wait()
             self.console.info(f"[{label}] output stream broke: {exc}")
         finally:
@@ -309,8 +250,10 @@ class Watcher:
             ex = NodeExit(lost=True, reason=str(exc))
         self.events.put((proc, ex))
 
-    def _emit(self, label: str, index: int, line: str) -> None:
+    def _emit(self, label: str, index: int, line: str, sub: str | None = None) -> None:
+        """One line of node `label` (shown under `sub`, a node of a job, when that differs)."""
+        sub = sub or label
         self.progress = self.clock()
-        self.tails[label].append(line)
+        self.tails[label].append(line if sub == label else f"[{sub}] {line}")
         if label not in self.muted:
-            self.console.node_line(label, index, line)
+            self.console.node_line(sub, index, line)

@@ -4,13 +4,12 @@
     ssh     every node over SSH (the only module that imports Fabric/paramiko)
     slurm   sbatch / squeue / sacct / scancel behind one subprocess seam
 
-The flow every backend shares (check all, start all, watch, stop all) lives in cluster.launch
-and cluster.watch, not here.
+The flow every backend shares (plan, record, check all, start all, watch, stop all) lives in
+cluster.launch, cluster.prepare and cluster.watch, not here: no backend has its own `up`.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..nodes import NodeExit, NodeStatus, signal_name
@@ -18,37 +17,61 @@ from ..nodes import NodeExit, NodeStatus, signal_name
 __all__ = ["Backend", "NodeExit", "NodeProcess", "NodeStatus", "signal_name"]
 
 if TYPE_CHECKING:
-    from ..plan import LaunchPlan, NodePlan
     from ..runs import RunDir
 
 
 class NodeProcess(Protocol):
-    """One node's running work, as seen from `cluster up`."""
-    node: "NodePlan"
+    """One node's running work (or a scheduler's job, which speaks for several), as the
+    watcher sees it."""
+    node: Any                        # .label names it in the output
 
-    def output(self) -> Iterator[bytes | dict[str, Any]]:
-        """Chunks of the node's combined stdout/stderr until it ends, and among them the
-        supervisor's control records (dicts: joined, beat, stack, dumped)."""
+    def output(self) -> Iterator[bytes | tuple[str, bytes] | dict[str, Any]]:
+        """Until it ends: output bytes; (label, bytes) for a job's nodes; control records
+        (dicts: joined, beat, stack, dumped from a supervisor; info, nodes from a scheduler)."""
 
     def request_stacks(self) -> None:
         """Ask for every worker's stack (answered by 'stack' records, then 'dumped')."""
 
     def wait(self) -> NodeExit:
-        """Block until the node's work has ended (or the connection is lost)."""
+        """Block until the work has ended (or the connection is lost)."""
 
     def stop(self) -> dict[str, Any]:
-        """TERM the node's process group and tagged processes, grace, KILL, verify."""
+        """Stop it (TERM, grace, KILL, verify; or cancel the job) and report."""
 
 
 class Backend(Protocol):
+    """What every backend offers the one launch flow (cluster.launch, cluster.prepare), in the
+    spirit of torchx's schedulers: plan (a dry run prints it), check, start, and for recorded
+    runs status, logs and stop."""
     name: str
+    checks_nodes: bool               # True: check/reach/push probe every node before start
 
-    def check(self, plan: "LaunchPlan") -> dict[str, dict[str, Any]]:
-        """Phase one: every node reachable and ready. Raises PreflightError naming every
-        failing node; starts nothing. Returns facts per node name."""
+    def plan(self, inventory: Any, job: Any, templates: Any,
+             ifnames: Mapping[str, str] | None = None) -> Any:
+        """Pure: the LaunchPlan or SbatchPlan; str() of it is what would run."""
 
-    def start(self, plan: "LaunchPlan", *, detach: bool = False) -> list[NodeProcess]:
-        """Phase two: start every node's script. Only called after check() passed."""
+    def check(self, plan: Any) -> dict[str, dict[str, Any]]:
+        """Phase one: what every node has. Raises PreflightError naming every failing node."""
+
+    def reach(self, plan: Any) -> dict[str, dict[str, Any]]:
+        """Whether every node can connect to the master port (after check)."""
+
+    def push(self, plan: Any) -> None:
+        """Each node's script into its run directory (after check)."""
+
+    def start(self, plan: Any, *, detach: bool = False,
+              secrets: Mapping[str, Mapping[str, str]] | None = None,
+              run: "RunDir | None" = None) -> list[NodeProcess]:
+        """Phase two: start every node, or submit the job."""
+
+    def started(self, plan: Any, procs: list[Any], run: "RunDir") -> dict[str, Any]:
+        """What run.json keeps of the start (process groups; the job id)."""
+
+    def ended(self, plan: Any, procs: list[Any], result: Any) -> dict[str, Any]:
+        """What run.json keeps of the end (process groups; the job's final state)."""
+
+    def start_note(self, procs: list[Any], plan: Any) -> str:
+        """The line that tells the user what started."""
 
     def stop_run(self, run: "RunDir") -> dict[str, dict[str, Any]]:
         """`cluster down`: stop every node of a recorded run."""
@@ -62,8 +85,3 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release connections."""
-
-
-@dataclass
-class PreflightReport:
-    failures: dict[str, str] = field(default_factory=dict)   # node label -> reason

@@ -1,11 +1,12 @@
 """SLURM: sbatch / squeue / sacct / scancel / scontrol behind one subprocess seam.
 
-    up        render the batch script (cluster.sbatch, pure) -> record it in runs/<run-id>/ ->
-              `sbatch --parsable` -> follow the job's output file until squeue no longer lists
-              the job -> final state (sacct, else `sacct -c` and the job completion file, else
-              `scontrol show job`); COMPLETED is success, anything else RunFailed.
-    Ctrl-C    while following cancels the job (scancel) and waits until it is gone: a user who
-              presses Ctrl-C wants the run stopped. `--detach` is the way to leave it running.
+    plan      the batch script (cluster.sbatch, pure); the launch flow records it
+    start     `sbatch --parsable` of the recorded script -> a JobProcess (slurm_output.py) that
+              the one watcher follows like any node: the output file, labelled by node, until
+              squeue no longer lists the job; then the final state (sacct, else `sacct -c` and
+              the job completion file, else `scontrol show job`): COMPLETED is success.
+    stop      (Ctrl-C, a signal) cancels the job (scancel) and waits until it is gone: a user
+              who presses Ctrl-C wants the run stopped. `--detach` leaves it running.
     status    squeue while the job is queued or running, the final state afterwards.
     logs      the job's one combined output file; srun --label prefixes each line with the task
               (= node) number, which is turned into the node's name (slurm_output.py).
@@ -17,7 +18,6 @@ constructor; unit tests pass a fake that answers by program name.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import subprocess
@@ -29,15 +29,13 @@ from typing import Any
 
 import hostlist
 
-from .. import spec
-from ..errors import BackendError, InputError, Interrupted, RunFailed, signum_of
+from ..errors import BackendError, InputError
 from ..spec import Inventory, SlurmSettings
 from ..plan import Job, Templates
-from ..runs import RunDir, git_commit, write_private
+from ..runs import RunDir
 from ..sbatch import SbatchPlan, render_sbatch
-from ..watch import Console
-from . import NodeStatus, signal_name
-from .slurm_output import Labeller, OutputReader, follow, remember_nodes
+from . import NodeStatus
+from .slurm_output import JobProcess, Labeller, OutputReader, remember_nodes
 
 # States after which a job never runs again (REQUEUED and PREEMPTED may come back).
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
@@ -160,7 +158,8 @@ class SlurmBackend:
     """`cluster status/logs/down` of a SLURM run, and the submit/follow steps of `up`."""
     name = "slurm"
 
-    def __init__(self, commands: SlurmCommands | None = None, *, poll: float = 1.0,
+    def __init__(self, commands: SlurmCommands | None = None, *, cwd: str | None = None,
+                 poll: float = 1.0,
                  max_poll: float = 15.0, stop_timeout: float = 120.0,
                  sleep: Callable[[float], None] = time.sleep, retry: Retry = Retry(),
                  warn: Callable[[str], None] | None = None,
@@ -173,6 +172,53 @@ class SlurmBackend:
         self.retry = retry
         self.warn = warn or (lambda text: None)
         self.clock = clock
+        self.cwd = cwd or os.getcwd()        # where jobs are submitted from (their --chdir)
+
+    # -- the launch flow (cluster.launch): plan, check, start ---------------------------------
+
+    checks_nodes = False     # SLURM allocates the nodes: there is nothing to probe before
+
+    def plan(self, inventory: Inventory, job: Job, templates: Templates,
+             ifnames: Mapping[str, str] | None = None) -> SbatchPlan:
+        return render_sbatch(inventory, job, templates, inventory.slurm, cwd=self.cwd)
+
+    def check(self, plan: SbatchPlan) -> dict[str, dict[str, Any]]:
+        return {}
+
+    def reach(self, plan: SbatchPlan) -> dict[str, dict[str, Any]]:
+        return {}
+
+    def push(self, plan: SbatchPlan) -> None:
+        """The recorded script is what sbatch reads: nothing to copy."""
+
+    def start(self, plan: SbatchPlan, *, detach: bool = False,
+              secrets: Mapping[str, Mapping[str, str]] | None = None,
+              run: RunDir | None = None) -> list[JobProcess]:
+        """sbatch the recorded script (the output folder made first: SLURM will not make it);
+        the secret values travel in sbatch's environment (--export=ALL), never in the script."""
+        assert run is not None, "the launch flow records the plan before it starts it"
+        Path(plan.output).parent.mkdir(parents=True, exist_ok=True)
+        job_id = self.submit(run.script_path(plan.SCRIPT_NAME), export_all=bool(plan.secret_env))
+        return [JobProcess(self, job_id, Path(plan.output), plan.run_id)]
+
+    def started(self, plan: SbatchPlan, procs: list[JobProcess], run: RunDir) -> dict[str, Any]:
+        (job,) = procs
+        slurm = dict(run.meta().get("slurm") or {})
+        slurm.update(job_id=job.job_id, submitted=time.time(),
+                     script=str(run.script_path("sbatch.sh").resolve()))
+        return {"slurm": slurm}
+
+    def ended(self, plan: SbatchPlan, procs: list[JobProcess], result: Any) -> dict[str, Any]:
+        """The job's final state, and the nodes SLURM gave it (for `cluster logs --node`)."""
+        (job,) = procs
+        out: dict[str, Any] = {"final": dataclasses.asdict(job.final)} if job.final else {}
+        if job.nodes:
+            out["nodes"] = [{"rank": i, "name": n, "address": n} for i, n in enumerate(job.nodes)]
+        return out
+
+    def start_note(self, procs: list[JobProcess], plan: SbatchPlan) -> str:
+        return (f"run {plan.run_id}: submitted job {procs[0].job_id} ({plan.nodes} node(s)); "
+                f"output {plan.output}")
 
     def _run(self, *argv: str) -> Completed:
         """One SLURM call; a query that meets a controller out of reach is asked again with
@@ -376,73 +422,3 @@ class SlurmBackend:
 
     def close(self) -> None:
         """Nothing held: every command is one subprocess."""
-
-
-# --- cluster up ----------------------------------------------------------------------------
-
-
-def up(inventory: Inventory, job: Job, templates: Templates, settings: SlurmSettings, *,
-       argv: list[str], console: Console, dry_run: bool = False, detach: bool = False,
-       nproc_per_node: int | None = None, backend: SlurmBackend | None = None,
-       cwd: str | None = None, runs_root: Path | None = None) -> int:
-    """render -> record -> (dry run: print, stop) -> sbatch -> follow until the job ends."""
-    if nproc_per_node is not None:
-        hosts = (inventory.master.replace(nproc_per_node=nproc_per_node), *inventory.hosts[1:])
-        inventory = dataclasses.replace(inventory, hosts=hosts)
-    plan = render_sbatch(inventory, job, templates, settings, cwd=cwd or os.getcwd())
-    run = RunDir.create(job.run_id, runs_root)
-    script = record(run, plan, inventory, settings, argv, dry_run=dry_run)
-    if dry_run:
-        console.raw(plan.script)
-        console.info(f"dry run {plan.run_id}: batch script in {script}; nothing was submitted")
-        return 0
-    backend = backend or SlurmBackend()
-    Path(plan.output).parent.mkdir(parents=True, exist_ok=True)   # SLURM will not create it
-    job_id = backend.submit(script, export_all=bool(inventory.master.secret_env))
-    run.update(slurm={**run.meta()["slurm"], "job_id": job_id, "submitted": time.time()})
-    console.info(f"run {plan.run_id}: submitted job {job_id} ({plan.nodes} node(s)); "
-                 f"output {plan.output}")
-    if detach:
-        console.info(f"detached; follow with `cluster logs -f {plan.run_id}`, "
-                     f"stop with `cluster down {plan.run_id}`")
-        return 0
-    try:
-        info, tail = follow(backend, run, job_id, Path(plan.output), console)
-    except KeyboardInterrupt as exc:
-        signum = signum_of(exc)
-        console.info(f"interrupted ({signal_name(signum)}): cancelling job {job_id} "
-                     f"(use --detach to leave a job running)")
-        backend.cancel(job_id)
-        left = backend.wait_gone(job_id, backend.stop_timeout)
-        run.update(final={"state": "CANCELLED", "interrupted": signal_name(signum)})
-        raise Interrupted(f"interrupted; job {job_id} of run {plan.run_id} was cancelled"
-                          + (f" but squeue still lists it as {left.state}" if left else ""),
-                          signum=signum) from None
-    run.update(final=dataclasses.asdict(info))
-    if info.state == "COMPLETED" and not info.exit_code:
-        console.info(f"run {plan.run_id}: {info.describe()} ({info.source})")
-        return 0
-    details = "\n".join(f"  | {line}" for line in tail)
-    raise RunFailed(f"run {plan.run_id}: {info.describe()} ({info.source}); "
-                    f"output: {plan.output}" + (f"; last {len(tail)} line(s):" if tail else ""),
-                    details=details)
-
-
-def record(run: RunDir, plan: SbatchPlan, inventory: Inventory, settings: SlurmSettings,
-           argv: list[str], *, dry_run: bool) -> Path:
-    """runs/<run-id>/: run.json (backend slurm), the batch script, inventory and environment."""
-    script = run.path / "scripts" / SCRIPT_NAME
-    write_private(script, plan.script)
-    run.write_inventory(dataclasses.replace(inventory, slurm=settings))
-    write_private(run.path / "env.json", json.dumps({"slurm": dict(plan.env)}, indent=2) + "\n")
-    meta: dict[str, Any] = {
-        "run_id": plan.run_id, "backend": "slurm", "created": time.time(), "command": argv,
-        "cwd": plan.workdir, "git_commit": git_commit(), "master_port": plan.master_port,
-        "script": plan.command[0], "args": list(plan.command[1:]), "nodes": [],
-        "slurm": {"script": str(script.resolve()), "output": plan.output, "nodes": plan.nodes,
-                  "nproc_per_node": plan.nproc, "options": list(plan.options)},
-    }
-    if dry_run:
-        meta["dry_run"] = True
-    run.write_meta(meta)
-    return script

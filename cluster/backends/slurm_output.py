@@ -1,15 +1,14 @@
 """A SLURM job's output file: read it as it grows, label each line with its node (srun
---label), and follow it until the job ends."""
+--label), and follow the job until it ends (JobProcess, what the watcher watches)."""
 from __future__ import annotations
 
 import re
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ..nodes import NodeExit
 from ..runs import RunDir
-from ..watch import TAIL_LINES, Console, LineSplitter
 
 if TYPE_CHECKING:
     from .slurm import JobInfo, SlurmBackend
@@ -78,58 +77,116 @@ class Labeller:
         return 0 if label == "batch" else int(label.rsplit(" ", 1)[1]) + 1
 
 
-def follow(backend: "SlurmBackend", run: RunDir, job_id: str, output: Path,
-           console: Console) -> tuple["JobInfo", list[str]]:
-    """Print the job's output, prefixed by node, until squeue no longer lists the job; then
-    its final state and the last lines printed.
+class Job:
+    """The node-like label of a submitted job, for the watcher."""
+
+    def __init__(self, job_id: str) -> None:
+        self.label = f"job {job_id}"
+
+
+class JobProcess:
+    """A submitted SLURM job as the watcher sees a node (backends.NodeProcess): its output
+    file labelled by node, the scheduler's news as control records, its end as a NodeExit.
 
     The output file is read every TICK; squeue is asked every `backend.poll` seconds at first,
     less often (up to `backend.max_poll`) while nothing changes, so that many users following
-    jobs do not load the controller; the batch script's last line brings the next look at once."""
-    reader, labeller = OutputReader(output), Labeller()
-    tail: deque[str] = deque(maxlen=TAIL_LINES)
-    last_state = ""
-    requeued_at: float | None = None
-    look_now = False
+    jobs do not load the controller; the batch script's last line brings the next look at once.
+    A requeue the batch script announced is waited through: the job may leave squeue, and even
+    read as finished, for a moment before it is pending again."""
 
-    def emit(lines: list[bytes]) -> None:
-        nonlocal requeued_at, look_now
+    def __init__(self, backend: "SlurmBackend", job_id: str, output: Path, run_id: str) -> None:
+        self.backend = backend
+        self.job_id = job_id
+        self.path = output
+        self.run_id = run_id
+        self.node = Job(job_id)
+        self.final: "JobInfo | None" = None
+        self.nodes: list[str] = []
+
+    def output(self) -> Iterator[tuple[str, bytes] | dict[str, Any]]:
+        reader, labeller = OutputReader(self.path), Labeller()
+        last_state, requeued_at, look_now = "", None, False
+        interval, next_look = self.backend.poll, 0.0
+        clock = self.backend.clock
+        while True:
+            if look_now or clock() >= next_look:
+                look_now = False
+                info = self.backend.queued(self.job_id)
+                changed = info is not None and info.state != last_state
+                if info is not None and info.nodes and list(info.nodes) != labeller.names:
+                    labeller.names = self.nodes = list(info.nodes)
+                    yield {"nodes": self.nodes}
+                if changed:
+                    last_state = info.state
+                    yield {"info": f"job {self.job_id}: {info.state}"
+                                   + (f" ({info.reason})" if info.reason else "")}
+                for item in self._lines(reader.lines(), labeller):
+                    if isinstance(item, dict):
+                        requeued_at, look_now = _marks(item, requeued_at, look_now, clock())
+                        continue
+                    yield item
+                if info is not None and info.state == "PENDING":
+                    requeued_at = None              # the next attempt is queued: follow it
+                if info is None:
+                    info = self.backend.coming_back(self.job_id)
+                waiting = requeued_at is not None and clock() - requeued_at < REQUEUE_WAIT
+                if info is None and not waiting:
+                    break
+                interval = self.backend.poll if changed else min(self.backend.max_poll, interval * 1.5)
+                next_look = clock() + interval
+            else:
+                for item in self._lines(reader.lines(), labeller):
+                    if isinstance(item, dict):
+                        requeued_at, look_now = _marks(item, requeued_at, look_now, clock())
+                        continue
+                    yield item
+            self.backend.sleep(min(TICK, max(0.0, next_look - clock())))
+        yield from (i for i in self._lines(reader.rest(), labeller) if not isinstance(i, dict))
+        self.final = self.backend.finished(self.job_id)
+        yield {"info": f"run {self.run_id}: {self.final.describe()} ({self.final.source})"}
+
+    @staticmethod
+    def _lines(lines: list[bytes], labeller: Labeller) -> Iterator[tuple[str, bytes] | dict[str, Any]]:
         for raw in lines:
             label, text = labeller.split(raw)
-            if label == "batch" and text.startswith(REQUEUE_MARK):
-                requeued_at = backend.clock()
-            elif label == "batch" and text.startswith(ATTEMPT_MARK):
-                requeued_at = None              # the next attempt has started: follow it
-            elif label == "batch" and text.startswith(END_MARK):
-                look_now = True
-            for shown in LineSplitter().feed(text + b"\n"):
-                tail.append(f"[{label}] {shown}")
-                console.node_line(label, labeller.index(label), shown)
+            if label == "batch":
+                for mark, name in ((REQUEUE_MARK, "requeue"), (ATTEMPT_MARK, "attempt"),
+                                   (END_MARK, "end")):
+                    if text.startswith(mark):
+                        yield {"mark": name}
+                        break
+            yield label, text + b"\n"
 
-    interval, next_look = backend.poll, 0.0
-    while True:
-        if look_now or backend.clock() >= next_look:
-            look_now = False
-            info = backend.queued(job_id)
-            changed = info is not None and info.state != last_state
-            if info is not None and info.nodes and list(info.nodes) != labeller.names:
-                labeller.names = list(info.nodes)
-                remember_nodes(run, info)
-            if changed:
-                last_state = info.state
-                console.info(f"job {job_id}: {info.state}" + (f" ({info.reason})" if info.reason else ""))
-            emit(reader.lines())
-            if info is not None and info.state == "PENDING":
-                requeued_at = None              # the next attempt is queued: follow it
-            if info is None:
-                info = backend.coming_back(job_id)
-            waiting = requeued_at is not None and backend.clock() - requeued_at < REQUEUE_WAIT
-            if info is None and not waiting:
-                break
-            interval = backend.poll if changed else min(backend.max_poll, interval * 1.5)
-            next_look = backend.clock() + interval
-        else:
-            emit(reader.lines())
-        backend.sleep(min(TICK, max(0.0, next_look - backend.clock())))
-    emit(reader.rest())
-    return backend.finished(job_id), list(tail)
+    def wait(self) -> NodeExit:
+        info = self.final or self.backend.finished(self.job_id)
+        self.final = info
+        ok = info.state == "COMPLETED" and not info.exit_code
+        return NodeExit(code=0 if ok else (info.exit_code or 1),
+                        detail="" if ok else f"{info.describe()} ({info.source})")
+
+    def stop(self) -> dict[str, Any]:
+        """Cancel the job and wait until squeue no longer lists it."""
+        self.backend.cancel(self.job_id)
+        left = self.backend.wait_gone(self.job_id, self.backend.stop_timeout)
+        summary = (f"job {self.job_id} of run {self.run_id} was cancelled"
+                   + (f" but squeue still lists it as {left.state}" if left else ""))
+        report: dict[str, Any] = {"signalled": [self.job_id], "summary": summary}
+        if left is not None:
+            report["error"] = f"still listed by squeue as {left.state}"
+        return report
+
+    def request_stacks(self) -> None:
+        """Not offered under SLURM (the launcher refuses --hang-timeout there)."""
+
+
+def _marks(mark: dict[str, Any], requeued_at: float | None, look_now: bool,
+           now: float) -> tuple[float | None, bool]:
+    """What a line of the batch script tells the follower."""
+    name = mark.get("mark")
+    if name == "requeue":
+        return now, look_now
+    if name == "attempt":
+        return None, look_now               # the next attempt has started: follow it
+    if name == "end":
+        return requeued_at, True
+    return requeued_at, look_now

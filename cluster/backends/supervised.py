@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import BackendError, ClusterError, PreflightError
-from ..plan import LaunchPlan, NodePlan, shpath
+from ..plan import LaunchPlan, NodePlan, render, shpath
 from ..spec import DEFAULT_STOP_GRACE
 from ..nodes import Demux, NodeExit, NodeStatus
 
@@ -246,6 +246,7 @@ class SupervisedBackend:
     it stops the node by itself (0: it waits for its connection to close instead)."""
 
     name = "supervised"
+    checks_nodes = True      # every node is probed, reached and pushed to before the start
 
     def __init__(self, connect: Callable[[Any], Transport], max_workers: int = 64,
                  keepalive: float = 0.0) -> None:
@@ -307,8 +308,25 @@ class SupervisedBackend:
             raise error
         return results
 
+    def plan(self, inventory: Any, job: Any, templates: Any,
+             ifnames: Mapping[str, str] | None = None) -> LaunchPlan:
+        return render(inventory, job, templates, ifnames)
+
+    def started(self, plan: LaunchPlan, procs: list[Any], run: Any) -> dict[str, Any]:
+        """What run.json keeps of the start: each node's process group (known once a
+        detached start returns, or once an attached supervisor's first line arrived)."""
+        return {"pgids": {n.host.name: getattr(p, "pgid", p) for n, p in zip(plan.nodes, procs)}}
+
+    def ended(self, plan: LaunchPlan, procs: list[Any], result: Any) -> dict[str, Any]:
+        return self.started(plan, procs, None)
+
+    def start_note(self, procs: list[Any], plan: LaunchPlan) -> str:
+        return (f"run {plan.run_id}: starting {len(plan.nodes)} node(s), master "
+                f"{plan.master_addr}:{plan.master_port}")
+
     def start(self, plan: LaunchPlan, *, detach: bool = False,
-              secrets: Mapping[str, Mapping[str, str]] | None = None) -> list[Any]:
+              secrets: Mapping[str, Mapping[str, str]] | None = None,
+              run: Any = None) -> list[Any]:
         """Start every node; if one cannot be started, stop the ones that were (attached or
         detached alike) and raise, naming each failure."""
         secrets = secrets or {}

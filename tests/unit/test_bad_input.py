@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
-import pytest
 import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st

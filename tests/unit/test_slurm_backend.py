@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.backends.slurm import (Completed, Labeller, OutputReader, Retry, SlurmBackend, cli_settings,
-                                    up)
+from cluster import launch
+from cluster.backends.slurm import (Completed, Labeller, OutputReader, Retry, SlurmBackend,
+                                    cli_settings)
 from cluster.errors import BackendError, InputError, Interrupted, RunFailed
 from cluster.inventory import Host, Inventory, SlurmSettings
 from cluster.plan import Job, Templates
@@ -64,16 +65,31 @@ def inventory() -> Inventory:
                      backend="slurm")
 
 
-def backend(fake: FakeCommands) -> SlurmBackend:
-    return SlurmBackend(fake, poll=0.0, stop_timeout=1.0, sleep=lambda s: None)
+def backend(fake: FakeCommands, cwd: Path | None = None) -> SlurmBackend:
+    return SlurmBackend(fake, cwd=str(cwd) if cwd else None, poll=0.0, stop_timeout=1.0,
+                        sleep=lambda s: None)
+
+
+def up(inv: Inventory, job: Job, templates: Templates, settings: SlurmSettings, *, argv: list[str],
+       console: Console, backend: SlurmBackend, cwd: str, runs_root: Path,
+       dry_run: bool = False, detach: bool = False) -> int:
+    """`cluster up --backend slurm` as the CLI runs it: the one launch flow."""
+    import dataclasses
+    inv = dataclasses.replace(inv, slurm=settings)
+    run = RunDir.create(job.run_id, runs_root)
+    if dry_run:
+        launch.dry_run(inv, job, templates, run, backend, argv, console)
+        return 0
+    return launch.up(inv, job, templates, backend, run, argv, console,
+                     launch.Options(detach=detach), environ={})
 
 
 def run_up(tmp_path: Path, fake: FakeCommands, **kw: object) -> tuple[int, RunDir, str, str]:
     c, out, err = console()
     job = Job(run_id="r1", script="train.py", args=("--out", "runs/r1/train"))
     code = up(inventory(), job, Templates(), SlurmSettings(nodes=2), argv=["cluster", "up"],
-              console=c, backend=backend(fake), cwd=str(tmp_path), runs_root=tmp_path / "runs",
-              **kw)  # type: ignore[arg-type]
+              console=c, backend=backend(fake, tmp_path), cwd=str(tmp_path),
+              runs_root=tmp_path / "runs", **kw)  # type: ignore[arg-type]
     return code, RunDir(tmp_path / "runs" / "r1"), out.getvalue(), err.getvalue()
 
 
@@ -227,12 +243,14 @@ def test_failed_job_raises_run_failed_naming_state_exit_code_and_tail(tmp_path: 
 
 
 def test_ctrl_c_while_following_cancels_the_job(tmp_path: Path) -> None:
+    import _thread
     calls = {"n": 0}
 
     def squeue(argv: tuple[str, ...]) -> Completed:
         calls["n"] += 1
         if calls["n"] == 2:
-            raise KeyboardInterrupt
+            _thread.interrupt_main()        # Ctrl-C reaches the main thread, as a signal does
+            time.sleep(0.5)
         return ok("77|RUNNING|node1|None\n") if calls["n"] < 3 else GONE
     fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue, scancel=ok())
     with pytest.raises(Interrupted, match="job 77 of run r1 was cancelled"):

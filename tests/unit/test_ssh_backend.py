@@ -3,7 +3,6 @@ translation, sync file selection."""
 from __future__ import annotations
 
 import errno
-import os
 import socket
 from pathlib import Path
 

@@ -61,7 +61,8 @@ def test_first_failure_stops_the_others_at_once(tmp_path: Path) -> None:
     assert all(n.stop_calls == 1 for n in others) and failing.stop_calls == 0
     text = err.getvalue()
     assert "node [b 1] failed first: exit code 7" in text
-    assert "line 29" in text and "line 10" in text and "line 9\n" not in text  # last 20 lines
+    tail = res.tails["b 1"]                  # the last 20 lines, for the final error's evidence
+    assert tail[-1] == "line 29" and tail[0] == "line 10" and "line 9" not in tail
     assert set(res.exits) == {"a 0", "b 1", "c 2"}
 
 

@@ -30,7 +30,15 @@ from .known_hosts import Entry, hash_name, read_entries
 USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
 GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
 _KNOWN_HOSTS_LOCK = threading.Lock()
-_off_warned = threading.Event()
+_OFF_WARNED = threading.Event()
+
+
+def warn_unchecked_once(warn: Callable[[str], None]) -> None:
+    """Policy off: say once per process that host keys go unchecked."""
+    if not _OFF_WARNED.is_set():
+        _OFF_WARNED.set()
+        warn("WARNING: host keys are not checked (--host-key-policy off); anyone on the "
+             "network path can impersonate the nodes")
 
 # known_hosts key type -> the host key algorithms that present it (RSA signs with SHA-2 now)
 _ALGORITHMS = {"ssh-rsa": ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")}
@@ -137,8 +145,8 @@ class KnownHosts:
 def known_hosts_for(ssh_cfg: Any) -> KnownHosts:
     """~/.ssh/known_hosts plus the ssh config's UserKnownHostsFile (new keys go to the latter
     when it is set, as OpenSSH does) plus the global file, read-only."""
-    user = _split_files(ssh_cfg.get("userknownhostsfile"))
-    glob = _split_files(ssh_cfg.get("globalknownhostsfile")) or [GLOBAL_KNOWN_HOSTS]
+    user = split_files(ssh_cfg.get("userknownhostsfile"))
+    glob = split_files(ssh_cfg.get("globalknownhostsfile")) or [GLOBAL_KNOWN_HOSTS]
     default = os.path.expanduser(USER_KNOWN_HOSTS)
     files = list(dict.fromkeys(user + [default] + glob))
     hashed = str(ssh_cfg.get("hashknownhosts", "no")).lower() == "yes"
@@ -205,7 +213,7 @@ class OffPolicy(paramiko.MissingHostKeyPolicy):
         return None
 
 
-def _split_files(value: Any) -> list[str]:
+def split_files(value: Any) -> list[str]:
     if not value:
         return []
     items = value if isinstance(value, list) else str(value).split()

@@ -17,8 +17,8 @@ from ...errors import ClusterError
 from ...spec import Host, SshSettings
 from ..supervised import Result
 from .errors import Attempt, SshError, translate
-from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, _off_warned,
-                       _split_files, known_hosts_for, transport_preferring)
+from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, known_hosts_for,
+                       split_files, transport_preferring, warn_unchecked_once)
 from .identities import BatchAuth, identity_paths
 from .known_hosts import key_name
 from .sshconfig import host_config
@@ -152,7 +152,7 @@ class SshTransport:
     def _prepare(conn: Connection, timeout: float, identity_file: str | None) -> None:
         """Timeouts and batch-mode authentication (identities.py) for one hop."""
         ssh_cfg = conn.ssh_config
-        paths = identity_paths(identity_file, _split_files(ssh_cfg.get("identityfile")))
+        paths = identity_paths(identity_file, split_files(ssh_cfg.get("identityfile")))
         auth = BatchAuth(conn.user, paths, ssh_config=ssh_cfg,
                          identities_only=str(ssh_cfg.get("identitiesonly", "no")).lower() == "yes",
                          use_agent=str(ssh_cfg.get("identityagent", "")).lower() != "none")
@@ -167,10 +167,7 @@ class SshTransport:
         client = conn.client
         if self.policy == "off":
             client.set_missing_host_key_policy(OffPolicy())
-            if not _off_warned.is_set():
-                _off_warned.set()
-                self.warn("WARNING: host keys are not checked (--host-key-policy off); "
-                          "anyone on the network path can impersonate the nodes")
+            warn_unchecked_once(self.warn)
             return None
         known = known_hosts_for(ssh_cfg)
         types = known.key_types(key_name(conn.host, conn.port))

@@ -1,0 +1,12 @@
+"""The `cluster` command: thin verbs that parse options and call the library.
+
+    cluster up      render, check every node, start every node, stream, stop all on failure
+    cluster doctor  check every node and the network between them, before a run
+    cluster status  one row per node of a run (the newest by default)
+    cluster logs    a run's saved or live output
+    cluster down    stop every node of a run
+"""
+from . import doctor, runs, up  # noqa: F401  (each registers its verb on `main`)
+from .main import entry, install_stop_handlers, main, run_cli
+
+__all__ = ["entry", "install_stop_handlers", "main", "run_cli"]

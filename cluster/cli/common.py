@@ -1,0 +1,187 @@
+"""From command-line options to what the library takes: the inventory (with the options laid
+over it), the job's script, and the backend; and the backend of a recorded run."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from .. import inventory as inv_mod
+from ..errors import InputError
+from ..runs import RunDir
+from ..spec import reserved_env
+
+CHECKPOINTS = "checkpoints"          # the reference trainer's, in the working directory
+
+
+def default_train_dir() -> Path:
+    """train/ of a source checkout, or the installed copy (package cluster.train)."""
+    checkout = Path(__file__).resolve().parent.parent / "train"
+    if (checkout / "train.py").is_file():
+        return checkout
+    from importlib import resources
+    return Path(str(resources.files("cluster.train")))
+
+
+
+def parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not inv_mod.ENV_KEY.match(key):
+            raise InputError(f"Invalid value for --env: {pair!r} (expected KEY=VALUE, KEY an identifier)")
+        why = reserved_env(key)
+        if why:
+            raise InputError(f"Invalid value for --env: {why}")
+        env[key] = value
+    return env
+
+
+def parse_secret_names(names: tuple[str, ...], env: dict[str, str]) -> tuple[str, ...]:
+    for name in names:
+        if not inv_mod.ENV_KEY.match(name):
+            raise InputError(f"Invalid value for --secret-env: {name!r} is not an environment "
+                             f"variable name (give the NAME; its value comes from this shell)")
+        why = reserved_env(name) or (f"{name} is also given with --env" if name in env else None)
+        if why:
+            raise InputError(f"Invalid value for --secret-env: {why}")
+    return tuple(dict.fromkeys(names))
+
+
+def settings(inventory: inv_mod.Inventory, secrets: tuple[str, ...], stop_grace: float | None,
+              keepalive: float | None, host_key_policy: str | None) -> inv_mod.Inventory:
+    """Command-line settings over the inventory's; recorded with the run, so that status,
+    logs and down later connect and stop the same way."""
+    ssh = inventory.ssh
+    if host_key_policy:
+        ssh = dataclasses.replace(ssh, host_key_policy=host_key_policy)
+    if keepalive is not None:
+        ssh = dataclasses.replace(ssh, keepalive=keepalive)
+    hosts = inventory.hosts
+    if secrets:
+        clash = sorted({n for h in hosts for n in secrets if n in dict(h.env)})
+        if clash:
+            raise InputError(f"Invalid value for --secret-env: {', '.join(clash)} is set in the "
+                             f"inventory's env too; a secret's value comes only from this shell")
+        hosts = tuple(h.replace(secret_env=tuple(dict.fromkeys(h.secret_env + secrets)))
+                      for h in hosts)
+    return dataclasses.replace(inventory, ssh=ssh, hosts=hosts,
+                               stop_grace=stop_grace or inventory.stop_grace)
+
+
+def inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: int | None,
+               backend: str | None, nproc: int | None, extra_env: dict[str, str]) -> inv_mod.Inventory:
+    if backend == "local" or (path is None and hosts is None and backend in (None, "local")):
+        if path:
+            raise InputError("--local runs on this machine; leave out -i/--inventory")
+        from ..backends.local import local_inventory
+        return local_inventory(1 if nodes is None else nodes, nproc_per_node=nproc, env=extra_env)
+    if path is None and hosts is not None:
+        inventory = inv_mod.from_hostnames(hosts)
+        hosts = None
+    elif path is None:
+        if backend == "slurm":
+            inventory = inv_mod.Inventory(hosts=(inv_mod.Host(name="slurm", address="slurm"),),
+                                          backend="slurm", hosts_given=False)
+            return override(slurm_nodes(inventory, nodes, None, exclude), nproc, extra_env)
+        raise InputError(f"the {backend} backend needs -i/--inventory or --hosts")
+    else:
+        inventory = inv_mod.load(path)
+    if backend == "slurm" or (backend is None and inventory.backend == "slurm"):
+        return override(slurm_nodes(inventory, nodes, hosts, exclude), nproc, extra_env)
+    return override(inventory.select(nodes=nodes, hosts=hosts, exclude=exclude), nproc, extra_env)
+
+
+def slurm_nodes(inventory: inv_mod.Inventory, nodes: int | None, hosts: str | None,
+                 exclude: str | None) -> inv_mod.Inventory:
+    """Which nodes SLURM may use. Hosts the inventory lists (narrowed by --hosts, --exclude and
+    --nodes, as over SSH) become --nodelist; with none listed SLURM chooses, --hosts becomes
+    --nodelist, --exclude --exclude and --nodes the count."""
+    import hostlist
+    slurm = inventory.slurm
+    if inventory.hosts_given:
+        chosen = inventory.select(nodes=nodes, hosts=hosts, exclude=exclude)
+        names = [h.name for h in chosen.hosts]
+        slurm = dataclasses.replace(slurm, nodelist=hostlist.collect_hostlist(names),
+                                    nodes=len(names))
+        return dataclasses.replace(chosen, slurm=slurm)
+    if hosts:
+        names = inv_mod.expand_names(hosts, "--hosts")
+        slurm = dataclasses.replace(slurm, nodelist=hostlist.collect_hostlist(names),
+                                    nodes=max(len(names), nodes or slurm.nodes or 1))
+    if exclude:
+        slurm = dataclasses.replace(slurm, exclude=hostlist.collect_hostlist(
+            inv_mod.expand_names(exclude, "--exclude")))
+    return dataclasses.replace(inventory, slurm=slurm)
+
+
+def override(inventory: inv_mod.Inventory, nproc: int | None,
+              extra_env: dict[str, str]) -> inv_mod.Inventory:
+    hosts = []
+    for h in inventory.hosts:
+        changes: dict[str, object] = {}
+        if nproc is not None:
+            if nproc < 1:
+                raise InputError("Invalid value for --nproc-per-node: must be at least 1")
+            changes["nproc_per_node"] = nproc
+        if extra_env:
+            changes["env"] = tuple({**dict(h.env), **extra_env}.items())
+        hosts.append(h.replace(**changes))
+    return dataclasses.replace(inventory, hosts=tuple(hosts))
+
+
+def command(command: tuple[str, ...], backend: str,
+             run_id: str) -> tuple[str, tuple[str, ...], str | None]:
+    """The script and its arguments; with none given, the reference trainer. For SSH the
+    trainer's directory is synced to the nodes, so the path is relative to the workdir."""
+    train_dir = default_train_dir()
+    if command:
+        # `-- cluster-train/train.py ARGS` over SSH: the built-in trainer with your arguments.
+        synced = str(train_dir) if backend == "ssh" and command[0].startswith("cluster-train/") else None
+        return command[0], tuple(command[1:]), synced
+    # Checkpoints go to a place that outlives one run, so that every attempt of a restarted
+    # job, and the next `cluster up`, resumes from the newest one.
+    if backend == "ssh":
+        return "cluster-train/train.py", ("--out", f".cluster/{run_id}/train", "--checkpoint-dir",
+                                          CHECKPOINTS), str(train_dir)
+    if backend == "slurm":
+        return str(train_dir / "train.py"), ("--out", f"runs/{run_id}/train", "--checkpoint-dir",
+                                             str(Path(CHECKPOINTS).resolve())), None
+    out = (Path(os.environ.get("CLUSTER_RUNS_DIR", "runs")) / run_id / "train").resolve()
+    return str(train_dir / "train.py"), ("--out", str(out), "--checkpoint-dir",
+                                         str(Path(CHECKPOINTS).resolve())), None
+
+
+def backend_name(chosen: str | None, force_local: bool) -> str | None:
+    if force_local:
+        if chosen not in (None, "local"):
+            raise InputError(f"--local and --backend {chosen} contradict each other")
+        return "local"
+    return chosen
+
+
+def backend(name: str, inventory: inv_mod.Inventory, sync: list[tuple[str, str]],
+            sync_exclude: tuple[str, ...] = ()):
+    if name == "local":
+        from ..backends.local import LocalBackend
+        return LocalBackend()
+    if name == "slurm":
+        from ..backends.slurm import SlurmBackend
+        return SlurmBackend(cwd=os.getcwd())
+    from ..backends.ssh import SshBackend
+    return SshBackend(inventory.ssh, sync=sync, sync_exclude=sync_exclude)
+
+
+
+def recorded_backend(run: RunDir):
+    name = run.meta()["backend"]
+    if name == "slurm":
+        from ..backends.slurm import SlurmBackend
+        return SlurmBackend()
+    if name == "local":
+        from ..backends.local import LocalBackend
+        return LocalBackend()
+    from ..backends.ssh import SshBackend
+    return SshBackend(run.inventory().ssh)
+
+

@@ -1,0 +1,68 @@
+"""`cluster doctor`: every node, and the network between them, checked before a run."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from . import common
+from .main import CONTEXT, main
+from ..errors import InputError
+from ..plan import Templates
+from ..runs import RunDir, new_run_id
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False),
+              help="Hosts: YAML inventory, MPI/DeepSpeed hostfile. None: this machine.")
+@click.option("--nodes", type=int, help="Only the first N selected hosts.")
+@click.option("--hosts", help="Only these hosts: names or hostlists.")
+@click.option("--exclude", help="Leave out these hosts.")
+@click.option("--local", "force_local", is_flag=True, help="Check this machine (simulated nodes).")
+@click.option("--master-port", type=click.IntRange(1, 65535), help="The port to check (default: derived).")
+@click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]))
+@click.option("--deep", is_flag=True, help="Also run a collective across all nodes: sum, bandwidth, slow links.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (schema in the README).")
+def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
+           force_local: bool, master_port: int | None, host_key_policy: str | None, deep: bool,
+           as_json: bool) -> None:
+    """Check every node, and the network between them, before a run: exit 0 only when nothing fails."""
+    import dataclasses
+    import json as json_mod
+    from .. import doctor as doc
+    from .. import launch
+    backend_name = "local" if force_local else None
+    inventory = common.inventory(inventory_path, hosts, exclude, nodes, backend_name, None, {})
+    inventory = common.settings(inventory, (), None, None, host_key_policy)
+    name = backend_name or inventory.backend
+    if name == "slurm":
+        raise InputError("cluster doctor checks SSH or local nodes; under SLURM, run it inside "
+                         "an allocation with the allocated hosts (--hosts)")
+    if master_port:
+        inventory = dataclasses.replace(inventory, hosts=tuple(
+            h.replace(master_port=master_port) for h in inventory.hosts))
+    templates = Templates()
+    sync = [(str(doc.REMOTE), doc.TOOLS_SUBDIR)] if deep and name == "ssh" else []
+    backend = common.backend(name, inventory, sync=sync)
+
+    def run_deep() -> dict:
+        job = doc.collective_job(new_run_id(), over_ssh=name == "ssh")
+        run = RunDir.create(job.run_id)
+        if name == "local":
+            job = dataclasses.replace(job, node_root=str((run.path / "nodes").resolve()))
+        env = doc.collective_env([65536, 1 << 20, 16 << 20], iters=5)
+        return doc.measure_collective(
+            inventory, lambda inv, j, c: launch.up(inv, j, templates, backend, run,
+                                                   ["cluster", "doctor", "--deep"], c), job, env)
+    try:
+        report = doc.diagnose(inventory, backend, templates, deep=deep, run_deep=run_deep)
+    finally:
+        backend.close()
+    if as_json:
+        click.echo(json_mod.dumps(report.to_json(), indent=2))
+    else:
+        click.echo(doc.render_text(report))
+    if not report.ok:
+        sys.exit(3)
+
+

@@ -1,0 +1,66 @@
+"""The `cluster` command's group and entry point: our error handling (a message on stderr, an
+exit code per error class) and the stop signals (SIGINT, SIGTERM, SIGHUP) every verb honours.
+
+Each verb is a module of its own (up.py, doctor.py, runs.py); common.py turns options into an
+inventory and a backend. The verbs parse options and call the library, nothing more.
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..errors import ClusterError, StopRequested
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+_ARGV: list[str] | None = None      # the command line as given, recorded in the run directory
+
+
+def argv() -> list[str]:
+    return list(_ARGV or ["cluster", *sys.argv[1:]])
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(package_name="cluster")
+def main() -> None:
+    """Launch PyTorch distributed training on many machines at once."""
+
+
+def install_stop_handlers() -> None:
+    """SIGINT, SIGTERM and SIGHUP each stop every node, as Ctrl-C does. Installed explicitly:
+    a launcher started with SIGINT ignored (`cluster up &` from a script, some CI runners)
+    inherits that disposition, and Python then never raises KeyboardInterrupt."""
+    import signal
+
+    def stop(signum: int, _frame: object) -> None:
+        raise StopRequested(signum)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+def run_cli(args: list[str] | None = None) -> int:
+    """Entry point with our error handling: message on stderr, exit code per error class."""
+    global _ARGV
+    _ARGV = ["cluster", *(sys.argv[1:] if args is None else args)]
+    try:
+        main.main(args=args, prog_name="cluster", standalone_mode=False)
+    except ClusterError as exc:
+        click.echo(f"cluster: error: {exc}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort as exc:   # click's wrapping of a KeyboardInterrupt
+        click.echo("cluster: interrupted", err=True)
+        return 128 + getattr(exc.__cause__, "signum", 2)
+    except click.ClickException as exc:
+        exc.show()
+        return 2
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt as exc:
+        click.echo("cluster: interrupted", err=True)
+        return 128 + getattr(exc, "signum", 2)
+    return 0
+
+
+def entry() -> None:
+    install_stop_handlers()
+    sys.exit(run_cli())

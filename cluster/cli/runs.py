@@ -1,0 +1,95 @@
+"""The verbs of a recorded run: `cluster status`, `cluster logs`, `cluster down`."""
+from __future__ import annotations
+
+import time
+
+import click
+
+from . import common
+from .main import CONTEXT, main
+from ..errors import ClusterError, InputError
+from ..runs import RunDir
+from ..console import Console
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("run", required=False)
+def status(run: str | None) -> None:
+    """Each node of RUN (default: the newest): running / exited with code / stopped / lost."""
+    from rich.console import Console as RichConsole
+    from rich.table import Table
+    rd = RunDir.find(run)
+    backend = common.recorded_backend(rd)
+    try:
+        rows = backend.status(rd)
+    finally:
+        backend.close()
+    table = Table(title=f"run {rd.run_id} ({rd.meta()['backend']})")
+    for col in ("rank", "node", "state", "exit code", "pid", "uptime", "detail"):
+        table.add_column(col)
+    for r in rows:
+        uptime = time.strftime("%H:%M:%S", time.gmtime(r.uptime)) if r.uptime else ""
+        table.add_row(str(r.rank), r.name, r.state, "" if r.code is None else str(r.code),
+                      "" if r.pid is None else str(r.pid), uptime, r.detail)
+    out = RichConsole()
+    out.print(table)
+    attempts = rd.meta().get("attempts") or []
+    if len(attempts) > 1 or rd.meta().get("attempt"):
+        for a in attempts:
+            out.print(f"attempt {a['attempt'] + 1} ({', '.join(a['nodes'])}): {a['ended']}",
+                      markup=False, highlight=False)
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("run", required=False)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing until the run ends.")
+@click.option("--node", help="Only this node (by name).")
+def logs(run: str | None, follow: bool, node: str | None) -> None:
+    """The output of RUN (default: the newest), prefixed by node."""
+    rd = RunDir.find(run)
+    names = [n["name"] for n in rd.meta()["nodes"]]
+    if node and node not in names:
+        raise InputError(f"Invalid value for --node: {node!r} is not in run {rd.run_id} ({', '.join(names)})")
+    from ..console import LineSplitter
+    console = Console()
+    backend = common.recorded_backend(rd)
+    splitters: dict[str, LineSplitter] = {}
+    try:
+        for label, chunk in backend.logs(rd, node=node, follow=follow):
+            sp = splitters.setdefault(label, LineSplitter())
+            for line in sp.feed(chunk):
+                console.node_line(label, list(splitters).index(label), line)
+        for label, sp in splitters.items():
+            for line in sp.flush():
+                console.node_line(label, list(splitters).index(label), line)
+    finally:
+        backend.close()
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("run", required=False)
+def down(run: str | None) -> None:
+    """Stop every node of RUN (default: the newest) and verify nothing is left."""
+    rd = RunDir.find(run)
+    backend = common.recorded_backend(rd)
+    console = Console()
+    try:
+        reports = backend.stop_run(rd)
+    finally:
+        backend.close()
+    bad = False
+    for name, rep in reports.items():
+        if rep.get("error"):
+            bad = True
+            console.info(f"[{name}] {rep['error']}")
+        elif rep.get("left"):
+            bad = True
+            console.info(f"[{name}] still alive after SIGKILL: {rep['left']}")
+        elif "state" in rep:       # a scheduler job: its state after the cancel
+            console.info(f"[{name}] {rep['state']}")
+        else:
+            console.info(f"[{name}] stopped ({len(rep.get('signalled', []))} process(es) signalled)")
+    if bad:
+        raise ClusterError(f"run {rd.run_id}: not every node could be stopped")
+
+

@@ -1,0 +1,98 @@
+"""Phase one of a launch, before anything starts: for backends with nodes of their own (local,
+SSH), check every node, resolve the network, render each node's script with its interface
+written in, record and push; for a scheduler (SLURM), render and record.
+
+A check that fails starts nothing anywhere: every failure is listed with its node, what was
+seen and the fix (cluster.preflight). At a relaunch of a restarted job, a node that fails the
+check is left out while --min-nodes remain.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .backends import Backend
+from .console import Console
+from .errors import PreflightError
+from .plan import Job, LaunchPlan, Templates, derived_port
+from .preflight import WARN, Finding, evaluate, failures
+from .runs import RunDir
+from .spec import Inventory
+
+PORT_ATTEMPTS = 5
+
+
+def prepare(inventory: Inventory, job: Job, templates: Templates, backend: Backend, run: RunDir,
+            argv: list[str], console: Console, options: Any,
+            history: list[dict[str, Any]]) -> tuple[Inventory, Any]:
+    """The plan that will start, recorded (and pushed); the inventory, less any node left out."""
+    if not backend.checks_nodes:
+        plan = backend.plan(inventory, job, templates)
+        run.record(plan, inventory, backend.name, argv)
+        return inventory, plan
+    while True:
+        try:
+            plan, facts = check(inventory, job, templates, backend, run, argv, console,
+                                options.preflight)
+            break
+        except PreflightError as exc:
+            bad = set(exc.nodes)
+            keep = tuple(h for h in inventory.hosts if h.name not in bad)
+            if not history or not bad or not options.min_nodes or len(keep) < options.min_nodes:
+                raise
+            console.info(f"leaving out {', '.join(sorted(bad))}, which failed the check; "
+                         f"{len(keep)} node(s) remain (--min-nodes {options.min_nodes})")
+            inventory = dataclasses.replace(inventory, hosts=keep)
+    nodes = [dict(rank=n.rank, name=n.host.name, address=n.host.address, run_dir=n.run_dir,
+                  dir=facts[n.host.name]["dir"], hostname=facts[n.host.name].get("hostname"))
+             for n in plan.nodes]
+    run.update(nodes=nodes, detached=options.detach, attempt=job.attempt, attempts=history)
+    return inventory, plan
+
+
+def check(inventory: Inventory, job: Job, templates: Templates, backend: Backend, run: RunDir,
+           argv: list[str], console: Console,
+           preflight: bool = True) -> tuple[LaunchPlan, dict[str, dict[str, Any]]]:
+    """Phase one: every node probed at once (connect, python, torch, its run directory, the
+    interface that reaches the master, the master port, trying the next derived port when
+    it is taken); then, unless --no-preflight, the same torch everywhere and a TCP connection
+    from every node to the master port. Any failure starts nothing. Then the scripts are
+    rendered with each node's interface written in, recorded and pushed."""
+    chosen = job.master_port or inventory.master.master_port
+    for attempt in range(PORT_ATTEMPTS):
+        if not chosen:
+            job = dataclasses.replace(job, master_port=derived_port(job.run_id, attempt))
+        plan = backend.plan(inventory, job, templates)
+        run.record(plan, inventory, backend.name, argv)
+        facts = backend.check(plan)
+        if facts[plan.master.host.name].get("port_free", True) or chosen:
+            break
+        console.info(f"port {plan.master_port} is in use on {plan.master.host.name}; trying another")
+    else:
+        raise PreflightError(f"no free master port on {plan.master_addr} after {PORT_ATTEMPTS} tries")
+    port_free = facts[plan.master.host.name].get("port_free", True)
+    findings = evaluate(plan, facts, backend.reach(plan) if preflight and port_free else None)
+    if not preflight:   # what used to be the whole check: torch present, the port free
+        findings = [f for f in findings if f.check in ("torch", "master port")]
+    judge(findings, len(plan.nodes), console)
+    ifnames = {name: f["network"]["ifname"] for name, f in facts.items()
+               if preflight and (f.get("network") or {}).get("ifname")}
+    plan = backend.plan(inventory, job, templates, ifnames)
+    run.record(plan, inventory, backend.name, argv)
+    backend.push(plan)
+    return plan, facts
+
+
+def judge(findings: list[Finding], nodes: int, console: Console) -> None:
+    for f in findings:
+        if f.status == WARN:
+            console.info(f"warning: [{f.node}] {f.check}: {f.detail}" + (f" ({f.fix})" if f.fix else ""))
+    bad = failures(findings)
+    if bad:
+        lines = "\n".join(f"  {f.node}: {f.check}: {f.detail}" + (f"\n    fix: {f.fix}" if f.fix else "")
+                          for f in bad)
+        named = sorted({f.node for f in bad})
+        error = PreflightError(f"{len(bad)} check(s) failed on {', '.join(named)} "
+                               f"({nodes} node(s) checked); nothing was started", details=lines)
+        error.nodes = [n for n in named if n != "all"]
+        raise error
