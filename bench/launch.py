@@ -1,30 +1,41 @@
 #!/usr/bin/env python3
-"""Fan-out of the SSH backend against pdsh, both measured in the same run on fake nodes.
+"""The launcher's own costs at scale, against pdsh and a plain ssh loop, measured in the same run
+on fake nodes (one sshd per network namespace: tests/integration/fixtures).
 
-    sudo python bench/launch.py              # 8 nodes, 3 repeats
-    sudo python bench/launch.py --nodes 16 --repeats 5
+    sudo python bench/launch.py                          # everything, default sizes
+    sudo python bench/launch.py --fanout 8,32 --repeats 3 --skip launch,teardown
 
-Needs root, iproute2, openssh and pdsh (the fixtures in tests/integration bring up one sshd
-per network namespace). Three measurements, each the median of the repeats:
+Needs root, iproute2, openssh, pdsh and the test venv (tests/run makes it). Four measurements,
+each repeated (A B C A B C ...) and reported as median [min-max]:
 
-  connect+exec   `hostname` on every node: SshBackend's transports (parallel connect, one
-                 exec each) vs `pdsh -R ssh -f 64 -w ... hostname`
-  launch         `cluster up` of a trivial torchrun script (every node: rendezvous, print,
-                 exit) vs pdsh running the same torchrun command line (c10d rendezvous) on
-                 every node. `cluster up` also checks every node, pushes the scripts, syncs
-                 the program and records the run; pdsh does none of that.
+  fanout     N nodes each run a script that writes a marker file and exits; the time until
+             every marker exists. `cluster up` (a template override: no torch, so the
+             launcher's own cost is what is measured; the check phase, the push and the
+             supervisors included) vs `pdsh -R ssh -f 64` running the same script vs a plain
+             loop of `ssh ... &`. Also the launching process's peak memory, threads and CPU.
+  launch     a tiny gloo all_reduce at 3 and 8 nodes, start to done: `cluster up` (c10d and
+             static rendezvous) vs bare torchrun started over an ssh loop; where cluster's time
+             goes (run.json's timings: check, reach, push, start).
+  teardown   kill -9 of one rank while the others are idle, and Ctrl-C, to every node clean
+             (checked per network namespace). At 8 nodes with real torchrun; at 8 and 64 with a
+             stand-in agent (the standard library; 64 torch processes do not fit 24 GiB).
+  plot       a PNG: fan-out time against N, log-log, for the three.
 
-Prints one line per measurement with the ratio cluster / pdsh (below 1: cluster is faster).
+Prints one line per measurement and the ratio against pdsh / bare torchrun from the same run.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,93 +43,331 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 TRIVIAL = """\
-import os, socket
 import torch.distributed as dist
 dist.init_process_group("gloo")
-print(dist.get_rank(), dist.get_world_size(), socket.gethostname(), flush=True)
 dist.barrier()  # no rank may leave while another is still connecting its mesh
 dist.destroy_process_group()
 """
 
+# torchrun's part in a teardown, without torch: workers in sessions of their own, the agent
+# exits 1 when one of them dies (as torchrun does), every worker says its pid.
+STAND_IN_AGENT = """\
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import os, time; print('worker', os.getpid(), flush=True); time.sleep(600)"],
+    start_new_session=True)
+sys.exit(0 if child.wait() == 0 else 1)
+"""
 
-def timed(fn) -> float:
-    t0 = time.monotonic()
-    fn()
-    return time.monotonic() - t0
+
+def stats(values: list[float]) -> str:
+    return f"{statistics.median(values):7.2f} s [{min(values):.2f}-{max(values):.2f}]"
+
+
+class Bench:
+    def __init__(self, sn, tmp: Path) -> None:
+        from tests.integration.fixtures import SshNodes  # noqa: F401  (typing only)
+        self.sn = sn
+        self.tmp = tmp
+        self.home = tmp / "home"
+        (self.home / ".ssh").mkdir(parents=True)
+        shutil.copy(sn.known_hosts_path, self.home / ".ssh" / "known_hosts")
+        self.markers = tmp / "markers"
+        self.markers.mkdir()
+        self.markers.chmod(0o777)
+        tmp.chmod(0o755)
+        self.env = dict(os.environ, HOME=str(self.home), NO_COLOR="1",
+                        PDSH_SSH_ARGS=f"-F {sn.ssh_config_path} -l%u %h")
+        self.addrs = [n.address for n in sn.nodes]
+        self.work = tmp / "work"
+        self.work.mkdir()
+        self.tpl = tmp / "tpl"
+        self.tpl.mkdir()
+        (self.tpl / "node.sh.j2").write_text(f"touch {self.markers}/{{{{ host.name }}}}\n")
+        self.script = tmp / "mark.sh"
+        self.script.write_text(f"touch {self.markers}/$(hostname)\n")
+        self.script.chmod(0o755)
+
+    def inventory(self, nodes: int, **defaults) -> str:
+        return self.sn.write_inventory(self.home / f"inv-{nodes}.yaml",
+                                       nodes=list(range(1, nodes + 1)), **defaults)
+
+    def clear(self) -> None:
+        for p in self.markers.iterdir():
+            p.unlink()
+
+    def until_marked(self, n: int, proc: subprocess.Popen, t0: float, timeout: float = 600) -> float:
+        while len(os.listdir(self.markers)) < n:
+            if time.monotonic() - t0 > timeout:
+                raise SystemExit(f"markers: {len(os.listdir(self.markers))} of {n} after {timeout} s")
+            if proc.poll() is not None and len(os.listdir(self.markers)) < n:
+                out = proc.stderr.read() if proc.stderr else ""
+                raise SystemExit(f"{proc.args[:6]} exited {proc.returncode} early: {out[-2000:]}")
+            time.sleep(0.005)
+        return time.monotonic() - t0
+
+    # -- fan-out -------------------------------------------------------------------------
+
+    def fanout_cluster(self, n: int) -> tuple[float, dict]:
+        self.clear()
+        inv = self.inventory(n)
+        t0 = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "cluster", "up", "-i", inv, "--templates",
+                                 str(self.tpl), "--", "x"], cwd=self.work, env=self.env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        peak = Peak(proc.pid)
+        took = self.until_marked(n, proc, t0)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        peak.stop()
+        if proc.returncode != 0:
+            raise SystemExit(f"cluster up failed: {proc.stderr.read()[-2000:]}")
+        return took, {"rss_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
+                      "threads": peak.threads, "timings": self.timings()}
+
+    def fanout_pdsh(self, n: int) -> float:
+        self.clear()
+        t0 = time.monotonic()
+        proc = subprocess.Popen(["pdsh", "-R", "ssh", "-f", "64", "-l", self.sn.user, "-w",
+                                 ",".join(self.addrs[:n]), str(self.script)], env=self.env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        took = self.until_marked(n, proc, t0)
+        proc.wait()
+        return took
+
+    def fanout_ssh_loop(self, n: int) -> float:
+        self.clear()
+        t0 = time.monotonic()
+        procs = [subprocess.Popen(self.sn.ssh_argv(i, str(self.script)), env=self.env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for i in range(1, n + 1)]
+        took = self.until_marked(n, procs[-1], t0)
+        for p in procs:
+            p.wait()
+        return took
+
+    def timings(self) -> dict:
+        runs = sorted((self.work / "runs").iterdir())
+        return json.loads((runs[-1] / "run.json").read_text()).get("timings", {})
+
+    # -- launch to done ---------------------------------------------------------------------
+
+    def launch_cluster(self, n: int, rendezvous: str, prog: Path) -> tuple[float, dict]:
+        inv = self.inventory(n, rendezvous=rendezvous)
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "cluster", "up", "-i", inv, "--sync", str(prog),
+                            "--", "trivial.py"], cwd=self.work, env=self.env, capture_output=True,
+                           text=True)
+        took = time.monotonic() - t0
+        if r.returncode != 0:
+            raise SystemExit(f"cluster up failed:\n{r.stderr[-2000:]}")
+        return took, self.timings()
+
+    def launch_bare(self, n: int, port: int) -> float:
+        """torchrun on every node over an ssh loop (the program synced there already)."""
+        master = self.addrs[0]
+        t0 = time.monotonic()
+        procs = [subprocess.Popen(self.sn.ssh_argv(i, (
+            f"cd {self.sn.workdir(i)} && {self.sn.python} -m torch.distributed.run --nnodes={n} "
+            f"--nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint={master}:{port} "
+            f"--rdzv_id=bench{port} --local_addr={self.addrs[i - 1]} trivial.py")),
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for i in range(1, n + 1)]
+        codes = [p.wait() for p in procs]
+        took = time.monotonic() - t0
+        if any(codes):
+            raise SystemExit(f"bare torchrun failed: {codes}: {procs[0].stderr.read()[-1000:]}")
+        return took
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def teardown(self, n: int, how: str, real_torchrun: bool, prog: Path) -> float:
+        """Seconds from kill -9 of one worker (how='kill') or SIGINT to `cluster up`
+        (how='ctrl-c') until no process but sshd's is left in any node's namespace."""
+        inv = self.inventory(n)
+        program = ["allreduce.py", "--sleep", "600"] if real_torchrun else ["agent.py"]
+        cmd = [sys.executable, "-m", "cluster", "up", "-i", inv, "--sync", str(prog), "--", *program]
+        if not real_torchrun:
+            cmd[cmd.index("--sync"):cmd.index("--sync")] = ["--templates", str(self.tpl_agent)]
+        proc = subprocess.Popen(cmd, cwd=self.work, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        ready, seen = ("sleeping" if real_torchrun else "worker"), 0
+        for line in proc.stdout:
+            seen += ready in line
+            if seen == n:
+                break
+        victim = self.worker_pid(n, real_torchrun)
+        t0 = time.monotonic()
+        if how == "kill":
+            os.kill(victim, signal.SIGKILL)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        while any(self.left(i) for i in range(1, n + 1)):
+            if time.monotonic() - t0 > 120:
+                raise SystemExit(f"teardown: still running after 120 s: {self.left(1)}")
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+        proc.wait(60)
+        return took
+
+    def worker_pid(self, n: int, real_torchrun: bool) -> int:
+        """A worker on the last node (not torchrun, not the supervisor)."""
+        for pid_cmd in self.left(n):
+            pid, cmd = pid_cmd.split(" ", 1)
+            if ("allreduce.py" in cmd and "torch.distributed.run" not in cmd) or \
+                    (not real_torchrun and "time.sleep(600)" in cmd):
+                return int(pid)
+        raise SystemExit(f"no worker found on node{n}: {self.left(n)}")
+
+    def left(self, node: int) -> list[str]:
+        from tests.integration.conftest import run_processes_in
+        return run_processes_in(self.sn, node)
+
+
+class Peak(threading.Thread):
+    """The most threads a process had, sampled from /proc."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.threads, self.done = pid, 0, threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.wait(0.05):
+            try:
+                for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                    if line.startswith("Threads:"):
+                        self.threads = max(self.threads, int(line.split()[1]))
+            except OSError:
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+def fanout(sizes: list[int], repeats: int, results: dict) -> None:
+    from tests.integration.fixtures import SshNodes
+    for n in sizes:
+        with SshNodes(n, max_sessions=50) as sn:
+            b = Bench(sn, Path(tempfile.mkdtemp(prefix="cluster-bench-")))
+            b.fanout_cluster(n)                      # warm-up: workdirs, host keys, caches
+            ours, pdsh, loop, facts = [], [], [], []
+            for _ in range(repeats):
+                took, f = b.fanout_cluster(n)
+                ours.append(took)
+                facts.append(f)
+                pdsh.append(b.fanout_pdsh(n))
+                loop.append(b.fanout_ssh_loop(n))
+            ratio = statistics.median(ours) / statistics.median(pdsh)
+            f = facts[len(facts) // 2]
+            print(f"fanout {n:4d} nodes: cluster {stats(ours)}  pdsh {stats(pdsh)}  "
+                  f"ssh loop {stats(loop)}  cluster/pdsh {ratio:.2f}  launcher: "
+                  f"{max(x['rss_mb'] for x in facts):.0f} MB peak RSS, {max(x['threads'] for x in facts)} "
+                  f"threads, {statistics.median(x['cpu_s'] for x in facts):.1f} s CPU; "
+                  f"phases {f['timings']}", flush=True)
+            results["fanout"][n] = {"cluster": ours, "pdsh": pdsh, "ssh_loop": loop,
+                                    "launcher": facts}
+
+
+def launch(sizes: list[int], repeats: int, results: dict) -> None:
+    from tests.integration.fixtures import SshNodes
+    for n in sizes:
+        with SshNodes(n) as sn:
+            b = Bench(sn, Path(tempfile.mkdtemp(prefix="cluster-bench-")))
+            prog = b.tmp / "prog"
+            prog.mkdir()
+            (prog / "trivial.py").write_text(TRIVIAL)
+            b.launch_cluster(n, "c10d", prog)        # warm-up, and syncs trivial.py
+            c10d, static, bare, timings = [], [], [], []
+            for k in range(repeats):
+                took, tm = b.launch_cluster(n, "c10d", prog)
+                c10d.append(took)
+                timings.append(tm)
+                static.append(b.launch_cluster(n, "static", prog)[0])
+                bare.append(b.launch_bare(n, 29400 + k))
+            print(f"launch {n:2d} nodes: cluster c10d {stats(c10d)}  static {stats(static)}  "
+                  f"bare torchrun {stats(bare)}  cluster/bare {statistics.median(c10d) / statistics.median(bare):.3f}"
+                  f"  phases {timings[len(timings) // 2]}", flush=True)
+            results["launch"][n] = {"c10d": c10d, "static": static, "bare": bare, "timings": timings}
+
+
+def teardown(sizes: list[int], repeats: int, results: dict) -> None:
+    from tests.integration.fixtures import SshNodes
+    programs = ROOT / "tests" / "integration" / "programs"
+    for n in sizes:
+        with SshNodes(n) as sn:
+            b = Bench(sn, Path(tempfile.mkdtemp(prefix="cluster-bench-")))
+            prog = b.tmp / "prog"
+            shutil.copytree(programs, prog)
+            (prog / "agent.py").write_text(STAND_IN_AGENT)
+            b.tpl_agent = b.tmp / "tpl-agent"
+            b.tpl_agent.mkdir()
+            (b.tpl_agent / "node.sh.j2").write_text(
+                "cd {{ host.workdir | shpath }}\nexec {{ host.python | shpath }} -u agent.py\n")
+            row = {}
+            for label, how, real in (("kill -9, torchrun", "kill", True),
+                                     ("Ctrl-C, torchrun", "ctrl-c", True),
+                                     ("kill -9, stand-in agent", "kill", False),
+                                     ("Ctrl-C, stand-in agent", "ctrl-c", False)):
+                if real and n > 16:
+                    continue
+                times = [b.teardown(n, how, real, prog) for _ in range(repeats)]
+                row[label] = times
+                print(f"teardown {n:2d} nodes, {label:24s}: {stats(times)} to every node clean",
+                      flush=True)
+            results["teardown"][n] = row
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    data = results["fanout"]
+    sizes = sorted(data)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("cluster", "cluster up"), ("pdsh", "pdsh -R ssh -f 64"),
+                       ("ssh_loop", "ssh loop (&)")):
+        ax.plot(sizes, [statistics.median(data[n][key]) for n in sizes], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("seconds until every node ran its script")
+    ax.set_title("Fan-out on fake nodes (2 cores, one sshd per namespace)")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--fanout", default="8,32,128,256")
+    ap.add_argument("--launch", default="3,8")
+    ap.add_argument("--teardown", default="8,64")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip", default="", help="comma-separated: fanout,launch,teardown")
+    ap.add_argument("--plot", default="bench/results/launch-fanout.png")
+    ap.add_argument("--json", default="", help="write the raw results here")
     args = ap.parse_args()
     if os.geteuid() != 0 or not shutil.which("pdsh"):
         print("needs root and pdsh (apt-get install pdsh)", file=sys.stderr)
         return 2
-
-    from cluster.backends.ssh import SshBackend
-    from cluster.inventory import load
-    from tests.integration.fixtures import SshNodes
-
-    with SshNodes(args.nodes) as sn:
-        tmp = Path(tempfile.mkdtemp(prefix="cluster-bench-"))
-        home, work, prog = tmp / "home", tmp / "work", tmp / "prog"
-        for d in (home / ".ssh", work, prog):
-            d.mkdir(parents=True)
-        shutil.copy(sn.known_hosts_path, home / ".ssh" / "known_hosts")
-        (prog / "trivial.py").write_text(TRIVIAL)
-        inv_path = sn.write_inventory(home / "inv.yaml")
-        env = dict(os.environ, HOME=str(home), PDSH_SSH_ARGS=f"-F {sn.ssh_config_path} -l%u %h")
-        os.environ["HOME"] = str(home)
-        addrs = [n.address for n in sn.nodes]
-        wlist = ",".join(addrs)
-        pdsh = ["pdsh", "-R", "ssh", "-f", "64", "-l", sn.user, "-w", wlist]
-
-        inventory = load(inv_path)
-
-        def cluster_fanout() -> None:
-            backend = SshBackend(inventory.ssh)
-            try:
-                results = backend.each(inventory.hosts, lambda h: backend.transport(h).run("hostname"))
-                bad = [r for _, r in results if isinstance(r, Exception) or r.code != 0]
-                if bad:
-                    raise SystemExit(f"fan-out failed: {bad}")
-            finally:
-                backend.close()
-
-        def pdsh_fanout() -> None:
-            subprocess.run(pdsh + ["hostname"], env=env, check=True, capture_output=True)
-
-        def cluster_up() -> None:
-            r = subprocess.run([sys.executable, "-m", "cluster", "up", "-i", inv_path, "--sync",
-                                str(prog), "--", "trivial.py"], cwd=work, env=env,
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                raise SystemExit(f"cluster up failed (logs: {work}/runs/):\n{r.stderr[-2000:]}")
-
-        port = [29400]
-
-        def pdsh_torchrun() -> None:
-            port[0] += 1
-            cmd = (f"cd {sn.workdir(1).rsplit('/', 1)[0]}/$(hostname) && "
-                   f"{sn.python} -m torch.distributed.run --nnodes={args.nodes} "
-                   f"--nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint={addrs[0]}:{port[0]} "
-                   f"--rdzv_id=bench{port[0]} trivial.py")
-            r = subprocess.run(pdsh + [cmd], env=env, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise SystemExit(f"pdsh torchrun failed:\n{r.stdout[-1000:]}{r.stderr[-2000:]}")
-
-        cluster_up()          # first run: makes the workdirs, syncs the program to each
-        rows = []
-        for name, ours, theirs in (("connect+exec", cluster_fanout, pdsh_fanout),
-                                   ("launch", cluster_up, pdsh_torchrun)):
-            a = [timed(ours) for _ in range(args.repeats)]
-            b = [timed(theirs) for _ in range(args.repeats)]
-            ma, mb = statistics.median(a), statistics.median(b)
-            rows.append((name, ma, mb))
-            print(f"{name:13s} {args.nodes} nodes: cluster {ma:6.2f} s  pdsh {mb:6.2f} s  "
-                  f"ratio {ma / mb:5.2f}", flush=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+    os.environ.setdefault("CLUSTER_TEST_PYTHON", "/opt/cluster-venv/bin/python")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (65536, 65536))
+    skip = set(args.skip.split(","))
+    results: dict = {"fanout": {}, "launch": {}, "teardown": {}}
+    sizes = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    if "fanout" not in skip:
+        fanout(sizes(args.fanout), args.repeats, results)
+        if args.plot:
+            plot(results, args.plot)
+    if "launch" not in skip:
+        launch(sizes(args.launch), args.repeats, results)
+    if "teardown" not in skip:
+        teardown(sizes(args.teardown), args.repeats, results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -65,10 +65,12 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, r
         job = dataclasses.replace(job, attempt=len(history))
         inventory, plan = prepare(inventory, job, templates, backend, run, argv, console,
                                   options, history)
+        t0 = time.monotonic()
         procs = backend.start(plan, detach=options.detach, secrets=secrets, run=run)
         console.info(backend.start_note(procs, plan)
                      + (f" (attempt {job.attempt + 1} of {options.restarts + 1})" if job.attempt else ""))
-        run.update(**backend.started(plan, procs, run))
+        run.update(**backend.started(plan, procs, run),
+                   timings={**(run.meta().get("timings") or {}), "start": round(time.monotonic() - t0, 3)})
         if options.detach:
             console.info(f"detached; follow with `cluster logs -f {plan.run_id}`, "
                          f"stop with `cluster down {plan.run_id}`")

@@ -9,6 +9,7 @@ check is left out while --min-nodes remain.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from .backends import Backend
@@ -64,14 +65,18 @@ def check(inventory: Inventory, job: Job, templates: Templates, backend: Backend
             job = dataclasses.replace(job, master_port=derived_port(job.run_id, attempt))
         plan = backend.plan(inventory, job, templates)
         run.record(plan, inventory, backend.name, argv)
+        t0 = time.monotonic()
         facts = backend.check(plan)
+        timings = {"check": time.monotonic() - t0}
         if facts[plan.master.host.name].get("port_free", True) or chosen:
             break
         console.info(f"port {plan.master_port} is in use on {plan.master.host.name}; trying another")
     else:
         raise PreflightError(f"no free master port on {plan.master_addr} after {PORT_ATTEMPTS} tries")
     port_free = facts[plan.master.host.name].get("port_free", True)
+    t0 = time.monotonic()
     findings = evaluate(plan, facts, backend.reach(plan) if preflight and port_free else None)
+    timings["reach"] = time.monotonic() - t0
     if not preflight:   # what used to be the whole check: torch present, the port free
         findings = [f for f in findings if f.check in ("torch", "master port")]
     judge(findings, len(plan.nodes), console)
@@ -79,7 +84,10 @@ def check(inventory: Inventory, job: Job, templates: Templates, backend: Backend
                if preflight and (f.get("network") or {}).get("ifname")}
     plan = backend.plan(inventory, job, templates, ifnames)
     run.record(plan, inventory, backend.name, argv)
+    t0 = time.monotonic()
     backend.push(plan)
+    timings["push"] = time.monotonic() - t0
+    run.update(timings={k: round(v, 3) for k, v in timings.items()})
     return plan, facts
 
 

@@ -6,14 +6,14 @@ import sys
 import click
 
 from . import common
-from .main import CONTEXT, main
+from .main import CONTEXT, SafePath, main
 from ..errors import InputError
 from ..plan import Templates
 from ..runs import RunDir, new_run_id
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False),
+@click.option("-i", "--inventory", "inventory_path", type=SafePath(dir_okay=False),
               help="Hosts: YAML inventory, MPI/DeepSpeed hostfile. None: this machine.")
 @click.option("--nodes", type=int, help="Only the first N selected hosts.")
 @click.option("--hosts", help="Only these hosts: names or hostlists.")

@@ -11,6 +11,7 @@ import sys
 import click
 
 from ..errors import ClusterError, StopRequested
+from ..spec import control_char
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 _ARGV: list[str] | None = None      # the command line as given, recorded in the run directory
@@ -18,6 +19,17 @@ _ARGV: list[str] | None = None      # the command line as given, recorded in the
 
 def argv() -> list[str]:
     return list(_ARGV or ["cluster", *sys.argv[1:]])
+
+
+class SafePath(click.Path):
+    """click.Path that refuses a control character (a NUL would reach os.stat as a traceback,
+    a newline a script) with the usual 'Invalid value for ...' and exit 2."""
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        bad = control_char(str(value))
+        if bad:
+            self.fail(f"control character {bad} in {str(value)!r}", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 @click.group(context_settings=CONTEXT)

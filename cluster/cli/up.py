@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from . import common
-from .main import CONTEXT, argv, main
+from .main import CONTEXT, SafePath, argv, main
 from .. import launch
 from ..backends.slurm import cli_settings
 from ..console import Console
@@ -19,7 +19,7 @@ from ..spec import Inventory, check_text
 
 
 @main.command(context_settings={**CONTEXT, "allow_interspersed_args": False})
-@click.option("-i", "--inventory", "inventory_path", type=click.Path(dir_okay=False),
+@click.option("-i", "--inventory", "inventory_path", type=SafePath(dir_okay=False),
               help="Hosts: YAML inventory, MPI/DeepSpeed hostfile. None: this machine.")
 @click.option("--nodes", type=int, help="Use the first N selected hosts (or N simulated local nodes).")
 @click.option("--hosts", help="Only these hosts: names or hostlists, e.g. gpu[01-04],cpu1.")
@@ -32,7 +32,7 @@ from ..spec import Inventory, check_text
 @click.option("--no-preflight", is_flag=True,
               help="Skip the cross-node checks (same torch, every node reaching the master port) "
                    "and let each node choose its interface at start.")
-@click.option("--templates", "templates_dir", type=click.Path(file_okay=False),
+@click.option("--templates", "templates_dir", type=SafePath(file_okay=False),
               help="A directory whose templates override the built-in ones by name.")
 @click.option("--nproc-per-node", type=int, help="Processes per node (overrides the inventory).")
 @click.option("--master-port", type=click.IntRange(1, 65535), help="Rendezvous port on the first node.")
@@ -54,7 +54,7 @@ from ..spec import Inventory, check_text
 @click.option("--keepalive", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="SSH: silence after which a node counts as lost, and a node stops itself "
                    "without the launcher (default 60; the inventory's ssh.keepalive).")
-@click.option("--sync", "sync_dir", type=click.Path(file_okay=False, exists=True),
+@click.option("--sync", "sync_dir", type=SafePath(file_okay=False, exists=True),
               help="SSH: copy this directory into every node's workdir first (unchanged files skipped).")
 @click.option("--sync-exclude", multiple=True, metavar="PATTERN",
               help="Leave out of --sync what matches (gitignore syntax, repeatable); "

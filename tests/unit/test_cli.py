@@ -94,6 +94,9 @@ def test_templates_override(in_tmp: Path, capsys) -> None:
     (["up", "--backend", "slurm", "--time", "1:00\r", "--dry-run"], "Invalid value for --time"),
     (["up", "--backend", "slurm", "--account", "a\x00", "--dry-run"], "Invalid value for --account"),
     (["up", "--dry-run", "--", "train\n.py"], "Invalid value for SCRIPT"),
+    (["up", "--templates", "x\x00y", "--dry-run"], "control character"),
+    (["up", "-i", "inv\x00.yaml", "--dry-run"], "control character"),
+    (["up", "--hosts", "a", "--sync", "d\x00", "--dry-run"], "control character"),
     (["up", "--secret-env", "UNSET_SECRET_FOR_THIS_TEST", "--dry-run"], "not set in this shell"),
 ])
 def test_bad_options_exit_2(in_tmp: Path, capsys, args: list[str], words: str) -> None:
