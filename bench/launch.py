@@ -96,13 +96,14 @@ class Bench:
         for p in self.markers.iterdir():
             p.unlink()
 
-    def until_marked(self, n: int, proc: subprocess.Popen, t0: float, timeout: float = 600) -> float:
+    def until_marked(self, n: int, procs: list[subprocess.Popen], t0: float,
+                     timeout: float = 600) -> float:
         while len(os.listdir(self.markers)) < n:
             if time.monotonic() - t0 > timeout:
                 raise SystemExit(f"markers: {len(os.listdir(self.markers))} of {n} after {timeout} s")
-            if proc.poll() is not None and len(os.listdir(self.markers)) < n:
-                out = proc.stderr.read() if proc.stderr else ""
-                raise SystemExit(f"{proc.args[:6]} exited {proc.returncode} early: {out[-2000:]}")
+            if all(p.poll() is not None for p in procs) and len(os.listdir(self.markers)) < n:
+                out = procs[0].stderr.read() if procs[0].stderr else ""
+                raise SystemExit(f"{procs[0].args[:6]} ended early ({procs[0].returncode}): {out[-2000:]}")
             time.sleep(0.005)
         return time.monotonic() - t0
 
@@ -116,7 +117,7 @@ class Bench:
                                  str(self.tpl), "--", "x"], cwd=self.work, env=self.env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         peak = Peak(proc.pid)
-        took = self.until_marked(n, proc, t0)
+        took = self.until_marked(n, [proc], t0)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         peak.stop()
@@ -125,15 +126,17 @@ class Bench:
         return took, {"rss_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
                       "threads": peak.threads, "timings": self.timings()}
 
-    def fanout_pdsh(self, n: int) -> float:
+    def fanout_pdsh(self, n: int) -> tuple[float, float]:
+        """Seconds until every marker exists, and the CPU seconds of pdsh with its ssh clients."""
         self.clear()
         t0 = time.monotonic()
         proc = subprocess.Popen(["pdsh", "-R", "ssh", "-f", "64", "-l", self.sn.user, "-w",
                                  ",".join(self.addrs[:n]), str(self.script)], env=self.env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        took = self.until_marked(n, proc, t0)
-        proc.wait()
-        return took
+        took = self.until_marked(n, [proc], t0)
+        _, _, usage = os.wait4(proc.pid, 0)
+        proc.returncode = 0
+        return took, usage.ru_utime + usage.ru_stime
 
     def fanout_ssh_loop(self, n: int) -> float:
         self.clear()
@@ -141,7 +144,7 @@ class Bench:
         procs = [subprocess.Popen(self.sn.ssh_argv(i, str(self.script)), env=self.env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for i in range(1, n + 1)]
-        took = self.until_marked(n, procs[-1], t0)
+        took = self.until_marked(n, procs, t0)
         for p in procs:
             p.wait()
         return took
@@ -251,22 +254,26 @@ def fanout(sizes: list[int], repeats: int, results: dict) -> None:
         with SshNodes(n, max_sessions=50) as sn:
             b = Bench(sn, Path(tempfile.mkdtemp(prefix="cluster-bench-")))
             b.fanout_cluster(n)                      # warm-up: workdirs, host keys, caches
-            ours, pdsh, loop, facts = [], [], [], []
+            ours, pdsh, pdsh_cpu, loop, facts = [], [], [], [], []
             for _ in range(repeats):
                 took, f = b.fanout_cluster(n)
                 ours.append(took)
                 facts.append(f)
-                pdsh.append(b.fanout_pdsh(n))
+                took, cpu = b.fanout_pdsh(n)
+                pdsh.append(took)
+                pdsh_cpu.append(cpu)
                 loop.append(b.fanout_ssh_loop(n))
             ratio = statistics.median(ours) / statistics.median(pdsh)
+            cpu = statistics.median(x["cpu_s"] for x in facts)
             f = facts[len(facts) // 2]
             print(f"fanout {n:4d} nodes: cluster {stats(ours)}  pdsh {stats(pdsh)}  "
                   f"ssh loop {stats(loop)}  cluster/pdsh {ratio:.2f}  launcher: "
                   f"{max(x['rss_mb'] for x in facts):.0f} MB peak RSS, {max(x['threads'] for x in facts)} "
-                  f"threads, {statistics.median(x['cpu_s'] for x in facts):.1f} s CPU; "
+                  f"threads, {cpu:.1f} s CPU (pdsh and its ssh clients: "
+                  f"{statistics.median(pdsh_cpu):.1f} s, ratio {cpu / statistics.median(pdsh_cpu):.2f}); "
                   f"phases {f['timings']}", flush=True)
-            results["fanout"][n] = {"cluster": ours, "pdsh": pdsh, "ssh_loop": loop,
-                                    "launcher": facts}
+            results["fanout"][n] = {"cluster": ours, "pdsh": pdsh, "pdsh_cpu": pdsh_cpu,
+                                    "ssh_loop": loop, "launcher": facts}
 
 
 def launch(sizes: list[int], repeats: int, results: dict) -> None:
@@ -354,7 +361,8 @@ def main() -> int:
         print("needs root and pdsh (apt-get install pdsh)", file=sys.stderr)
         return 2
     os.environ.setdefault("CLUSTER_TEST_PYTHON", "/opt/cluster-venv/bin/python")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (65536, 65536))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))     # 256 sshds and their sockets
     skip = set(args.skip.split(","))
     results: dict = {"fanout": {}, "launch": {}, "teardown": {}}
     sizes = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731

@@ -66,20 +66,23 @@ def check(inventory: Inventory, job: Job, templates: Templates, backend: Backend
         plan = backend.plan(inventory, job, templates)
         run.record(plan, inventory, backend.name, argv)
         t0 = time.monotonic()
-        facts = backend.check(plan)
+        facts = backend.check(plan, reach=preflight)
         timings = {"check": time.monotonic() - t0}
         if facts[plan.master.host.name].get("port_free", True) or chosen:
             break
+        backend.release()
         console.info(f"port {plan.master_port} is in use on {plan.master.host.name}; trying another")
     else:
         raise PreflightError(f"no free master port on {plan.master_addr} after {PORT_ATTEMPTS} tries")
-    port_free = facts[plan.master.host.name].get("port_free", True)
-    t0 = time.monotonic()
-    findings = evaluate(plan, facts, backend.reach(plan) if preflight and port_free else None)
-    timings["reach"] = time.monotonic() - t0
+    reach = {name: f["reach"] for name, f in facts.items() if "reach" in f} if preflight else None
+    findings = evaluate(plan, facts, reach)
     if not preflight:   # what used to be the whole check: torch present, the port free
         findings = [f for f in findings if f.check in ("torch", "master port")]
-    judge(findings, len(plan.nodes), console)
+    try:
+        judge(findings, len(plan.nodes), console)
+    except PreflightError:
+        backend.release()                # every staged node lets go: nothing starts
+        raise
     ifnames = {name: f["network"]["ifname"] for name, f in facts.items()
                if preflight and (f.get("network") or {}).get("ifname")}
     plan = backend.plan(inventory, job, templates, ifnames)

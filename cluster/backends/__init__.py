@@ -50,14 +50,18 @@ class Backend(Protocol):
              ifnames: Mapping[str, str] | None = None) -> Any:
         """Pure: the LaunchPlan or SbatchPlan; str() of it is what would run."""
 
-    def check(self, plan: Any) -> dict[str, dict[str, Any]]:
-        """Phase one: what every node has. Raises PreflightError naming every failing node."""
+    def check(self, plan: Any, reach: bool = False) -> dict[str, dict[str, Any]]:
+        """Phase one: what every node has (with reach, whether it can connect to the master
+        port). Raises PreflightError naming every failing node."""
 
     def reach(self, plan: Any) -> dict[str, dict[str, Any]]:
         """Whether every node can connect to the master port (after check)."""
 
     def push(self, plan: Any) -> None:
         """Each node's script into its run directory (after check)."""
+
+    def release(self) -> None:
+        """Let every node the check prepared go without starting it."""
 
     def start(self, plan: Any, *, detach: bool = False,
               secrets: Mapping[str, Mapping[str, str]] | None = None,

@@ -102,6 +102,9 @@ class LocalChannel:
 class LocalTransport:
     label = "localhost"
 
+    def open(self) -> None:
+        """Nothing to connect to."""
+
     def run(self, command: str, *, timeout: float | None = None, input: bytes = b"") -> Result:
         try:
             out = subprocess.run(["/bin/sh", "-c", command], capture_output=True,

@@ -182,7 +182,7 @@ class SlurmBackend:
              ifnames: Mapping[str, str] | None = None) -> SbatchPlan:
         return render_sbatch(inventory, job, templates, inventory.slurm, cwd=self.cwd)
 
-    def check(self, plan: SbatchPlan) -> dict[str, dict[str, Any]]:
+    def check(self, plan: SbatchPlan, reach: bool = False) -> dict[str, dict[str, Any]]:
         return {}
 
     def reach(self, plan: SbatchPlan) -> dict[str, dict[str, Any]]:
@@ -190,6 +190,9 @@ class SlurmBackend:
 
     def push(self, plan: SbatchPlan) -> None:
         """The recorded script is what sbatch reads: nothing to copy."""
+
+    def release(self) -> None:
+        """Nothing was staged."""
 
     def start(self, plan: SbatchPlan, *, detach: bool = False,
               secrets: Mapping[str, Mapping[str, str]] | None = None,

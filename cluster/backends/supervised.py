@@ -25,6 +25,7 @@ from ..nodes import Demux, NodeExit, NodeStatus
 SUPERVISOR = Path(__file__).resolve().parent.parent / "remote" / "supervisor.py"
 WORKERS = SUPERVISOR.with_name("workers.py")      # imported by the supervisor, beside it
 PROBE = SUPERVISOR.with_name("probe.py")
+STAGE = SUPERVISOR.with_name("stage.py")
 PGID_HEADER = b"@@cluster pgid="
 
 
@@ -55,6 +56,9 @@ class Transport(Protocol):
     """One node: run a shell command, start a streaming one, write a file."""
     label: str
 
+    def open(self) -> None:
+        """Connect now (otherwise the first use does); raises ClusterError."""
+
     def run(self, command: str, *, timeout: float | None = None, input: bytes = b"") -> Result: ...
 
     def spawn(self, command: str) -> Channel: ...
@@ -70,19 +74,16 @@ class SupervisedNode:
     def __init__(self, transport: Transport, python: str, run_dir: str) -> None:
         self.transport = transport
         self.python = python
-        self.dir = run_dir               # made absolute by prepare()
+        self.dir = run_dir               # made absolute by the check
+        self.staged: Channel | None = None
 
     def supervisor(self, *args: str) -> str:
         cmd = [shpath(self.python), shlex.quote(f"{self.dir}/supervisor.py")]
         return " ".join(cmd + [shlex.quote(a) for a in args])
 
-    def probe(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
-              deep: bool = False, make_dir: bool = True) -> dict[str, Any]:
-        """One round trip: make the workdir and the run directory (0700), and say what this
-        node has (python, torch, the interface that reaches the master; the master port when
-        `port`; doctor's findings when `deep`). Raises ClusterError with the reason."""
-        args = ["facts", "--workdir", node.host.workdir, "--own", node.host.address,
-                "--master", plan.master_addr]
+    def facts_args(self, node: NodePlan, plan: LaunchPlan, *, port: bool, deep: bool,
+                   make_dir: bool, connect: tuple[str, int] | None) -> list[str]:
+        args = ["--workdir", node.host.workdir, "--own", node.host.address, "--master", plan.master_addr]
         if make_dir:
             args += ["--dir", self.dir]
         if node.host.network.ifname:
@@ -91,24 +92,61 @@ class SupervisedNode:
             args += ["--port", str(plan.master_port)]
         if deep:
             args.append("--deep")
-        probed = self.transport.run(probe_command(self.python, *args), timeout=120,
+        if connect:
+            args += ["--connect", f"{connect[0]}:{connect[1]}"]
+        return args
+
+    def probe(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
+              deep: bool = False, make_dir: bool = True,
+              connect: tuple[str, int] | None = None) -> dict[str, Any]:
+        """One round trip, nothing left running: make the workdir and the run directory
+        (0700), and say what this node has (python, torch, the interface that reaches the
+        master; the master port when `port`; doctor's findings when `deep`)."""
+        args = self.facts_args(node, plan, port=port, deep=deep, make_dir=make_dir, connect=connect)
+        probed = self.transport.run(probe_command(self.python, "facts", *args), timeout=120,
                                     input=probe_input())
-        if probed.code == 127 or (probed.code and b"No such file" in probed.stderr):
-            raise ClusterError(f"python {self.python!r} not found (set 'python:' in the inventory)")
         if probed.code != 0:
-            raise ClusterError(f"python {self.python!r} failed: {probed.text()[-500:]}")
-        facts = json.loads(probed.stdout.decode().strip().splitlines()[-1])
+            raise self._python_error(probed.code, probed.text())
+        return self._facts(probed.stdout.decode().strip().splitlines()[-1])
+
+    def stage(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
+              connect: tuple[str, int] | None = None) -> dict[str, Any]:
+        """The probe, by the process that will become this node's supervisor when start()
+        gives the word (cluster/remote/stage.py): one process and one round trip per node for
+        the check and the start together. release() lets it go without starting."""
+        args = self.facts_args(node, plan, port=port, deep=False, make_dir=True, connect=connect)
+        ch = self.transport.spawn(stage_command(self.python, *args))
+        ch.write(stage_input())
+        said = b""
+        while not said.endswith(b"\n"):
+            data = ch.read()
+            if not data:
+                code = ch.wait()
+                raise self._python_error(code, said.decode(errors="replace"))
+            said += data
+            if b"\n" in said and not said.lstrip().startswith(b"{"):
+                said = said.split(b"\n", 1)[1]        # a shell's greeting: not ours
+        self.staged = ch
+        return self._facts(said.decode().strip())
+
+    def release(self) -> None:
+        """A staged node that will not start: its process sees the input end and exits."""
+        ch, self.staged = self.staged, None
+        if ch is not None:
+            ch.close()
+
+    def _facts(self, line: str) -> dict[str, Any]:
+        facts = json.loads(line)
         for key in ("workdir", "dir"):
             if isinstance(facts.get(key), dict):
                 raise ClusterError(facts[key]["error"])
         self.dir = facts.get("dir", self.dir)
         return facts
 
-    def push(self, node: NodePlan) -> None:
-        """The supervisor and the node's rendered script, into its run directory."""
-        for part in (SUPERVISOR, WORKERS):
-            self.transport.put(part.read_bytes(), f"{self.dir}/{part.name}", 0o600)
-        self.transport.put(node.script.encode(), f"{self.dir}/launch.sh", 0o700)
+    def _python_error(self, code: int | None, text: str) -> ClusterError:
+        if code == 127 or "No such file" in text:
+            return ClusterError(f"python {self.python!r} not found (set 'python:' in the inventory)")
+        return ClusterError(f"python {self.python!r} failed: {text.strip()[-500:]}")
 
     def listen(self, port: int, seconds: float) -> Channel:
         """A short-lived listener on port (as torchrun's store will listen), until the
@@ -130,19 +168,25 @@ class SupervisedNode:
 
     def start(self, node: NodePlan, detach: bool, secrets: Mapping[str, str], grace: float,
               keepalive: float) -> "SupervisedProcess | int | None":
-        """Start the node's supervisor. Its first input line carries the secret environment,
-        so no value ever reaches a file or a command line on the node."""
-        args = ["run", self.dir, "--run-id", _run_id(node), "--node", node.host.name,
-                "--grace", f"{grace:g}"]
+        """The word to the staged process: the supervisor, its helper and the node's script,
+        then the secret environment (so no value reaches a file or a command line), on the
+        channel the check opened."""
+        ch, self.staged = self.staged, None
+        if ch is None:
+            raise ClusterError("the node was not checked in this launch")
+        args = ["--run-id", _run_id(node), "--node", node.host.name, "--grace", f"{grace:g}"]
+        args += ["--detach"] if detach else ["--keepalive", f"{keepalive:g}"]
         config = (json.dumps({"env": dict(secrets)}) + "\n").encode()
-        if detach:
-            res = self.transport.run(self.supervisor(*args, "--detach"), timeout=60, input=config)
-            if res.code != 0:
-                raise ClusterError(f"start failed: {res.text()}")
-            return int(res.stdout.decode().strip() or 0) or None
-        channel = self.transport.spawn("exec " + self.supervisor(*args, "--keepalive", f"{keepalive:g}"))
-        channel.write(config)
-        return SupervisedProcess(node, self, channel, grace)
+        ch.write(go_input(self.dir, args, node.script.encode()) + config)
+        if not detach:
+            return SupervisedProcess(node, self, ch, grace)
+        said = b""
+        while data := ch.read():
+            said += data
+        if ch.wait() != 0:
+            raise ClusterError(f"start failed: {said.decode(errors='replace').strip()[-500:]}")
+        lines = said.decode(errors="replace").strip().splitlines()
+        return int(lines[-1]) if lines and lines[-1].isdigit() else None
 
     def stop(self, grace: float) -> dict[str, Any]:
         res = self.transport.run(self.supervisor("stop", self.dir, "--grace", f"{grace:g}"),
@@ -160,6 +204,32 @@ class SupervisedNode:
 # a listener to watch): nothing has to be copied to a node before it is checked.
 BOOTSTRAP = ("import sys;n=int(sys.stdin.buffer.readline());"
              "exec(compile(sys.stdin.buffer.read(n),'probe.py','exec'))")
+
+
+# A node's one process for the check and the start (cluster/remote/stage.py): its source and
+# the probe's travel on standard input behind their lengths, read to the byte with os.read.
+STAGE_BOOT = ("import os\n"
+              "def t(n):\n b=b''\n while len(b)<n:\n  c=os.read(0,n-len(b))\n"
+              "  if not c:raise SystemExit(1)\n  b+=c\n return b\n"
+              "l=b''\nwhile not l.endswith(b'\\n'):l+=t(1)\n"
+              "exec(compile(t(int(l)),'stage.py','exec'))")
+
+
+def stage_command(python: str, *args: str) -> str:
+    return " ".join([shpath(python), "-c", shlex.quote(STAGE_BOOT), *(shlex.quote(a) for a in args)])
+
+
+def stage_input() -> bytes:
+    stage, probe = STAGE.read_bytes(), PROBE.read_bytes()
+    return f"{len(stage)}\n".encode() + stage + f"{len(probe)}\n".encode() + probe
+
+
+def go_input(run_dir: str, args: list[str], script: bytes) -> bytes:
+    """The launcher's word to a staged node: where, the supervisor's arguments, its files."""
+    files = [("supervisor.py", SUPERVISOR.read_bytes(), 0o600),
+             ("workers.py", WORKERS.read_bytes(), 0o600), ("launch.sh", script, 0o700)]
+    head = {"dir": run_dir, "args": args, "files": [[n, len(d), m] for n, d, m in files]}
+    return (json.dumps(head) + "\n").encode() + b"".join(d for _, d, _ in files)
 
 
 def probe_input() -> bytes:
@@ -263,22 +333,61 @@ class SupervisedBackend:
             self._transports[host.name] = self._connect(host)
         return self._transports[host.name]
 
-    def check(self, plan: LaunchPlan, *, deep: bool = False) -> dict[str, dict[str, Any]]:
+    def check(self, plan: LaunchPlan, *, reach: bool = False) -> dict[str, dict[str, Any]]:
         """Phase one on every node at once: connect, make the run directory, say what the
-        node has (see SupervisedNode.probe). Raises PreflightError naming every node that
-        could not be reached or probed; pushes and starts nothing."""
-        results = self.each_or_fail(plan.nodes, lambda n: self.probe_node(n, plan, deep=deep))
+        node has, by the process that start() will make the node's supervisor
+        (SupervisedNode.stage). With reach, the same process opens a TCP connection to the
+        master port, where a short-lived listener waits meanwhile; the listener's binding is
+        the master's port check. Raises PreflightError naming every node that could not be
+        reached or checked, and lets every staged process go: nothing starts."""
+        self.release()
+        self._nodes = {n.host.name: SupervisedNode(self.transport(n.host), n.host.python, n.run_dir)
+                       for n in plan.nodes}
+        listening = threading.Event()
+        state: dict[str, Any] = {}
+
+        def one(node: NodePlan) -> dict[str, Any]:
+            remote = self._nodes[node.host.name]
+            if not reach:
+                return remote.stage(node, plan, port=node is plan.master)
+            if node is plan.master:
+                try:
+                    state["listener"] = remote.listen(plan.master_port, seconds=90)
+                except ClusterError as exc:
+                    state["busy"] = str(exc)
+                finally:
+                    listening.set()
+            else:
+                self.transport(node.host).open()    # the handshake while the listener starts
+                listening.wait(120)
+            target = None if "busy" in state else (plan.master_addr, plan.master_port)
+            facts = remote.stage(node, plan, connect=target)
+            if node is plan.master:
+                facts["port_free"] = "busy" not in state
+            return facts
+        try:
+            results = self.each_or_fail(plan.nodes, one)
+        except ClusterError:
+            self.release()
+            raise
+        finally:
+            if "listener" in state:
+                state["listener"].close()
         return {n.host.name: r for n, r in results}
+
+    def release(self) -> None:
+        """Every staged node that will not start lets go (prepare failed, or is trying again)."""
+        for remote in self._nodes.values():
+            remote.release()
 
     def probe_node(self, node: NodePlan, plan: LaunchPlan, *, deep: bool = False,
                    make_dir: bool = True) -> dict[str, Any]:
-        """One node's facts (connecting first if need be); raises ClusterError."""
+        """One node's facts, nothing left running (cluster doctor); raises ClusterError."""
         remote = SupervisedNode(self.transport(node.host), node.host.python, node.run_dir)
-        facts = remote.probe(node, plan, port=node is plan.master, deep=deep, make_dir=make_dir)
         self._nodes[node.host.name] = remote
-        return facts
+        return remote.probe(node, plan, deep=deep, make_dir=make_dir, port=node is plan.master)
 
-    def reach(self, plan: LaunchPlan, timeout: float = 3.0) -> dict[str, dict[str, Any]]:
+    def reach(self, plan: LaunchPlan, timeout: float = 8.0) -> dict[str, dict[str, Any]]:
         """Whether every node can open a TCP connection to the master port: a listener there
         for the moment of the check, a connect from each node (after check())."""
         master = self._nodes[plan.master.host.name]
@@ -292,8 +401,7 @@ class SupervisedBackend:
                 for n, r in results}
 
     def push(self, plan: LaunchPlan) -> None:
-        """The supervisor and each node's script, into its run directory (after check())."""
-        self.each_or_fail(plan.nodes, lambda n: self._nodes[n.host.name].push(n))
+        """Nothing: each node's files travel with its start, in the same round trip."""
 
     def each_or_fail(self, nodes: Any, fn: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
         """A check on every node at once; if any fails, one PreflightError listing each."""
@@ -454,6 +562,7 @@ class SupervisedBackend:
 
     def close(self) -> None:
         self._closed.set()
+        self.release()
         for t in self._transports.values():
             try:
                 t.close()

@@ -4,10 +4,11 @@ standard input (`python - facts ...`), so that nothing has to be copied there fi
 Standard library only, Python 3.8+, because it runs on whatever interpreter the node has.
 
     probe.py facts --dir D [--workdir W] [--own ADDR --master ADDR] [--ifname IF]
-                   [--port P] [--deep]
+                   [--port P] [--connect ADDR:PORT] [--deep]
         JSON: python, torch (found without importing it), the run directory (made, 0700),
         the network interface that reaches the master, InfiniBand devices, whether the master
-        port is free; --deep adds what importing torch and nvidia-smi tell (CUDA, cuDNN, NCCL,
+        port is free; --connect whether a TCP connection to the master port opens (the
+        listener below is there meanwhile); --deep adds what importing torch and nvidia-smi tell (CUDA, cuDNN, NCCL,
         driver, GPUs and their use), /dev/shm, free disk, open-file limit.
     probe.py listen --port P [--seconds S]
         Listen on P (as torchrun's store will), print 'listening', accept and close every
@@ -52,13 +53,15 @@ def parse(argv):
     f.add_argument("--ifname")
     f.add_argument("--port", type=int)
     f.add_argument("--deep", action="store_true")
+    f.add_argument("--connect", help="ADDR:PORT to open a TCP connection to (the master port)")
+    f.add_argument("--connect-timeout", type=float, default=8.0)
     ls = sub.add_parser("listen")
     ls.add_argument("--port", type=int, required=True)
     ls.add_argument("--seconds", type=float, default=60.0)
     c = sub.add_parser("connect")
     c.add_argument("--addr", required=True)
     c.add_argument("--port", type=int, required=True)
-    c.add_argument("--timeout", type=float, default=3.0)
+    c.add_argument("--timeout", type=float, default=8.0)
     return p.parse_args(argv)
 
 
@@ -77,6 +80,9 @@ def facts(args):
         if os.path.isdir("/sys/class/infiniband") else []
     if args.port:
         out["port_free"] = port_free(args.port)
+    if args.connect:
+        addr, _, port = args.connect.rpartition(":")
+        out["reach"] = connect(addr, int(port), args.connect_timeout)
     if args.deep:
         out.update(deep_facts(out.get("workdir") or out.get("dir") or "."))
     out["time"] = time.time()
@@ -140,8 +146,34 @@ def ipv4(name):
         return None
 
 
-def interface_addresses():
-    """Interface name -> its IPv4 addresses (`ip -o -4 addr`, which lists secondary ones too)."""
+def primary_addresses():
+    """Interface name -> its primary IPv4 address, asked of the kernel directly (no `ip`
+    process: on a launch of hundreds of nodes every fork counts)."""
+    import fcntl
+    import struct
+    found = {}
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue                  # no IPv4 address
+            found[name] = [socket.inet_ntoa(raw[20:24])]
+    except OSError:
+        return {}
+    finally:
+        s.close()
+    return found
+
+
+def interface_addresses(wanted=()):
+    """Interface name -> its IPv4 addresses: the primary ones from the kernel, and, when an
+    address we look for is not among them, every one from `ip -o -4 addr` (secondary too)."""
+    found = primary_addresses()
+    have = {ip for ips in found.values() for ip in ips}
+    if found and all(w in have for w in wanted if w):
+        return found
     found = {}
     try:
         out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
@@ -180,11 +212,12 @@ def network(own, master, manual):
     """The interface this node's NCCL and Gloo should use, and whether it reaches the master.
     Chosen by address, never by name: the one holding the address the other nodes reach this
     node by, else the one the route to the master leaves through (not docker0, not a VPN)."""
-    addrs = interface_addresses()
-    owner = {ip: name for name, ips in addrs.items() for ip in ips}
     own_ip, master_ip = ipv4(own), ipv4(master)
+    source = source_address(master_ip) if master_ip else None
+    addrs = interface_addresses((own_ip, source))
+    owner = {ip: name for name, ips in addrs.items() for ip in ips}
     out = {"own_ip": own_ip, "master_ip": master_ip, "interfaces": sorted(addrs)}
-    route = owner.get(source_address(master_ip)) if master_ip else None
+    route = owner.get(source) if source else None
     out["route_to_master"] = route
     if manual:
         out["ifname"], out["how"] = manual, "set in the inventory"
@@ -306,7 +339,7 @@ def listen(port, seconds):
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         srv.bind(("", port))
-        srv.listen(128)
+        srv.listen(4096)                   # every node at once: the kernel caps it at somaxconn
     except OSError as exc:
         print(json.dumps({"error": "cannot listen on port %d: %s" % (port, exc.strerror)}), flush=True)
         return 1
@@ -324,16 +357,32 @@ def listen(port, seconds):
     return 0
 
 
+# Worth another try within the budget: a moment of congestion (a lost SYN or ARP answer) looks
+# like these. A refusal is final: something answered and said no.
+TRANSIENT = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT, errno.EAGAIN)
+
+
 def connect(addr, port, timeout):
+    """Open a TCP connection to addr:port, trying again after a transient failure until
+    `timeout` seconds have passed in all."""
     t0 = time.time()
-    try:
-        with socket.create_connection((addr, port), timeout=timeout):
-            return {"ok": True, "seconds": time.time() - t0}
-    except socket.timeout:
-        why = "no answer within %g s (a firewall dropping packets?)" % timeout
-    except OSError as exc:
-        why = exc.strerror or str(exc)
-    return {"ok": False, "seconds": time.time() - t0, "error": why}
+    tries, why = 0, ""
+    while True:
+        left = timeout - (time.time() - t0)
+        tries += 1
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(left, 3.0))):
+                return {"ok": True, "seconds": time.time() - t0, "tries": tries}
+        except socket.timeout:
+            why = "no answer within %g s (a firewall dropping packets?)" % timeout
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            if exc.errno not in TRANSIENT:
+                break
+        if time.time() - t0 + 0.5 >= timeout:
+            break
+        time.sleep(0.5)
+    return {"ok": False, "seconds": time.time() - t0, "tries": tries, "error": why}
 
 
 if __name__ == "__main__":

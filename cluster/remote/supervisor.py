@@ -140,6 +140,13 @@ def alive(pid):
     return st is not None and st[0] not in ("Z", "X")
 
 
+def owner(pid):
+    try:
+        return os.stat("/proc/%d" % pid).st_uid
+    except OSError:
+        return None
+
+
 def all_pids():
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -171,9 +178,12 @@ class Identity:
         return self.group_trusted and st is not None and st[1] == self.pgid
 
     def members(self):
-        """Every live process of the run on this node (never this supervisor)."""
-        me = os.getpid()
-        return sorted(pid for pid in all_pids() if pid != me and self.owns(pid))
+        """Every live process of the run on this node (never this supervisor). Only this
+        user's processes can carry our identity or be signalled by us: the others are passed
+        over on their owner, without reading their environment."""
+        me, uid = os.getpid(), os.getuid()
+        return sorted(pid for pid in all_pids()
+                      if pid != me and (uid == 0 or owner(pid) == uid) and self.owns(pid))
 
     def signal(self, pid, sig):
         """Send sig to pid only if it is still ours, checked on a handle to the process itself

@@ -106,15 +106,21 @@ class Progress(threading.Thread):
         self.ident_of, self.heartbeat_file, self.emit, self.done = ident_of, heartbeat_file, emit, done
 
     def run(self):
+        """Looks for the joined workers (a scan of /proc) every 0.25 s at first, less often
+        (up to every 2 s) while they are not there yet, then never again; the heartbeat file
+        (one stat) every 0.25 s."""
         done_joining, last_mtime, last_beat = False, None, 0.0
+        scan_every, next_scan = 0.25, 0.0
         while not self.done.wait(0.25):
-            if not done_joining:
+            if not done_joining and time.time() >= next_scan:
                 ident = self.ident_of()
                 found = workers(ident) if ident else []
                 if found and joined(found):
                     done_joining = True
                     self.emit({"joined": True, "group_rank": group_rank(found[0][0]),
                                "ranks": [r for _, r in found]})
+                scan_every = min(2.0, scan_every * 1.5)
+                next_scan = time.time() + scan_every
             try:
                 mtime = os.stat(self.heartbeat_file).st_mtime
             except OSError:

@@ -87,10 +87,10 @@ class SshBackend(SupervisedBackend):
     def _connect(self, host: Host) -> SshTransport:
         return SshTransport(host, self.settings, self.policy, self.config, self.warn)
 
-    def check(self, plan: LaunchPlan) -> dict[str, dict[str, Any]]:
+    def check(self, plan: LaunchPlan, *, reach: bool = False) -> dict[str, dict[str, Any]]:
         if self.sync:
             self._sync_all(plan)
-        return super().check(plan)
+        return super().check(plan, reach=reach)
 
     def _sync_all(self, plan: LaunchPlan) -> None:
         def one(node: NodePlan) -> list[dict[str, Any]]:

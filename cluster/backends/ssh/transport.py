@@ -221,6 +221,9 @@ class SshTransport:
 
     # -- the Transport protocol --
 
+    def open(self) -> None:
+        self._connection()
+
     def run(self, command: str, *, timeout: float | None = None, input: bytes = b"") -> Result:
         chan = self._session()
         chan.exec_command(command)
