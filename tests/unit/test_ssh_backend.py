@@ -147,3 +147,34 @@ def test_only_ssh_package_imports_paramiko():
                  and any(w in p.read_text() for w in ("import paramiko", "import fabric",
                                                       "from paramiko", "from fabric"))]
     assert offenders == []
+
+
+def test_connections_made_at_once_from_many_threads_share_no_config(tmp_path: Path) -> None:
+    """Fabric writes into the config a Connection is given; a shared one, re-merged while other
+    threads read it, raised "No attribute or config key found for 'gateway'" at 128 nodes."""
+    import threading
+    from cluster.backends.ssh.transport import SshTransport, fabric_config
+    from cluster.spec import Host, SshSettings
+    config = fabric_config(None)
+    before = dict(config)
+    made, errors = [], []
+    start = threading.Barrier(64)
+
+    def make(i: int) -> None:
+        host = Host(name=f"n{i}", address=f"10.9.{i // 250}.{i % 250 + 1}", user="u", port=22)
+        transport = SshTransport(host, SshSettings(), "off", config, warn=lambda _: None)
+        start.wait()
+        try:
+            for _ in range(5):
+                made.append(transport._make(host.address, "u", 22, 5.0))
+        except Exception as exc:          # noqa: BLE001 - the race, reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(made) == 320 and all(c.config is not config for c in made)
+    assert dict(config) == before                   # the shared config was never written

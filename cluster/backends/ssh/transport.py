@@ -136,7 +136,10 @@ class SshTransport:
                       f"HostName {found.set_aside} from the ssh config is not used")
         user = user or ssh_cfg.get("user") or self.config.user
         port = port or int(ssh_cfg.get("port", 22))
-        conn = Connection(found.destination, user=user, port=port, config=self.config)
+        # A config of its own: Fabric writes some settings (inline_ssh_env) into the config it
+        # is given, and a write re-merges it: another thread reading the shared one meanwhile
+        # saw it empty ("No attribute or config key found for 'gateway'" at 128 nodes).
+        conn = Connection(found.destination, user=user, port=port, config=self.config.clone())
         conn.host, conn.ssh_config = found.destination, ssh_cfg
         conn.gateway = conn.get_gateway()   # ProxyJump/ProxyCommand of the merged options
         self._prepare(conn, timeout, self.host.identity_file)
