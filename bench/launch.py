@@ -76,7 +76,8 @@ class Bench:
         self.markers.mkdir()
         self.markers.chmod(0o777)
         tmp.chmod(0o755)
-        self.env = dict(os.environ, HOME=str(self.home), NO_COLOR="1",
+        # PYTHONPATH: the cluster of this checkout, whatever else the venv has installed
+        self.env = dict(os.environ, HOME=str(self.home), NO_COLOR="1", PYTHONPATH=str(ROOT),
                         PDSH_SSH_ARGS=f"-F {sn.ssh_config_path} -l%u %h")
         self.addrs = [n.address for n in sn.nodes]
         self.work = tmp / "work"
