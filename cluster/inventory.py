@@ -5,9 +5,11 @@ name the file, the line and the key, and suggest the nearest valid key.
 """
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import ipaddress
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,11 @@ import yaml
 from .errors import InputError, InventoryError, did_you_mean
 from .spec import (DEFAULT_STOP_GRACE, ENV_KEY, HOSTNAME, Host, Inventory, Network, SlurmSettings,
                    SshSettings, control_char, dump, expand_names, host_from_dict, reserved_env,
-                   slurm_from_dict, ssh_from_dict)
+                   setup_block, slurm_from_dict, ssh_from_dict)
 
 HOST_SETTINGS = ("user", "port", "identity_file", "workdir", "python", "nproc_per_node",
-                 "master_port", "rendezvous", "network", "env", "secret_env", "gpus")
+                 "master_port", "rendezvous", "network", "env", "secret_env", "env_forward",
+                 "setup", "torchrun_args", "gpus")
 # The same for every node (one rendezvous): set under defaults only, never per host.
 JOB_WIDE = ("master_port", "rendezvous")
 HOST_KEYS = ("name", "address") + tuple(k for k in HOST_SETTINGS if k not in JOB_WIDE)
@@ -28,7 +31,25 @@ TOP_KEYS = ("defaults", "hosts", "backend", "ssh", "slurm", "stop_grace", "resta
 NETWORK_KEYS = ("ifname", "ib")
 SSH_KEYS = ("host_key_policy", "connect_timeout", "config", "keepalive")
 SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "cpus_per_task",
-              "gpu_style", "signal", "max_requeues", "output_dir", "job_name", "constraint")
+              "gpu_style", "signal", "max_requeues", "output_dir", "job_name", "constraint",
+              "extra")
+# torchrun options cluster decides itself (both spellings); torchrun_args may not set them.
+TORCHRUN_OWNED = frozenset(o for name in ("nnodes", "nproc_per_node", "node_rank", "rdzv_backend",
+                                          "rdzv_endpoint", "rdzv_id", "master_addr", "master_port",
+                                          "local_addr", "standalone")
+                           for o in (f"--{name}", f"--{name.replace('_', '-')}"))
+# #SBATCH options slurm.extra may not hold: ones cluster writes itself (None), or ones that
+# change what it renders, set with a slurm setting of their own.
+SBATCH_OWNED = {"chdir": None, "output": None, "error": None, "open-mode": None, "ntasks": None,
+                "ntasks-per-node": None, "array": None, "wrap": None, "hetjob": None,
+                "packjob": None, "export": None, "parsable": None, "wait": None, "test-only": None,
+                "signal": "signal", "requeue": "max_requeues", "no-requeue": "max_requeues",
+                "nodes": "nodes", "gpus-per-node": "gpus_per_node", "gres": "gpus_per_node",
+                "cpus-per-task": "cpus_per_task"}
+# Options that are also a slurm setting, passed through as they are: one of the two, not both.
+SBATCH_ALIASES = {"time": "time", "partition": "partition", "account": "account",
+                  "constraint": "constraint", "job-name": "job_name"}
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
 BACKENDS = ("ssh", "slurm", "local")
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")
 
@@ -263,6 +284,15 @@ class _Parser:
             names = dict.fromkeys(base.secret_env)
             names.update(dict.fromkeys(self.secret_names(m)))
             changes["secret_env"] = tuple(names)
+        if "env_forward" in m:                  # added to the defaults' names, like env
+            changes["env_forward"] = tuple(dict.fromkeys(base.env_forward + tuple(self.forward_names(m))))
+        if "setup" in m:
+            changes["setup"] = self.setup(m)        # a host's own setup replaces the defaults'
+        if "torchrun_args" in m:
+            changes["torchrun_args"] = self.torchrun_args(m)
+        if changes.get("python", base.python) == "auto" and not changes.get("setup", base.setup):
+            raise self.fail(m, "python", "'auto' takes the python that 'setup' leaves on PATH, "
+                            "and there is no setup", "add setup lines, or name the interpreter")
         host = base.replace(**changes)
         both = sorted(set(host.secret_env) & set(dict(host.env)))
         if both:
@@ -270,6 +300,77 @@ class _Parser:
             raise self.fail(m, key, f"{', '.join(both)} is in both 'env' and 'secret_env'",
                             "a secret's value comes from the launching shell; remove it from 'env'")
         return host
+
+    def strings(self, m: _Map, key: str, example: str) -> list[tuple[str, int]]:
+        """A list of strings (each checked for control characters), with each item's line."""
+        value = m[key]
+        if not isinstance(value, _List) or not all(isinstance(v, (str, int, float)) and
+                                                   not isinstance(v, bool) for v in value):
+            raise self.fail(m, key, "must be a list of strings", f"e.g. {example}")
+        for item, line in zip(value, value.lines):
+            bad = control_char(str(item))
+            if bad:
+                raise InventoryError(self.source, line, key, f"control character {bad} in {str(item)!r}")
+        return [(str(v), line) for v, line in zip(value, value.lines)]
+
+    def forward_names(self, m: _Map) -> list[str]:
+        items = self.strings(m, "env_forward", "[WANDB_API_KEY, 'NCCL_*']")
+        for name, line in items:
+            if not re.match(r"^[A-Za-z_*?][A-Za-z0-9_*?]*$", name):
+                raise InventoryError(self.source, line, "env_forward",
+                                     f"{name!r} is not an environment variable name or glob")
+            why = reserved_env(name) if "*" not in name and "?" not in name else None
+            if why:
+                raise InventoryError(self.source, line, "env_forward", why)
+        return [name for name, _ in items]
+
+    def setup(self, m: _Map) -> tuple[str, ...]:
+        """Shell lines, as written; `bash -n` finds a syntax error at load, with its line."""
+        items = self.strings(m, "setup", "['module load cuda/12.4', 'source ~/venvs/a/bin/activate']")
+        problem = bash_syntax([line for line, _ in items])
+        if problem:
+            index, text = problem
+            line = items[index][1] if index is not None and index < len(items) else m.lines["setup"]
+            raise InventoryError(self.source, line, "setup", f"not valid shell: {text}")
+        return tuple(line for line, _ in items)
+
+    def torchrun_args(self, m: _Map) -> tuple[str, ...]:
+        items = self.strings(m, "torchrun_args", "['--monitor-interval=1', '--log-dir=logs']")
+        for arg, line in items:
+            option = arg.split("=", 1)[0]
+            if option in TORCHRUN_OWNED:
+                raise InventoryError(self.source, line, "torchrun_args",
+                                     f"{option} is set by cluster itself (nodes, ranks and the "
+                                     f"rendezvous are its own)")
+        return tuple(arg for arg, _ in items)
+
+    def slurm_extra(self, m: _Map) -> tuple[tuple[str, str | None], ...]:
+        extra = self.mapping(m["extra"], m, "extra")
+        out = []
+        for key, value in sorted(extra.items()):
+            if not _SBATCH_KEY.match(key):
+                raise self.fail(extra, key, f"{key!r} is not an sbatch option name",
+                                "the long option without its dashes, e.g. qos, mem, reservation")
+            if key in SBATCH_OWNED:
+                own = SBATCH_OWNED[key]
+                raise self.fail(extra, key, f"--{key} is " + (f"set with slurm.{own}" if own else
+                                                              "written by cluster itself"))
+            if SBATCH_ALIASES.get(key) in m:
+                raise self.fail(extra, key, f"--{key} is set twice: here and as "
+                                f"slurm.{SBATCH_ALIASES[key]}", "keep one")
+            if value is True or value is None:
+                out.append((key, None))                 # a flag: --exclusive
+            elif value is False:
+                continue
+            elif isinstance(value, (str, int, float)):
+                text = str(value)
+                bad = control_char(text)
+                if bad:
+                    raise self.fail(extra, key, f"control character {bad} in {text!r}")
+                out.append((key, text))
+            else:
+                raise self.fail(extra, key, "must be a string, a number or true (a flag)")
+        return tuple(out)
 
     def secret_names(self, m: _Map) -> list[str]:
         value = m["secret_env"]
@@ -342,6 +443,8 @@ class _Parser:
             changes["max_requeues"] = self.integer(m, "max_requeues", minimum=0)
         if "gpu_style" in m:
             changes["gpu_style"] = self.choice(m, "gpu_style", ("gpus", "gres"))
+        if "extra" in m:
+            changes["extra"] = self.slurm_extra(m)
         if "signal" in changes and not re.match(r"^(B:)?[A-Z0-9]+(@\d+)?$", changes["signal"]):
             raise self.fail(m, "signal", f"{changes['signal']!r} is not a SLURM --signal value",
                             "e.g. USR2@90 or B:USR2@90")
@@ -405,6 +508,24 @@ class _Parser:
         return value
 
 
+def bash_syntax(lines: list[str]) -> tuple[int | None, str] | None:
+    """bash -n of the setup lines as the node will run them (spec.setup_block): None when they
+    parse, else (the index of the line bash names, its message)."""
+    import subprocess
+    try:
+        res = subprocess.run(["bash", "-n"], input=setup_block(lines) + "\n", capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None                      # no bash here: the node will say so
+    if res.returncode == 0:
+        return None
+    m = re.search(r"line (\d+): (.*)", res.stderr)
+    if not m:
+        return None, res.stderr.strip()
+    # Line 1 is `set +u`; each setup line then takes two: `{ line` and its failure handler.
+    return max(0, (int(m.group(1)) - 2) // 2), m.group(2).strip()
+
+
 def _check_unique(hosts: tuple[Host, ...], source: str | None) -> None:
     seen_names: dict[str, Host] = {}
     seen_addrs: dict[str, Host] = {}
@@ -422,3 +543,95 @@ def _check_unique(hosts: tuple[Host, ...], source: str | None) -> None:
 __all__ = ["Host", "Inventory", "Network", "SlurmSettings", "SshSettings", "load", "parse_yaml",
            "parse_hostfile", "from_hostnames", "expand_names", "dump", "host_from_dict",
            "ssh_from_dict", "slurm_from_dict"]
+
+
+# --- values from the launching shell ----------------------------------------------------------
+
+
+def forward_env(inventory: Inventory, environ: Mapping[str, str]) -> Inventory:
+    """Each host's env_forward names and globs, copied from the launching shell into its env
+    (over the inventory's own values). A plain name that is not set is an error; a glob may
+    match nothing. Never the secret names (their values go over the connection), never a name
+    cluster sets itself."""
+    hosts = []
+    for host in inventory.hosts:
+        if not host.env_forward:
+            hosts.append(host)
+            continue
+        where = f"{inventory.source or 'inventory'}" + (f":{host.line}" if host.line else "")
+        values: dict[str, str] = {}
+        for pattern in host.env_forward:
+            if not any(c in pattern for c in "*?"):
+                if pattern in host.secret_env:
+                    raise InputError(f"{where}: env_forward: {pattern} is also a secret_env name; "
+                                     "keep it in secret_env only (never written to a file)")
+                if pattern not in environ:
+                    raise InputError(f"{where}: env_forward: {pattern} is not set in this shell "
+                                     f"(host {host.name}); export it, or take it out of env_forward")
+                values[pattern] = environ[pattern]
+                continue
+            for name in sorted(environ):
+                if (fnmatch.fnmatchcase(name, pattern) and ENV_KEY.match(name)
+                        and name not in host.secret_env and not reserved_env(name)):
+                    values[name] = environ[name]
+        hosts.append(host.replace(env=tuple({**dict(host.env), **values}.items())))
+    return dataclasses.replace(inventory, hosts=tuple(hosts))
+
+
+_DOTENV = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
+_DOUBLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\", "$": "$"}
+
+
+def load_env_file(path: str | Path) -> dict[str, str]:
+    """A dotenv file: KEY=VALUE lines (`export ` allowed), # comments, blank lines; a value is
+    as written, or in '…' (literal) or "…" (with \\n \\t \\" \\\\ escapes); nothing is expanded,
+    so $HOME stays $HOME. Errors name the file and line."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"Invalid value for --env-file: cannot read {source}: {exc}") from None
+    out: dict[str, str] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        m = _DOTENV.match(line)
+        if not m:
+            raise InventoryError(source, lineno, None, "expected KEY=VALUE (KEY letters, digits "
+                                 "and '_', not starting with a digit)")
+        key, raw = m.groups()
+        why = reserved_env(key)
+        if why:
+            raise InventoryError(source, lineno, key, why)
+        out[key] = _dotenv_value(raw, source, lineno, key)
+    return out
+
+
+def _dotenv_value(raw: str, source: str, lineno: int, key: str) -> str:
+    if raw[:1] in ("'", '"'):
+        quote = raw[0]
+        end = _closing_quote(raw, quote)
+        rest = raw[end + 1:].strip() if end is not None else ""
+        if end is None or (rest and not rest.startswith("#")):
+            raise InventoryError(source, lineno, key, f"unterminated or trailing text after {quote}…{quote}")
+        body = raw[1:end]
+        if quote == "'":
+            return body
+        return re.sub(r"\\(.)", lambda e: _DOUBLE_ESCAPES.get(e.group(1), "\\" + e.group(1)), body)
+    value = re.split(r"\s+#", raw, maxsplit=1)[0]         # an unquoted value ends at ' #'
+    bad = control_char(value)
+    if bad:
+        raise InventoryError(source, lineno, key, f"control character {bad}")
+    return value
+
+
+def _closing_quote(raw: str, quote: str) -> int | None:
+    i = 1
+    while i < len(raw):
+        if raw[i] == "\\" and quote == '"':
+            i += 2
+            continue
+        if raw[i] == quote:
+            return i
+        i += 1
+    return None

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .backends import Backend
@@ -51,6 +52,8 @@ class Options:
     restart_after: float = 0.0    # failures in the first S seconds are configuration: no restart
     min_nodes: int | None = None  # a lost node is left out of the next attempt while this many remain
     hang_timeout: float = 0.0     # no progress anywhere for this long: stacks, then stop
+    # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
+    stop: threading.Event | None = field(default=None, compare=False)
 
 
 def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, run: RunDir,
@@ -65,6 +68,10 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, r
         job = dataclasses.replace(job, attempt=len(history))
         inventory, plan = prepare(inventory, job, templates, backend, run, argv, console,
                                   options, history)
+        if options.stop is not None and options.stop.is_set():
+            backend.release()                  # checked, not started: the staged nodes let go
+            raise Interrupted(f"stopped before run {plan.run_id} started; nothing was started",
+                              signum=signal.SIGTERM)
         t0 = time.monotonic()
         procs = backend.start(plan, detach=options.detach, secrets=secrets, run=run)
         console.info(backend.start_note(procs, plan)
@@ -77,7 +84,7 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, r
             return 0
         logs = {label: run.path / "logs" / name for label, name in plan.log_names.items()}
         result = Watcher(procs, console, logs, settle=plan.stop_grace + 30,
-                         hang_timeout=options.hang_timeout).run()
+                         hang_timeout=options.hang_timeout, stop=options.stop).run()
         _record(run, plan, backend, procs, result, history, console)
         retry = _retry(result, plan, options, history)
         if retry is None:

@@ -16,7 +16,7 @@ import jinja2
 
 from .errors import InputError
 from . import network
-from .spec import DEFAULT_STOP_GRACE, Host, Inventory
+from .spec import DEFAULT_STOP_GRACE, Host, Inventory, setup_block
 
 PORT_BASE, PORT_SPAN = 29500, 1000
 
@@ -144,6 +144,18 @@ def shpath(value: object) -> str:
     return shlex.quote(text)
 
 
+def python_command(python: str, setup: tuple[str, ...] = ()) -> str:
+    """The shell words that run this host's python for cluster's own programs (the probe, the
+    staged process, the supervisor). With setup lines, through bash after them, so the
+    interpreter and its torch are the ones the job will use; `auto` is the python3 they leave
+    on PATH."""
+    exe = "python3" if python == "auto" else shpath(python)
+    if not setup:
+        return exe
+    script = setup_block(setup, to_stderr=True) + f'\nexec {exe} "$@"'
+    return f"bash -c {shlex.quote(script)} cluster-setup"
+
+
 # --- templates -----------------------------------------------------------------------------
 
 
@@ -171,6 +183,7 @@ class Templates:
             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
         self.env.filters["shquote"] = shquote
         self.env.filters["shpath"] = shpath
+        self.env.globals["setup_block"] = setup_block
 
     def render(self, name: str, **context: object) -> str:
         try:

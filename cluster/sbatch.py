@@ -138,6 +138,13 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
                        ("exclude", settings.exclude)):
         if value is not None:
             opts[key] = value
+    for key, value in settings.extra:   # validated at load; --nodelist may come twice
+        if key in opts:
+            by = "--hosts/--exclude or the inventory's hosts" if key in ("nodelist", "exclude") \
+                else "a slurm setting"
+            raise InputError(f"Invalid value for slurm.extra.{key}: --{key} is also set by {by}; "
+                             "keep one")
+        opts[key] = value
     for key, value in opts.items():
         if value is not None:
             check_sbatch_value(key, value)
@@ -150,7 +157,8 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
         TEMPLATE, run_id=job.run_id, nodes=nodes, options=options,
         cpus_per_task=settings.cpus_per_task is not None, master_port=port, net=net,
         env=host.env, secret_env=host.secret_env, user_sets=user_env.__contains__, nproc=nproc,
-        python=host.python, script=job.script, args=job.args, signal=signal,
+        python=host.python, setup=host.setup, torchrun_args=host.torchrun_args,
+        script=job.script, args=job.args, signal=signal,
         signal_option=signal_option, max_requeues=settings.max_requeues)
 
     decided = [("CLUSTER_RUN_ID", job.run_id), ("MASTER_PORT", str(port))]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,20 @@ def control_char(value: str) -> str | None:
     if m is None:
         return None
     return f"{m.group()!r} at position {m.start()}"
+
+
+def setup_block(lines: tuple[str, ...] | list[str], *, to_stderr: bool = False) -> str:
+    """A host's setup lines as shell text, each run in the current shell (so `source` and
+    `module load` change what follows) with nothing on its input, and stopped with the line's
+    number and text when one fails. `set +u` first: module and conda scripts read variables
+    that may be unset."""
+    out = ["set +u"]
+    redirect = " </dev/null >&2" if to_stderr else " </dev/null"
+    for number, line in enumerate(lines, 1):
+        out.append("{ " + line)
+        out.append(f"}}{redirect} || {{ rc=$?; printf 'cluster: setup line %s failed (exit %s): %s\\n' "
+                   f"{number} \"$rc\" {shlex.quote(line)} >&2; exit 2; }}")
+    return "\n".join(out)
 
 
 def reserved_env(name: str) -> str | None:
@@ -76,6 +91,9 @@ class Host:
     network: Network = Network()
     env: tuple[tuple[str, str], ...] = ()
     secret_env: tuple[str, ...] = ()  # names only: values come from the launching shell
+    env_forward: tuple[str, ...] = ()  # names or globs copied from the launching shell at up
+    setup: tuple[str, ...] = ()       # shell lines run on the node before torchrun, as written
+    torchrun_args: tuple[str, ...] = ()  # options cluster does not model, passed to torchrun
     gpus: int | None = None
     line: int | None = None       # where it was defined, for later messages
 
@@ -107,6 +125,7 @@ class SlurmSettings:
     constraint: str | None = None
     nodelist: str | None = None    # hostlist of the nodes to run on (--hosts, or the inventory's)
     exclude: str | None = None     # hostlist of nodes never to use (--exclude)
+    extra: tuple[tuple[str, str | None], ...] = ()   # any other #SBATCH option (None: a flag)
 
 
 @dataclass(frozen=True)
@@ -176,12 +195,14 @@ def dump(inv: Inventory) -> str:
     def host(h: Host) -> dict[str, Any]:
         d = dataclasses.asdict(h)
         d["env"] = dict(h.env)
-        d["secret_env"] = list(h.secret_env)
+        for key in ("secret_env", "env_forward", "setup", "torchrun_args"):
+            d[key] = list(getattr(h, key))
         d.pop("line")
         return d
     data = {"source": inv.source, "backend": inv.backend, "stop_grace": inv.stop_grace,
             "restarts": inv.restarts, "hang_timeout": inv.hang_timeout,
-            "ssh": dataclasses.asdict(inv.ssh), "slurm": dataclasses.asdict(inv.slurm),
+            "ssh": dataclasses.asdict(inv.ssh),
+            "slurm": {**dataclasses.asdict(inv.slurm), "extra": dict(inv.slurm.extra)},
             "hosts": [host(h) for h in inv.hosts]}
     return yaml.safe_dump(data, sort_keys=False)
 
@@ -191,7 +212,8 @@ def host_from_dict(d: Mapping[str, Any]) -> Host:
     d = dict(d)
     d["network"] = Network(**d.get("network") or {})
     d["env"] = tuple((d.get("env") or {}).items())
-    d["secret_env"] = tuple(d.get("secret_env") or ())
+    for key in ("secret_env", "env_forward", "setup", "torchrun_args"):
+        d[key] = tuple(d.get(key) or ())
     return Host(**d)
 
 
@@ -200,6 +222,8 @@ def ssh_from_dict(d: Mapping[str, Any]) -> SshSettings:
 
 
 def slurm_from_dict(d: Mapping[str, Any]) -> SlurmSettings:
+    d = dict(d)
+    d["extra"] = tuple((d.get("extra") or {}).items())
     return SlurmSettings(**d)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import threading
 import time
 from collections import deque
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from .console import TAIL_LINES, Console, LineSplitter
-from .errors import signum_of
+from .errors import StopRequested, signum_of
 from .nodes import NodeExit, signal_name
 
 __all__ = ["Console", "Hang", "LineSplitter", "TAIL_LINES", "Watched", "WatchResult", "Watcher"]
@@ -77,13 +78,14 @@ class Watcher:
 
     def __init__(self, procs: Sequence[Watched], console: Console,
                  log_paths: dict[str, Path], settle: float = 30.0, hang_timeout: float = 0.0,
-                 clock: Any = time.monotonic) -> None:
+                 clock: Any = time.monotonic, stop: threading.Event | None = None) -> None:
         self.procs = list(procs)
         self.console = console
         self.log_paths = log_paths
         self.settle = settle                   # how long to wait for stopped nodes to report
         self.hang_timeout = hang_timeout
         self.clock = clock
+        self.stop = stop                       # set by another thread: stop all, as Ctrl-C does
         self.events: queue.Queue[tuple[Watched, NodeExit]] = queue.Queue()
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
         # Nodes we are stopping print their shutdown tracebacks; those go to the log files only.
@@ -129,6 +131,8 @@ class Watcher:
         """The next node to end, or None when no node has made progress for hang_timeout.
         A timeout keeps the main thread responsive to Ctrl-C while it waits."""
         while True:
+            if self.stop is not None and self.stop.is_set():
+                raise StopRequested(signal.SIGTERM)
             try:
                 return self.events.get(timeout=0.5)
             except queue.Empty:

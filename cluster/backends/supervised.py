@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import BackendError, ClusterError, PreflightError
-from ..plan import LaunchPlan, NodePlan, render, shpath
+from ..plan import LaunchPlan, NodePlan, python_command, render
 from ..spec import DEFAULT_STOP_GRACE
 from ..nodes import Demux, NodeExit, NodeStatus
 
@@ -71,14 +71,16 @@ class Transport(Protocol):
 class SupervisedNode:
     """One node of a run: its transport, its python and its run directory on that node."""
 
-    def __init__(self, transport: Transport, python: str, run_dir: str) -> None:
+    def __init__(self, transport: Transport, python: str, run_dir: str,
+                 setup: tuple[str, ...] = ()) -> None:
         self.transport = transport
         self.python = python
+        self.exe = python_command(python, setup)   # after the host's setup lines, if any
         self.dir = run_dir               # made absolute by the check
         self.staged: Channel | None = None
 
     def supervisor(self, *args: str) -> str:
-        cmd = [shpath(self.python), shlex.quote(f"{self.dir}/supervisor.py")]
+        cmd = [self.exe, shlex.quote(f"{self.dir}/supervisor.py")]
         return " ".join(cmd + [shlex.quote(a) for a in args])
 
     def facts_args(self, node: NodePlan, plan: LaunchPlan, *, port: bool, deep: bool,
@@ -93,7 +95,8 @@ class SupervisedNode:
         if deep:
             args.append("--deep")
         if connect:
-            args += ["--connect", f"{connect[0]}:{connect[1]}"]
+            args += ["--connect", f"{connect[0]}:{connect[1]}",
+                     "--connect-timeout", f"{reach_budget(len(plan.nodes)):g}"]
         return args
 
     def probe(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
@@ -103,7 +106,7 @@ class SupervisedNode:
         (0700), and say what this node has (python, torch, the interface that reaches the
         master; the master port when `port`; doctor's findings when `deep`)."""
         args = self.facts_args(node, plan, port=port, deep=deep, make_dir=make_dir, connect=connect)
-        probed = self.transport.run(probe_command(self.python, "facts", *args), timeout=120,
+        probed = self.transport.run(probe_command(self.exe, "facts", *args), timeout=120,
                                     input=probe_input())
         if probed.code != 0:
             raise self._python_error(probed.code, probed.text())
@@ -115,17 +118,18 @@ class SupervisedNode:
         gives the word (cluster/remote/stage.py): one process and one round trip per node for
         the check and the start together. release() lets it go without starting."""
         args = self.facts_args(node, plan, port=port, deep=False, make_dir=True, connect=connect)
-        ch = self.transport.spawn(stage_command(self.python, *args))
+        ch = self.transport.spawn(stage_command(self.exe, *args))
         ch.write(stage_input())
-        said = b""
+        said, noise = b"", b""
         while not said.endswith(b"\n"):
             data = ch.read()
             if not data:
                 code = ch.wait()
-                raise self._python_error(code, said.decode(errors="replace"))
+                raise self._python_error(code, (noise + said).decode(errors="replace"))
             said += data
-            if b"\n" in said and not said.lstrip().startswith(b"{"):
-                said = said.split(b"\n", 1)[1]        # a shell's greeting: not ours
+            while b"\n" in said and not said.lstrip().startswith(b"{"):
+                line, said = said.split(b"\n", 1)    # a shell's greeting, a setup line's output
+                noise += line + b"\n"
         self.staged = ch
         return self._facts(said.decode().strip())
 
@@ -144,6 +148,9 @@ class SupervisedNode:
         return facts
 
     def _python_error(self, code: int | None, text: str) -> ClusterError:
+        said = [ln for ln in text.splitlines() if ln.startswith("cluster: setup line")]
+        if said:
+            return ClusterError(said[-1].removeprefix("cluster: "))
         if code == 127 or "No such file" in text:
             return ClusterError(f"python {self.python!r} not found (set 'python:' in the inventory)")
         return ClusterError(f"python {self.python!r} failed: {text.strip()[-500:]}")
@@ -151,17 +158,22 @@ class SupervisedNode:
     def listen(self, port: int, seconds: float) -> Channel:
         """A short-lived listener on port (as torchrun's store will listen), until the
         returned channel is closed; raises if it cannot listen."""
-        ch = self.transport.spawn(probe_command(self.python, "listen", "--port", str(port),
+        ch = self.transport.spawn(probe_command(self.exe, "listen", "--port", str(port),
                                                 "--seconds", f"{seconds:g}"))
         ch.write(probe_input())
-        said = ch.read()
+        said = b""
+        while b"listening" not in said and b'{"error"' not in said and (data := ch.read()):
+            said += data                   # the setup lines' output may come first
         if b"listening" not in said:
             ch.close()
-            raise ClusterError(f"cannot listen on port {port}: {said.decode(errors='replace').strip()}")
+            text = said.decode(errors="replace")
+            if "cluster: setup line" in text:
+                raise self._python_error(None, text)
+            raise ClusterError(f"cannot listen on port {port}: {text.strip()}")
         return ch
 
     def connect(self, addr: str, port: int, timeout: float) -> dict[str, Any]:
-        res = self.transport.run(probe_command(self.python, "connect", "--addr", addr, "--port",
+        res = self.transport.run(probe_command(self.exe, "connect", "--addr", addr, "--port",
                                                str(port), "--timeout", f"{timeout:g}"),
                                  timeout=timeout + 60, input=probe_input())
         return _json_or_error(res)
@@ -215,8 +227,16 @@ STAGE_BOOT = ("import os\n"
               "exec(compile(t(int(l)),'stage.py','exec'))")
 
 
-def stage_command(python: str, *args: str) -> str:
-    return " ".join([shpath(python), "-c", shlex.quote(STAGE_BOOT), *(shlex.quote(a) for a in args)])
+def reach_budget(nodes: int) -> float:
+    """Seconds each node keeps trying to open a connection to the master port. 8 s finds a
+    dropping firewall fast; with hundreds of nodes connecting during the same storm of
+    process starts, a SYN lost in the crowd must not fail the launch (two of 256 test nodes
+    missed a flat 8 s on 2 cores), so a little more per node."""
+    return 8.0 + nodes / 16
+
+
+def stage_command(exe: str, *args: str) -> str:
+    return " ".join([exe, "-c", shlex.quote(STAGE_BOOT), *(shlex.quote(a) for a in args)])
 
 
 def stage_input() -> bytes:
@@ -237,8 +257,9 @@ def probe_input() -> bytes:
     return f"{len(source)}\n".encode() + source
 
 
-def probe_command(python: str, *args: str) -> str:
-    return " ".join([shpath(python), "-c", shlex.quote(BOOTSTRAP), *(shlex.quote(a) for a in args)])
+def probe_command(exe: str, *args: str) -> str:
+    """exe: the shell words that run the node's python (plan.python_command)."""
+    return " ".join([exe, "-c", shlex.quote(BOOTSTRAP), *(shlex.quote(a) for a in args)])
 
 
 def _run_id(node: NodePlan) -> str:
@@ -341,7 +362,8 @@ class SupervisedBackend:
         the master's port check. Raises PreflightError naming every node that could not be
         reached or checked, and lets every staged process go: nothing starts."""
         self.release()
-        self._nodes = {n.host.name: SupervisedNode(self.transport(n.host), n.host.python, n.run_dir)
+        self._nodes = {n.host.name: SupervisedNode(self.transport(n.host), n.host.python,
+                                                   n.run_dir, n.host.setup)
                        for n in plan.nodes}
         listening = threading.Event()
         state: dict[str, Any] = {}
@@ -383,7 +405,8 @@ class SupervisedBackend:
     def probe_node(self, node: NodePlan, plan: LaunchPlan, *, deep: bool = False,
                    make_dir: bool = True) -> dict[str, Any]:
         """One node's facts, nothing left running (cluster doctor); raises ClusterError."""
-        remote = SupervisedNode(self.transport(node.host), node.host.python, node.run_dir)
+        remote = SupervisedNode(self.transport(node.host), node.host.python, node.run_dir,
+                                node.host.setup)
         self._nodes[node.host.name] = remote
         return remote.probe(node, plan, deep=deep, make_dir=make_dir, port=node is plan.master)
 
@@ -554,7 +577,8 @@ class SupervisedBackend:
         for rec in run.meta()["nodes"]:
             host = hosts[rec["name"]]
             try:
-                remote = SupervisedNode(self.transport(host), host.python, rec.get("dir") or rec["run_dir"])
+                remote = SupervisedNode(self.transport(host), host.python,
+                                        rec.get("dir") or rec["run_dir"], host.setup)
                 out.append((rec, remote, ""))
             except ClusterError as exc:
                 out.append((rec, None, str(exc)))

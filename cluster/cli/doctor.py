@@ -5,7 +5,7 @@ import sys
 
 import click
 
-from . import common
+from .. import resolve
 from .main import CONTEXT, SafePath, main
 from ..errors import InputError
 from ..plan import Templates
@@ -32,8 +32,8 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
     from .. import doctor as doc
     from .. import launch
     backend_name = "local" if force_local else None
-    inventory = common.inventory(inventory_path, hosts, exclude, nodes, backend_name, None, {})
-    inventory = common.settings(inventory, (), None, None, host_key_policy)
+    inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, backend_name, None, {})
+    inventory = resolve.settings(inventory, (), None, None, host_key_policy)
     name = backend_name or inventory.backend
     if name == "slurm":
         raise InputError("cluster doctor checks SSH or local nodes; under SLURM, run it inside "
@@ -43,7 +43,7 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
             h.replace(master_port=master_port) for h in inventory.hosts))
     templates = Templates()
     sync = [(str(doc.REMOTE), doc.TOOLS_SUBDIR)] if deep and name == "ssh" else []
-    backend = common.backend(name, inventory, sync=sync)
+    backend = resolve.backend(name, inventory, sync=sync)
 
     def run_deep() -> dict:
         job = doc.collective_job(new_run_id(), over_ssh=name == "ssh")

@@ -5,7 +5,7 @@ import time
 
 import click
 
-from . import common
+from .. import resolve
 from .main import CONTEXT, main
 from ..errors import ClusterError, InputError
 from ..runs import RunDir
@@ -19,7 +19,7 @@ def status(run: str | None) -> None:
     from rich.console import Console as RichConsole
     from rich.table import Table
     rd = RunDir.find(run)
-    backend = common.recorded_backend(rd)
+    backend = resolve.recorded_backend(rd)
     try:
         rows = backend.status(rd)
     finally:
@@ -52,7 +52,7 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
         raise InputError(f"Invalid value for --node: {node!r} is not in run {rd.run_id} ({', '.join(names)})")
     from ..console import LineSplitter
     console = Console()
-    backend = common.recorded_backend(rd)
+    backend = resolve.recorded_backend(rd)
     splitters: dict[str, LineSplitter] = {}
     try:
         for label, chunk in backend.logs(rd, node=node, follow=follow):
@@ -71,7 +71,7 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
 def down(run: str | None) -> None:
     """Stop every node of RUN (default: the newest) and verify nothing is left."""
     rd = RunDir.find(run)
-    backend = common.recorded_backend(rd)
+    backend = resolve.recorded_backend(rd)
     console = Console()
     try:
         reports = backend.stop_run(rd)

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2] / "cluster"
 LAYERS = [
     ["cluster.__main__"],
     ["cluster.cli"],
+    ["cluster.api"],
     ["cluster.doctor"],
-    ["cluster.launch"],
+    ["cluster.launch", "cluster.resolve"],
     ["cluster.prepare"],
     ["cluster.watch", "cluster.hang"],
     ["cluster.backends"],

@@ -54,13 +54,15 @@ json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, open({out!r}, "w"))
 """
 
 
-def run_rendered(tmp: Path, env: dict[str, str], args: list[str], script: str = "train.py") -> dict:
+def run_rendered(tmp: Path, env: dict[str, str], args: list[str], script: str = "train.py",
+                 torchrun_args: tuple[str, ...] = ()) -> dict:
     out = tmp / "received.json"
     fake = tmp / "fake-python"
     fake.write_text(STAND_IN.format(python=sys.executable, out=str(out)))
     fake.chmod(0o755)
     host = Host(name="n1", address="127.0.0.1", workdir=str(tmp), python=str(fake),
-                nproc_per_node=1, network=Network(ifname="lo", ib="off"), env=tuple(env.items()))
+                nproc_per_node=1, network=Network(ifname="lo", ib="off"), env=tuple(env.items()),
+                torchrun_args=torchrun_args)
     plan = render(Inventory(hosts=(host,)), Job(run_id="prop", script=script, args=tuple(args)),
                   Templates())
     script = tmp / "launch.sh"
@@ -73,16 +75,22 @@ def run_rendered(tmp: Path, env: dict[str, str], args: list[str], script: str = 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(env=st.dictionaries(env_key, value, max_size=4), args=st.lists(value, max_size=5),
-       script=value.filter(lambda s: not any(ord(c) < 32 or ord(c) == 127 for c in s)))
-def test_values_arrive_unchanged_and_execute_nothing(tmp_path_factory, env, args, script) -> None:
+       script=value.filter(lambda s: not any(ord(c) < 32 or ord(c) == 127 for c in s)),
+       torchrun_args=st.lists(value.filter(lambda s: not any(ord(c) < 32 or ord(c) == 127 for c in s)),
+                              max_size=3))
+def test_values_arrive_unchanged_and_execute_nothing(tmp_path_factory, env, args, script,
+                                                     torchrun_args) -> None:
     tmp = tmp_path_factory.mktemp("q")
     canary = tmp / "canary"
     env = {k: v.replace("{canary}", str(canary)) for k, v in env.items()}
     args = [a.replace("{canary}", str(canary)) for a in args]
     script = script.replace("{canary}", str(canary))
-    got = run_rendered(tmp, env, args, script)
-    # argv: -m torch.distributed.run <torchrun options> --local_addr=... SCRIPT <args>
-    script_at = next(i for i, a in enumerate(got["argv"]) if a.startswith("--local_addr=")) + 1
+    torchrun_args = [a.replace("{canary}", str(canary)) for a in torchrun_args]
+    got = run_rendered(tmp, env, args, script, tuple(torchrun_args))
+    # argv: -m torch.distributed.run <torchrun options> --local_addr=... <torchrun_args> SCRIPT <args>
+    local_at = next(i for i, a in enumerate(got["argv"]) if a.startswith("--local_addr="))
+    script_at = local_at + 1 + len(torchrun_args)
+    assert got["argv"][local_at + 1:script_at] == torchrun_args
     assert got["argv"][script_at] == script
     assert got["argv"][script_at + 1:] == args
     for key, val in env.items():
@@ -116,6 +124,8 @@ TEXT_FIELDS = {
     "partition": "slurm", "account": "slurm", "time": "slurm", "constraint": "slurm",
     "job_name": "slurm", "output_dir": "slurm", "signal": "slurm", "config": "ssh",
     "ifname": "network", "address": "host", "name": "host",
+    "setup": "defaults-list", "torchrun_args": "defaults-list", "env_forward": "defaults-list",
+    "extra": "slurm-extra",
 }
 
 
@@ -125,6 +135,10 @@ def inventory_with(field: str, value: str) -> str:
     doc: dict = {"hosts": [host]}
     if where == "host":
         host[field] = value
+    elif where == "defaults-list":
+        doc["defaults"] = {field: ["ok", value]}
+    elif where == "slurm-extra":
+        doc["slurm"] = {"extra": {"qos": value}}
     elif where == "network":
         doc["defaults"] = {"network": {field: value}}
     else:
@@ -139,7 +153,7 @@ def test_every_text_field_rejects_control_characters(field: str, before: str, ba
     source = inventory_with(field, before + bad + after)
     with pytest.raises(InventoryError) as info:
         parse_yaml(source, "inv.yaml")
-    assert info.value.key in (field, "name"), str(info.value)
+    assert info.value.key in (field, "name", "qos"), str(info.value)
     assert str(info.value).startswith("inv.yaml:"), str(info.value)
 
 
@@ -221,13 +235,14 @@ sbatch_text = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")),
 
 @settings(max_examples=150, deadline=None)
 @given(partition=sbatch_text, account=sbatch_text, time=sbatch_text, constraint=sbatch_text,
-       job_name=sbatch_text)
+       job_name=sbatch_text, qos=sbatch_text)
 def test_sbatch_options_round_trip_through_sbatchs_own_parser(partition, account, time,
-                                                             constraint, job_name) -> None:
+                                                             constraint, job_name, qos) -> None:
     given_values = {"partition": partition, "account": account, "time": time,
-                    "constraint": constraint, "job-name": job_name}
+                    "constraint": constraint, "job-name": job_name, "qos": qos}
     settings_ = SlurmSettings(partition=partition, account=account, time=time,
-                              constraint=constraint, job_name=job_name, nodes=2)
+                              constraint=constraint, job_name=job_name, nodes=2,
+                              extra=(("qos", qos), ("exclusive", None)))
     inv = Inventory(hosts=(Host(name="slurm", address="slurm"),), backend="slurm")
     script = render_sbatch(inv, Job(run_id="prop", script="t.py"), Templates(), settings_,
                            cwd="/work dir/$(x)").script
@@ -242,6 +257,7 @@ def test_sbatch_options_round_trip_through_sbatchs_own_parser(partition, account
     for key, value in given_values.items():
         assert seen[key] == value, (key, value, seen.get(key))
     assert seen["chdir"] == "/work dir/$(x)"
+    assert seen["exclusive"] == ""                      # a flag: --exclusive, no value
 
 
 @pytest.mark.parametrize("field", ["partition", "job_name", "account"])

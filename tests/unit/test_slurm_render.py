@@ -58,6 +58,11 @@ CASES: dict[str, tuple[Inventory, SlurmSettings, Job]] = {
     "nasty_env": (inv(env=NASTY, network=Network(ifname="^docker0,lo", ib="off")),
                   SlurmSettings(nodes=2, partition="a b"),
                   job("--name", "a b $(x)", "it's", script="/path with space/train.py")),
+    "setup_and_extra": (inv(python="auto", setup=("module load cuda/12.4", "conda activate 'my env'"),
+                            torchrun_args=("--monitor-interval=1", "--log-dir", "a b/$(x)")),
+                        SlurmSettings(nodes=2, extra=(("exclusive", None), ("mem", "0"),
+                                                      ("qos", "high prio"), ("reservation", "r1"))),
+                        job()),
 }
 
 
@@ -171,8 +176,10 @@ def test_per_node_values_only_inside_the_quoted_step(name: str) -> None:
                         if not line.lstrip().startswith("#"))          # code, not comments
     for var in PER_NODE:
         assert var not in outside, f"{var} would expand in the batch shell (same on every node)"
-    # the step holds no user data: script, args and env reach it as argv and environment
-    for _, value in NASTY:
+    # the step holds no user data but the setup lines, as written: script, args and env reach
+    # it as argv and environment
+    inventory, _, _ = CASES[name]
+    for _, value in inventory.hosts[0].env:
         assert value not in step
 
 
@@ -221,7 +228,7 @@ if os.environ.get("FAKE_SLEEP"):
 """
 
 
-def fake_slurm(tmp_path: Path, name: str) -> tuple[Path, dict[str, str]]:
+def fake_slurm(tmp_path: Path, name: str, **host_changes: object) -> tuple[Path, dict[str, str]]:
     bindir = tmp_path / "bin"
     bindir.mkdir()
     keys = [k for k, _ in NASTY]
@@ -231,7 +238,7 @@ def fake_slurm(tmp_path: Path, name: str) -> tuple[Path, dict[str, str]]:
         (bindir / prog).write_text(text)
         (bindir / prog).chmod(0o755)
     inventory, settings, j = CASES[name]
-    host = inventory.master.replace(python=str(bindir / "python"))
+    host = inventory.master.replace(**{"python": str(bindir / "python"), **host_changes})
     inventory = Inventory(hosts=(host,), backend="slurm")
     settings = SlurmSettings(**{**settings.__dict__, "nodes": 2})
     script = tmp_path / "job.sh"
@@ -262,6 +269,36 @@ def test_script_runs_one_step_per_node_with_its_own_node_id(name: str, tmp_path:
             assert r["user"] == dict(NASTY)                          # every value intact
             assert r["env"]["NCCL_SOCKET_IFNAME"] == "^docker0,lo"
             assert r["env"]["GLOO_SOCKET_IFNAME"] != "^docker0,lo"    # a list is NCCL-only
+
+
+VENV_PYTHON = """#!/bin/sh
+echo "venv python3, SETUP_RAN=$SETUP_RAN, args: $*"
+"""
+
+
+def test_setup_runs_in_the_step_on_every_node_and_auto_takes_its_python(tmp_path: Path) -> None:
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python3").write_text(VENV_PYTHON)
+    (venv / "python3").chmod(0o755)
+    (venv / "activate").write_text(f'export PATH="{venv}:$PATH"\nexport SETUP_RAN="on $SLURM_NODEID"\n')
+    script, env = fake_slurm(tmp_path, "setup_and_extra", python="auto",
+                             setup=(f"source {venv}/activate",))
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    for i in (0, 1):
+        said = (tmp_path / f"node{i}.out").read_text()
+        assert f"SETUP_RAN=on {i}, args: -m torch.distributed.run" in said     # per node, in the step
+        assert "--monitor-interval=1 --log-dir a b/$(x) train.py" in said          # each arg as one
+
+
+def test_a_failing_setup_line_stops_the_node_and_says_which(tmp_path: Path) -> None:
+    script, env = fake_slurm(tmp_path, "setup_and_extra", setup=("true", "false # on purpose"))
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    said = (tmp_path / "node0.out").read_text()
+    assert "cluster: setup line 2 failed (exit 1): false # on purpose" in said
+    assert "torch.distributed.run" not in said                                 # nothing started
 
 
 @pytest.mark.parametrize("restarts,requeued", [("0", True), ("5", False)])

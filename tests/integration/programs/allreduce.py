@@ -7,6 +7,7 @@
                   in the next all-reduce (a hang: nobody prints, nobody progresses)
     --env-hash N  add the sha256 of environment variable N to the line (proves a secret
                   arrived without printing it)
+    --show-env A,B add those environment variables' values to the line (never a secret)
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def main() -> int:
     p.add_argument("--fail-first", action="store_true")
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang", type=float, default=600.0)
+    p.add_argument("--show-env", default="")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -51,7 +53,8 @@ def main() -> int:
     say({"rank": rank, "world_size": world, "sum": t.item(), "host": socket.gethostname(),
          "pid": os.getpid(), "node": os.environ.get("CLUSTER_NODE"),
          "env_hash": env_hash(args.env_hash),
-         "restart": int(os.environ.get("CLUSTER_RESTART_COUNT", "0"))})
+         "restart": int(os.environ.get("CLUSTER_RESTART_COUNT", "0")), "python": sys.executable,
+         "env": {k: os.environ.get(k) for k in args.show_env.split(",") if k}})
     first = os.environ.get("CLUSTER_RESTART_COUNT", "0") == "0"
     if rank == args.fail_rank and (first or not args.fail_first):
         return 3

@@ -2,7 +2,7 @@
 #!/usr/bin/env bash
 # cluster run golden-run: node 0 of 2, gpu-a (10.0.0.11)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 
 cd "$HOME"/'runs here'
@@ -57,7 +57,7 @@ exec python3 -m torch.distributed.run \
 #!/usr/bin/env bash
 # cluster run golden-run: node 1 of 2, gpu-b (gpu-b.example.org)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 
 cd "$HOME"/'runs here'

@@ -2,7 +2,7 @@
 #!/usr/bin/env bash
 # cluster run golden-run: node 0 of 3, gpu01 (gpu01)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 
 cd "$HOME"/cluster-runs
@@ -57,7 +57,7 @@ exec python3 -m torch.distributed.run \
 #!/usr/bin/env bash
 # cluster run golden-run: node 1 of 3, gpu02 (gpu02)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 
 cd "$HOME"/cluster-runs
@@ -112,7 +112,7 @@ exec python3 -m torch.distributed.run \
 #!/usr/bin/env bash
 # cluster run golden-run: node 2 of 3, worker-3 (worker-3)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 
 cd "$HOME"/cluster-runs

@@ -2,7 +2,7 @@
 #!/usr/bin/env bash
 # cluster run golden-run: node 0 of 2, gpu-a (10.0.0.11)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 
 cd "$HOME"/cluster-runs
@@ -14,6 +14,12 @@ export CLUSTER_NODE=gpu-a
 export CLUSTER_NODE_RANK=0
 export CLUSTER_NNODES=2
 export CLUSTER_RESTART_COUNT=0
+
+# Environment from the inventory (defaults, then this host's own values).
+export OMP_NUM_THREADS=8
+export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2) 100% ; rm -rf ~'
+export MULTI='line one
+line two'
 
 export NCCL_SOCKET_IFNAME='^docker0,lo'
 # Interface, chosen here at run time: the one that holds this node's address (the address the
@@ -37,12 +43,6 @@ else
 fi
 export NCCL_IB_DISABLE=1
 
-# Environment from the inventory (defaults, then this host's own values).
-export OMP_NUM_THREADS=8
-export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2) 100% ; rm -rf ~'
-export MULTI='line one
-line two'
-
 export MASTER_ADDR=10.0.0.11
 export MASTER_PORT=29841
 
@@ -63,7 +63,7 @@ exec python3 -m torch.distributed.run \
 #!/usr/bin/env bash
 # cluster run golden-run: node 1 of 2, gpu-b (10.0.0.12)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 
 cd /scratch/bob
@@ -76,9 +76,6 @@ export CLUSTER_NODE_RANK=1
 export CLUSTER_NNODES=2
 export CLUSTER_RESTART_COUNT=0
 
-export GLOO_SOCKET_IFNAME=ens5
-export NCCL_IB_DISABLE=1
-
 # Environment from the inventory (defaults, then this host's own values).
 export OMP_NUM_THREADS=4
 export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2) 100% ; rm -rf ~'
@@ -86,6 +83,9 @@ export MULTI='line one
 line two'
 export FOO=bar
 export NCCL_SOCKET_IFNAME=ib0
+
+export GLOO_SOCKET_IFNAME=ens5
+export NCCL_IB_DISABLE=1
 
 export MASTER_ADDR=10.0.0.11
 export MASTER_PORT=29841

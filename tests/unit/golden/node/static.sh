@@ -2,7 +2,7 @@
 #!/usr/bin/env bash
 # cluster run golden-run: node 0 of 2, gpu-a (10.0.0.11)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 
 cd "$HOME"/cluster-runs
@@ -39,7 +39,7 @@ exec /opt/venv/bin/python -m torch.distributed.run \
 #!/usr/bin/env bash
 # cluster run golden-run: node 1 of 2, gpu-b (10.0.0.12)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 
 cd "$HOME"/cluster-runs

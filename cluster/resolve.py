@@ -1,15 +1,17 @@
-"""From command-line options to what the library takes: the inventory (with the options laid
-over it), the job's script, and the backend; and the backend of a recorded run."""
+"""From what a user asks (command-line options, or the Python API's arguments) to what the
+library takes: the inventory (with the options laid over it), the job's script, and the
+backend; and the backend of a recorded run."""
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
-from .. import inventory as inv_mod
-from ..errors import InputError
-from ..runs import RunDir
-from ..spec import reserved_env
+from . import inventory as inv_mod
+from .errors import InputError
+from .runs import RunDir
+from .spec import reserved_env
 
 CHECKPOINTS = "checkpoints"          # the reference trainer's, in the working directory
 
@@ -24,15 +26,27 @@ def default_train_dir() -> Path:
 
 
 
-def parse_env(pairs: tuple[str, ...]) -> dict[str, str]:
+def parse_env(pairs: tuple[str, ...], files: tuple[str, ...] = (),
+              environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """--env-file FILE (dotenv), then --env KEY=VALUE or --env NAME (NAME's value from this
+    shell; not set is an error), later ones over earlier ones."""
+    environ = os.environ if environ is None else environ
     env: dict[str, str] = {}
+    for path in files:
+        env.update(inv_mod.load_env_file(path))
     for pair in pairs:
         key, eq, value = pair.partition("=")
-        if not eq or not inv_mod.ENV_KEY.match(key):
-            raise InputError(f"Invalid value for --env: {pair!r} (expected KEY=VALUE, KEY an identifier)")
+        if not inv_mod.ENV_KEY.match(key):
+            raise InputError(f"Invalid value for --env: {pair!r} (expected KEY=VALUE, or NAME to "
+                             f"pass NAME's value from this shell; KEY an identifier)")
         why = reserved_env(key)
         if why:
             raise InputError(f"Invalid value for --env: {why}")
+        if not eq:
+            if key not in environ:
+                raise InputError(f"Invalid value for --env: {key} is not set in this shell "
+                                 f"(--env {key} passes its value from here; export it first)")
+            value = environ[key]
         env[key] = value
     return env
 
@@ -70,11 +84,12 @@ def settings(inventory: inv_mod.Inventory, secrets: tuple[str, ...], stop_grace:
 
 
 def inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: int | None,
-               backend: str | None, nproc: int | None, extra_env: dict[str, str]) -> inv_mod.Inventory:
+              backend: str | None, nproc: int | None, extra_env: dict[str, str],
+              environ: Mapping[str, str] = os.environ) -> inv_mod.Inventory:
     if backend == "local" or (path is None and hosts is None and backend in (None, "local")):
         if path:
             raise InputError("--local runs on this machine; leave out -i/--inventory")
-        from ..backends.local import local_inventory
+        from .backends.local import local_inventory
         return local_inventory(1 if nodes is None else nodes, nproc_per_node=nproc, env=extra_env)
     if path is None and hosts is not None:
         inventory = inv_mod.from_hostnames(hosts)
@@ -83,13 +98,14 @@ def inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: i
         if backend == "slurm":
             inventory = inv_mod.Inventory(hosts=(inv_mod.Host(name="slurm", address="slurm"),),
                                           backend="slurm", hosts_given=False)
-            return override(slurm_nodes(inventory, nodes, None, exclude), nproc, extra_env)
+            return override(slurm_nodes(inventory, nodes, None, exclude), nproc, extra_env, environ)
         raise InputError(f"the {backend} backend needs -i/--inventory or --hosts")
     else:
         inventory = inv_mod.load(path)
     if backend == "slurm" or (backend is None and inventory.backend == "slurm"):
-        return override(slurm_nodes(inventory, nodes, hosts, exclude), nproc, extra_env)
-    return override(inventory.select(nodes=nodes, hosts=hosts, exclude=exclude), nproc, extra_env)
+        return override(slurm_nodes(inventory, nodes, hosts, exclude), nproc, extra_env, environ)
+    return override(inventory.select(nodes=nodes, hosts=hosts, exclude=exclude), nproc, extra_env,
+                    environ)
 
 
 def slurm_nodes(inventory: inv_mod.Inventory, nodes: int | None, hosts: str | None,
@@ -115,8 +131,10 @@ def slurm_nodes(inventory: inv_mod.Inventory, nodes: int | None, hosts: str | No
     return dataclasses.replace(inventory, slurm=slurm)
 
 
-def override(inventory: inv_mod.Inventory, nproc: int | None,
-              extra_env: dict[str, str]) -> inv_mod.Inventory:
+def override(inventory: inv_mod.Inventory, nproc: int | None, extra_env: dict[str, str],
+             environ: Mapping[str, str] = os.environ) -> inv_mod.Inventory:
+    """The inventory's env, then what its env_forward copies from this shell, then --env."""
+    inventory = inv_mod.forward_env(inventory, environ)
     hosts = []
     for h in inventory.hosts:
         changes: dict[str, object] = {}
@@ -163,12 +181,12 @@ def backend_name(chosen: str | None, force_local: bool) -> str | None:
 def backend(name: str, inventory: inv_mod.Inventory, sync: list[tuple[str, str]],
             sync_exclude: tuple[str, ...] = ()):
     if name == "local":
-        from ..backends.local import LocalBackend
+        from .backends.local import LocalBackend
         return LocalBackend()
     if name == "slurm":
-        from ..backends.slurm import SlurmBackend
+        from .backends.slurm import SlurmBackend
         return SlurmBackend(cwd=os.getcwd())
-    from ..backends.ssh import SshBackend
+    from .backends.ssh import SshBackend
     return SshBackend(inventory.ssh, sync=sync, sync_exclude=sync_exclude)
 
 
@@ -176,12 +194,12 @@ def backend(name: str, inventory: inv_mod.Inventory, sync: list[tuple[str, str]]
 def recorded_backend(run: RunDir):
     name = run.meta()["backend"]
     if name == "slurm":
-        from ..backends.slurm import SlurmBackend
+        from .backends.slurm import SlurmBackend
         return SlurmBackend()
     if name == "local":
-        from ..backends.local import LocalBackend
+        from .backends.local import LocalBackend
         return LocalBackend()
-    from ..backends.ssh import SshBackend
+    from .backends.ssh import SshBackend
     return SshBackend(run.inventory().ssh)
 
 

@@ -1,0 +1,254 @@
+"""cluster as a library, for programs that launch programs: the same flow as `cluster up`.
+
+    import cluster
+
+    run = cluster.up("inventory.yaml", "train.py", ["--epochs", "3"], env={"WANDB_MODE": "offline"})
+    print(run.status())      # {'gpu-a': 'running', 'gpu-b': 'running'}
+    code = run.wait()        # 0 once every node finished; run.error says why when not
+    run.down()               # or stop every node early
+
+`cluster up` is built on it: a Request is what its options say, prepare() checks all of it
+(bad input raises InputError here, before anything is created or contacted), and
+Prepared.run() does what the command does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import launch, resolve
+from .backends import Backend
+from .backends.slurm import cli_settings
+from .console import Console
+from .errors import ClusterError, InputError
+from .plan import Job, Templates
+from .runs import RunDir, new_run_id
+from .spec import Inventory, check_text
+
+
+@dataclass(frozen=True)
+class Request:
+    """Everything `cluster up` can be asked, by the names of its options."""
+    inventory_path: str | None = None          # None: this machine
+    command: tuple[str, ...] = ()              # SCRIPT ARGS...; () the reference trainer
+    nodes: int | None = None
+    hosts: str | None = None
+    exclude: str | None = None
+    backend: str | None = None
+    force_local: bool = False
+    dry_run: bool = False
+    detach: bool = False
+    no_preflight: bool = False
+    templates_dir: str | None = None
+    nproc_per_node: int | None = None
+    master_port: int | None = None
+    env: Mapping[str, str] = field(default_factory=dict)   # over the inventory's and forwarded
+    secret_names: tuple[str, ...] = ()
+    max_restarts: int | None = None
+    restart_after: float | None = None
+    min_nodes: int | None = None
+    hang_timeout: float | None = None
+    stop_grace: float | None = None
+    keepalive: float | None = None
+    sync_dir: str | None = None
+    sync_exclude: tuple[str, ...] = ()
+    host_key_policy: str | None = None
+    partition: str | None = None
+    time_limit: str | None = None
+    account: str | None = None
+    max_requeues: int | None = None
+
+
+@dataclass
+class Prepared:
+    """A checked request: what to run, where, and how; nothing created yet."""
+    inventory: Inventory
+    job: Job
+    templates: Templates
+    backend: Backend
+    backend_name: str
+    options: launch.Options
+    dry_run: bool
+
+    def run(self, console: Console, argv: list[str], created: Any = None) -> int:
+        """Record the run, then check, start and watch it (or only print it, for a dry run).
+        created(run_dir) is called once the run directory exists."""
+        try:
+            run = RunDir.create(self.job.run_id)
+            job = self.job
+            if self.backend_name == "local":
+                job = dataclasses.replace(job, node_root=str((run.path / "nodes").resolve()))
+            if created is not None:
+                created(run)
+            if self.dry_run:
+                launch.dry_run(self.inventory, job, self.templates, run, self.backend, argv, console)
+                return 0
+            return launch.up(self.inventory, job, self.templates, self.backend, run, argv,
+                             console, self.options)
+        finally:
+            self.backend.close()
+
+
+def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepared:
+    """Every check that needs no node: the inventory, the options over it, the secrets'
+    presence, the rendered scripts. Raises InputError; creates and contacts nothing."""
+    r = request
+    secrets = resolve.parse_secret_names(r.secret_names, dict(r.env))
+    for what, value in (("--partition", r.partition), ("--time", r.time_limit),
+                        ("--account", r.account), ("SCRIPT", r.command[0] if r.command else None)):
+        if value is not None:
+            check_text(value, what)
+    templates = Templates(r.templates_dir)
+    name = resolve.backend_name(r.backend, r.force_local)
+    inventory = resolve.inventory(r.inventory_path, r.hosts, r.exclude, r.nodes, name,
+                                  r.nproc_per_node, dict(r.env), environ)
+    inventory = resolve.settings(inventory, secrets, r.stop_grace, r.keepalive, r.host_key_policy)
+    name = name or inventory.backend
+    if name == "slurm":
+        inventory = _slurm(inventory, r)
+    launch.secret_values(inventory, environ)     # a missing secret stops here: nothing is created
+    if (r.sync_dir or r.sync_exclude) and name != "ssh":
+        raise InputError("--sync is for the ssh backend (local and SLURM nodes see this filesystem)")
+    run_id = new_run_id()
+    script, args, code_dir = resolve.command(r.command, name, run_id)
+    job = Job(run_id=run_id, script=script, args=args, master_port=r.master_port)
+    # --sync DIR lands in each node's workdir; the built-in trainer in <workdir>/cluster-train.
+    sync = [(d, sub) for d, sub in ((r.sync_dir, "."), (code_dir, "cluster-train")) if d]
+    backend = resolve.backend(name, inventory, sync=sync, sync_exclude=r.sync_exclude)
+    try:
+        backend.plan(inventory, job, templates)  # bad input fails here, before anything is written
+    except BaseException:
+        backend.close()
+        raise
+    options = launch.Options(
+        detach=r.detach, preflight=not r.no_preflight,
+        restarts=inventory.restarts if r.max_restarts is None else r.max_restarts,
+        restart_after=r.restart_after or 0.0, min_nodes=r.min_nodes,
+        hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout)
+    return Prepared(inventory, job, templates, backend, name, options, r.dry_run)
+
+
+def _slurm(inventory: Inventory, r: Request) -> Inventory:
+    """The request's SLURM options over the inventory's; what SLURM itself does instead
+    (requeues, its own node choice) refused where cluster's version would not apply."""
+    if r.max_restarts or r.min_nodes or r.hang_timeout or inventory.restarts or inventory.hang_timeout:
+        raise InputError("--max-restarts, --min-nodes and --hang-timeout are for local and SSH "
+                         "runs; under SLURM a job requeues itself (--max-requeues)")
+    count = None if inventory.slurm.nodelist else r.nodes      # a nodelist fixed the count
+    settings = cli_settings(inventory.slurm, nodes=count, partition=r.partition,
+                            time=r.time_limit, account=r.account, max_requeues=r.max_requeues)
+    return dataclasses.replace(inventory, slurm=settings)
+
+
+# --- the handle ------------------------------------------------------------------------------
+
+
+def up(inventory: str | os.PathLike[str] | None = None, script: str | None = None,
+       args: Sequence[str] = (), *, env: Mapping[str, str] | None = None, echo: bool = True,
+       **options: Any) -> "Run":
+    """Start SCRIPT ARGS with torchrun on every node of the inventory (None: this machine;
+    no script: the reference trainer) and return at once with a handle on the run. Keyword
+    options are `cluster up`'s, by their Request names (nodes=2, backend="ssh",
+    max_restarts=1, ...). Bad input raises InputError before anything starts; echo=False
+    keeps the nodes' output out of this process's stdout (it is in the run's logs)."""
+    if script is None and args:
+        raise InputError("args without a script: give the script too")
+    command = (str(script), *map(str, args)) if script is not None else ()
+    request = Request(inventory_path=None if inventory is None else os.fspath(inventory),
+                      command=command, env=dict(env or {}), **options)
+    return Run.start(prepare(request), echo=echo)
+
+
+class Run:
+    """A run started by up(): status(), logs(), wait(), down(). The launcher's work (the
+    check, the start, watching every node, stopping them all when one fails) goes on in a
+    thread of this process; if this process ends, each node stops its own run."""
+
+    def __init__(self, prepared: Prepared, console: Console) -> None:
+        self.run_id = prepared.job.run_id
+        self.error: ClusterError | None = None
+        self.returncode: int | None = None
+        self._prepared = prepared
+        self._stop = threading.Event()
+        self._created = threading.Event()
+        self._dir: RunDir | None = None
+        self._thread = threading.Thread(target=self._main, args=(console,), daemon=True,
+                                        name=f"cluster-run-{self.run_id}")
+
+    @classmethod
+    def start(cls, prepared: Prepared, echo: bool = True) -> "Run":
+        prepared.options = dataclasses.replace(prepared.options, stop=threading.Event())
+        sink = None if echo else open(os.devnull, "w")
+        run = cls(prepared, Console(out=sink, err=sink, color=False) if sink else Console())
+        run._stop = prepared.options.stop                  # type: ignore[assignment]
+        run._thread.start()
+        run._created.wait()
+        return run
+
+    def _main(self, console: Console) -> None:
+        def created(rd: RunDir) -> None:
+            self._dir = rd
+            self._created.set()
+        try:
+            self.returncode = self._prepared.run(console, ["cluster.up", self.run_id], created)
+        except ClusterError as exc:
+            self.error, self.returncode = exc, exc.exit_code
+        except BaseException as exc:                    # noqa: BLE001 - reported, never lost
+            self.error, self.returncode = ClusterError(f"{type(exc).__name__}: {exc}"), 1
+        finally:
+            self._created.set()
+
+    @property
+    def path(self) -> Path | None:
+        """The run's directory (run.json, scripts, logs)."""
+        return self._dir.path if self._dir else None
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code once the run has ended (0: every node finished; else self.error
+        says why), or None if it is still going after timeout seconds."""
+        self._thread.join(timeout)
+        return None if self._thread.is_alive() else self.returncode
+
+    def down(self, timeout: float | None = None) -> int | None:
+        """Stop every node (as Ctrl-C does: SIGTERM, then SIGKILL after the stop grace) and
+        wait for the launcher to confirm; the exit code, as wait()."""
+        self._stop.set()
+        return self.wait(timeout)
+
+    def status(self) -> dict[str, str]:
+        """Each node's state: starting (being checked), then what `cluster status` says
+        (running, exited 0, exited N, stopped, lost)."""
+        meta = self._dir.meta() if self._dir else {}
+        names = [n.name for n in self._prepared.inventory.hosts]
+        if "start" not in (meta.get("timings") or {}):
+            state = "failed" if self.done and self.returncode else "starting"
+            return {name: state for name in names}
+        backend = resolve.recorded_backend(self._dir)
+        try:
+            return {row.name: f"{row.state} {row.code}" if row.state == "exited" else row.state
+                    for row in backend.status(self._dir)}
+        finally:
+            backend.close()
+
+    def logs(self, node: str | None = None) -> str:
+        """The output so far, each line prefixed with its node, as the run's log files hold it."""
+        if self._dir is None:
+            return ""
+        out = []
+        for path in sorted((self._dir.path / "logs").glob("*.log")):
+            name = path.stem.split("-", 1)[1] if "-" in path.stem else path.stem
+            if node is None or node == name:
+                out += [f"[{name}] {line}" for line in path.read_text(errors="replace").splitlines()]
+        return "\n".join(out) + ("\n" if out else "")
+
+    def __repr__(self) -> str:
+        return f"<cluster.Run {self.run_id} {'ended ' + str(self.returncode) if self.done else 'running'}>"
