@@ -162,3 +162,12 @@ def test_select_nodes_hosts_exclude() -> None:
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="cannot read inventory"):
         inventory.load(tmp_path / "nope.yaml")
+
+
+def test_every_example_inventory_loads() -> None:
+    for path in sorted((REPO / "inventory").iterdir()):
+        inv = inventory.load(path)
+        assert inv.hosts, path
+    inv = inventory.load(REPO / "inventory" / "modules-and-venv.yaml")
+    assert inv.hosts[0].python == "auto" and len(inv.hosts[0].setup) == 2
+    assert inv.slurm.extra == (("exclusive", None), ("mem", "0"), ("qos", "normal"))
