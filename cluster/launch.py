@@ -43,6 +43,29 @@ def secret_values(inventory: Inventory,
     return {h.name: {name: environ[name] for name in h.secret_env} for h in inventory.hosts}
 
 
+# Open files per node in the launcher: its SSH socket, its log file, and room for a second
+# channel's pipes (local nodes) and the SFTP session of a sync.
+FILES_PER_NODE = 4
+
+
+def ensure_open_files(nodes: int, limits: Any = None) -> None:
+    """Raise this process's soft limit on open files to what `nodes` need (up to the hard
+    limit): 1024, the usual soft default, runs out near 250 nodes. Raises InputError, before
+    anything is contacted, when even the hard limit is too low."""
+    import resource
+    get, set_ = limits or (resource.getrlimit, resource.setrlimit)
+    soft, hard = get(resource.RLIMIT_NOFILE)
+    need = FILES_PER_NODE * nodes + 64
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise InputError(f"{nodes} nodes need about {need} open files; this shell allows "
+                         f"{hard} (ulimit -Hn). Raise it (limits.conf, systemd LimitNOFILE) "
+                         f"or launch fewer nodes. Nothing was contacted")
+    room = need * 2                       # headroom for a --min-nodes retry, doctor's pairs
+    set_(resource.RLIMIT_NOFILE, (room if hard == resource.RLIM_INFINITY else min(room, hard), hard))
+
+
 @dataclass(frozen=True)
 class Options:
     """How `cluster up` runs a job, beyond what to run and where."""
@@ -63,6 +86,7 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, r
     fresh rendezvous (CLUSTER_RESTART_COUNT on the nodes), leaving lost nodes out while
     options.min_nodes remain."""
     secrets = secret_values(inventory, environ)
+    ensure_open_files(len(inventory.hosts))
     history: list[dict[str, Any]] = []
     while True:
         job = dataclasses.replace(job, attempt=len(history))

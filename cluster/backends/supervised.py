@@ -286,18 +286,27 @@ class SupervisedProcess:
         self.grace = grace
         self.pgid: int | None = None
         self.ended = False
+        self.final: dict[str, Any] | None = None     # the supervisor's last word: what was left
+        self.closed = threading.Event()               # its stream has ended
 
     def output(self) -> Iterator[bytes | dict[str, Any]]:
         first, demux = True, Demux()
-        while True:
-            data = self.channel.read()
-            if not data:
-                return
-            if first and data.startswith(PGID_HEADER):
-                head, _, data = data.partition(b"\n")
-                self.pgid = int(head[len(PGID_HEADER):] or 0) or None
-            first = False
-            yield from demux.feed(data)
+        try:
+            while True:
+                data = self.channel.read()
+                if not data:
+                    return
+                if first and data.startswith(PGID_HEADER):
+                    head, _, data = data.partition(b"\n")
+                    self.pgid = int(head[len(PGID_HEADER):] or 0) or None
+                first = False
+                for piece in demux.feed(data):
+                    if isinstance(piece, dict) and isinstance(piece.get("final"), dict):
+                        self.final = piece["final"]
+                    else:
+                        yield piece
+        finally:
+            self.closed.set()
 
     def request_stacks(self) -> None:
         if not self.ended:
@@ -313,6 +322,17 @@ class SupervisedProcess:
         return NodeExit(code=code)
 
     def stop(self) -> dict[str, Any]:
+        """The word `stop` on the supervisor's own channel: no new process or round trip on
+        the node; its answer is its last record (what was left after TERM, the grace and KILL,
+        verified). A channel that is gone or silent gets a stop command of its own instead."""
+        if not self.ended and not self.closed.is_set():
+            try:
+                self.channel.write(b"stop\n")
+            except ClusterError:
+                pass
+            else:
+                if self.closed.wait(self.grace + 15) and self.final is not None:
+                    return dict(self.final)
         try:
             return self.remote.stop(self.grace)
         except ClusterError as exc:

@@ -342,12 +342,21 @@ def run(args):
 
     stopping = threading.Event()
     why = []
+    stoppers, done = [], []                # the stop's threads, and what each of them did
 
     def stop_async(reason):
         if not stopping.is_set():
             why.append(reason)
             stopping.set()
-            threading.Thread(target=terminate, args=(d, args.grace, True), daemon=True).start()
+            t = threading.Thread(target=lambda: done.append(terminate(d, args.grace, True)),
+                                 daemon=True)
+            stoppers.append(t)
+            t.start()
+
+    def stop_requested():
+        # The launcher's `stop` line: no process of its own on this node, one packet.
+        write_atomic(d, "stop-requested", repr(time.time()))
+        stop_async("stopped by the launcher")
 
     def on_signal(signum, _frame):
         stop_async("supervisor got %s" % signal_name(signum))
@@ -359,7 +368,7 @@ def run(args):
     ended = threading.Event()
     if not args.detach:
         out.write(("@@cluster pgid=%d\n" % child.pid).encode())
-        commands = {"dump": lambda: dump(d, tap, out)}
+        commands = {"dump": lambda: dump(d, tap, out), "stop": stop_requested}
         threading.Thread(target=watch_launcher, args=(0, args.keepalive, stop_async, commands),
                          daemon=True).start()
         workers.Progress(lambda: identity(d, True), path(d, "heartbeat"), out.record, ended).start()
@@ -368,6 +377,8 @@ def run(args):
     pump.start()
     code = child.wait()
     ended.set()
+    for t in stoppers:                 # a stop in progress finishes its grace and its KILL first
+        t.join(timeout=args.grace + 5)
     # torchrun's workers live in sessions of their own: if it died hard they are orphans now.
     leftovers = terminate(d, args.grace, True)
     pump.join(timeout=2.0)
@@ -377,6 +388,11 @@ def run(args):
               "stopped": stopping.is_set() or requested,
               "reason": (why[0] if why else ("stop requested" if requested else None))}
     write_atomic(d, "exit", json.dumps(result))
+    # What was left after the last TERM/KILL, verified: the launcher's answer to its `stop`.
+    final = {key: sorted({pid for r in done + [leftovers] for pid in r[key]})
+             for key in ("signalled", "killed")}
+    final["left"] = leftovers["left"]
+    out.record({"final": final})
     return code if code >= 0 else 128 - code
 
 

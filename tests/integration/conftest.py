@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -215,3 +216,15 @@ def wait_until(pred: Callable[[], object], timeout: float, interval: float = 0.0
             return time.monotonic() - t0
         time.sleep(interval)
     return None
+
+
+def make_venv(where: Path) -> Path:
+    """A real venv (its own activate script and interpreter) that sees this python's packages
+    (torch) through a .pth file, readable by the nodes' user."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    purelib = sysconfig.get_paths()["purelib"]
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (where / "lib" / version / "site-packages" / "parent.pth").write_text(purelib + "\n")
+    for path in [where, *where.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
+    return where

@@ -7,20 +7,18 @@ Leftovers are checked by what is left in each node's network namespace (fixtures
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 
 import pytest
 
 try:
-    from tests.integration.conftest import PROGRAMS, node_leftovers, wait_until
+    from tests.integration.conftest import PROGRAMS, make_venv, node_leftovers, wait_until
 except ImportError:  # run with tests/integration on sys.path
-    from conftest import PROGRAMS, node_leftovers, wait_until  # type: ignore
+    from conftest import PROGRAMS, make_venv, node_leftovers, wait_until  # type: ignore
 
 pytestmark = [pytest.mark.integration]
 
@@ -35,18 +33,6 @@ def records(text: str) -> list[tuple[str, dict]]:
         if m and '"sum"' in m.group(2):
             out.append((m.group(1), json.loads(m.group(2))))
     return out
-
-
-def make_venv(where: Path) -> Path:
-    """A real venv (its own activate script and interpreter) that sees this python's packages
-    (torch) through a .pth file, readable by the nodes' user."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
-    purelib = sysconfig.get_paths()["purelib"]
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    (where / "lib" / version / "site-packages" / "parent.pth").write_text(purelib + "\n")
-    for path in [where, *where.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644)
-    return where
 
 
 def test_setup_sources_a_venv_auto_takes_its_python_and_values_are_forwarded(ssh_nodes4, cli):

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 try:
+    from tests.integration.conftest import make_venv
     from tests.integration.fixtures import SlurmCluster, processes_with_env
 except ImportError:  # run with tests/integration on sys.path
+    from conftest import make_venv  # type: ignore
     from fixtures import SlurmCluster, processes_with_env  # type: ignore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,3 +206,27 @@ def test_secret_env_and_a_nasty_job_name_through_real_sbatch(slurm, workdir: Pat
             assert secret.encode() not in f.read_bytes(), f
     assert secret not in r.stdout + r.stderr
     assert not Path("/tmp/slurm-canary").exists()
+
+
+def test_setup_auto_python_torchrun_args_and_extra_options_under_real_slurm(slurm, workdir: Path) -> None:
+    """The setup lines run inside the step on each node (a venv activated by `source`, a
+    value set per node), python: auto takes the venv's interpreter, torchrun takes the extra
+    option, and a slurm.extra option reaches the job as SLURM sees it."""
+    venv = make_venv(workdir / "venv")
+    (workdir / "inventory.yaml").write_text(
+        "backend: slurm\n"
+        "defaults:\n  python: auto\n  nproc_per_node: 1\n"
+        f"  setup: ['source {venv}/bin/activate', 'export FROM_SETUP=\"on $(hostname)\"']\n"
+        "  torchrun_args: [--log-dir=torchrun-logs]\n"
+        "hosts: []\n"
+        "slurm: {nodes: 2, time: '00:05:00', extra: {comment: 'from extra #1', contiguous: true}}\n")
+    r = up(slurm, workdir, str(PROGRAM))
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = reports(r.stdout)
+    assert len(got) == 2
+    for d in got:
+        assert Path(d["python"]).parent == venv / "bin", d
+        assert d["from_setup"] == f"on {d['hostname']}", d
+    assert (workdir / "torchrun-logs").is_dir()
+    shown = slurm.run(["scontrol", "-o", "show", "job", job_id(workdir)]).stdout
+    assert "Comment=from extra #1 " in shown and " Contiguous=1 " in shown, shown

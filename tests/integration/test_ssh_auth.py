@@ -225,3 +225,28 @@ def test_cert_authority_is_explained(ssh_nodes4, cli):
     for words in ("@cert-authority", f"{known} line 1", "not supported", "ssh-keyscan",
                   "accept-new"):
         assert words in proc.stderr, proc.dump()
+
+
+# --- every node behind one jump host ----------------------------------------------------------
+
+
+def test_nodes_behind_one_jump_host_share_one_connection_to_it(ssh_nodes4, cli):
+    """node1 is the bastion (ProxyJump); nodes 2-4 are reached only through it. Three nodes
+    ride on ONE SSH connection to the bastion (channels, not logins: sshd's MaxStartups never
+    sees a crowd), counted from the bastion's own namespace with ss, not from cluster."""
+    jump = ssh_nodes4.nodes[0]
+    behind = ssh_nodes4.nodes[1:]
+    (cli.home / ".ssh" / "config").write_text(
+        f"Host bastion\n  HostName {jump.address}\n  User {ssh_nodes4.user}\n"
+        f"  IdentityFile {ssh_nodes4.identity_file}\n  IdentitiesOnly yes\n"
+        f"Host {' '.join(n.name for n in behind)}\n  ProxyJump bastion\n")
+    inv = ssh_nodes4.write_inventory(cli.home / "inv.yaml", nodes=[2, 3, 4])
+    proc = cli.start("up", "-i", inv, "--sync", str(PROGRAMS), "--", "allreduce.py",
+                     "--sleep", "60")
+    proc.wait_for(lambda p: sum('"sleeping"' in line for line in p.out) >= 3, 120, "ranks asleep")
+    established = ssh_nodes4.network.run_in(1, ["ss", "-Htn", "state", "established",
+                                                "( sport = :22 )"]).stdout.split("\n")
+    from_launcher = [line for line in established if line.strip()]
+    assert len(from_launcher) == 1, from_launcher        # one login to the bastion, for 3 nodes
+    os.kill(proc.popen.pid, 2)
+    assert proc.wait(60) == 130, proc.dump()

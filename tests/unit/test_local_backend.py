@@ -81,3 +81,24 @@ def test_a_partial_start_stops_the_nodes_that_did_start(tmp_path: Path, monkeypa
             assert (tmp_path / "nodes" / "local0" / "pgid").exists()
     finally:
         backend.close()
+
+
+def test_the_open_files_limit_is_raised_for_many_nodes_or_refused_clearly() -> None:
+    import resource
+    from cluster.errors import InputError
+    from cluster.launch import ensure_open_files
+    limits = {"now": (1024, 524288)}
+
+    def get(_):
+        return limits["now"]
+
+    def set_(_, value):
+        limits["now"] = value
+    ensure_open_files(200, (get, set_))
+    assert limits["now"] == (1024, 524288)                  # enough already: untouched
+    ensure_open_files(1000, (get, set_))
+    assert limits["now"][0] >= 4 * 1000 and limits["now"][1] == 524288
+    limits["now"] = (1024, 2048)
+    with pytest.raises(InputError, match="ulimit -Hn"):
+        ensure_open_files(1000, (get, set_))
+    assert resource.RLIMIT_NOFILE is not None

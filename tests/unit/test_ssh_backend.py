@@ -178,3 +178,54 @@ def test_connections_made_at_once_from_many_threads_share_no_config(tmp_path: Pa
     assert errors == []
     assert len(made) == 320 and all(c.config is not config for c in made)
     assert dict(config) == before                   # the shared config was never written
+
+
+class FakeHop:
+    """A jump-host connection as Gateways sees it: opened at most once, or failing."""
+
+    def __init__(self, host: str, fail: bool = False) -> None:
+        self.user, self.host, self.port, self.gateway = "u", host, 22, None
+        self.opened, self.fail, self.is_connected = 0, fail, False
+
+        class Transport:
+            def set_keepalive(self, seconds: int) -> None:
+                self.seconds = seconds
+        self.transport = Transport()
+
+    def open(self) -> None:
+        import time
+        self.opened += 1
+        time.sleep(0.05)                  # long enough for the other threads to pile up
+        if self.fail:
+            raise OSError("jump host unreachable")
+        self.is_connected = True
+
+    def close(self) -> None:
+        self.is_connected = False
+
+
+def test_one_connection_per_jump_host_opened_once_and_a_failure_shared(monkeypatch) -> None:
+    import threading
+    from cluster.backends.ssh import transport as tr
+    monkeypatch.setattr(tr, "Connection", FakeHop)      # hop_key tells hops from strings
+    gateways = tr.Gateways()
+    hops = [FakeHop("bastion") for _ in range(50)]
+    shared = [gateways.share(h) for h in hops]
+    assert {id(s) for s, _ in shared} == {id(hops[0])} and [new for _, new in shared].count(True) == 1
+    threads = [threading.Thread(target=gateways.open, args=(hops[0], 15.0)) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert hops[0].opened == 1 and hops[0].transport.seconds == 15
+
+    down, _ = gateways.share(FakeHop("down", fail=True))
+    errors = []
+    for _ in range(5):
+        try:
+            gateways.open(down, 15.0)
+        except OSError as exc:
+            errors.append(str(exc))
+    assert down.opened == 1 and errors == ["jump host unreachable"] * 5   # tried once, told to all
+    gateways.close()
+    assert not hops[0].is_connected

@@ -301,3 +301,25 @@ def test_stop_never_signals_a_reused_process_group(tmp_path: Path) -> None:
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_stop_on_its_own_channel_answers_with_what_was_left(tmp_path: Path) -> None:
+    """The launcher's `stop` line: the supervisor stops every process of the run (one that
+    left the group and ignores SIGTERM included), then its last record says what was left."""
+    from cluster.nodes import Demux
+    d = node_dir(tmp_path, ESCAPEE)
+    p = start(d)
+    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    t0 = time.monotonic()
+    p.stdin.write(b"stop\n")
+    p.stdin.flush()
+    out = finish(p)
+    took = time.monotonic() - t0
+    records = [r for r in Demux().feed(out) if isinstance(r, dict)]
+    final = [r["final"] for r in records if "final" in r]
+    assert final and final[-1]["left"] == [] and final[-1]["killed"], records
+    assert not tagged_pids(RUN_ID, "n1")                       # checked here, independently
+    assert took < 1 + 2 + 5, took                              # grace (1 s) + KILL wait + slack
+    exit_info = json.loads((d / "exit").read_text())
+    assert exit_info["stopped"] is True and exit_info["reason"] == "stopped by the launcher"
+    p.stdin.close()

@@ -42,7 +42,7 @@ from .errors import (Attempt, AuthFailed, HostKeyChanged, HostKeyRevoked, HostKe
 from .hostkeys import (AcceptNewPolicy, ChangedKey, KnownHosts, OffPolicy, RevokedKey,
                        StrictPolicy, UnknownKey, known_hosts_for)
 from .identities import BatchAuth, KeysRefused
-from .transport import SshChannel, SshTransport, fabric_config, sftp_path
+from .transport import Gateways, SshChannel, SshTransport, fabric_config, sftp_path
 
 TRAINER_SUBDIR = "cluster-train"
 
@@ -81,11 +81,17 @@ class SshBackend(SupervisedBackend):
                                             for s in sync]
         self.sync_exclude = list(sync_exclude)
         self.config = fabric_config(self.settings.config)
+        self.gateways = Gateways()            # jump hosts, one connection each for all nodes
         self.synced: dict[str, list[dict[str, Any]]] = {}
         super().__init__(self._connect, max_workers=max_workers, keepalive=self.settings.keepalive)
 
     def _connect(self, host: Host) -> SshTransport:
-        return SshTransport(host, self.settings, self.policy, self.config, self.warn)
+        return SshTransport(host, self.settings, self.policy, self.config, self.warn,
+                            self.gateways)
+
+    def close(self) -> None:
+        super().close()
+        self.gateways.close()             # after the nodes: their channels ride on these
 
     def check(self, plan: LaunchPlan, *, reach: bool = False) -> dict[str, dict[str, Any]]:
         if self.sync:

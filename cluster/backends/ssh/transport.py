@@ -70,12 +70,65 @@ class SshChannel:
             pass
 
 
+class Gateways:
+    """One connection per jump host (ProxyJump), shared by every node behind it: a thousand
+    nodes behind one bastion are a thousand channels over one SSH connection, not a thousand
+    logins at once, which sshd's MaxStartups (10:30:100 by default) starts refusing after ten.
+    A jump host that cannot be reached is tried once; every node behind it gets that error."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shared: dict[tuple[Any, ...], Connection] = {}
+        self._opening: dict[tuple[Any, ...], threading.Lock] = {}
+        self._failed: dict[tuple[Any, ...], BaseException] = {}
+
+    def share(self, gateway: Connection) -> tuple[Connection, bool]:
+        """The shared connection for this hop (and the hops before it); True when it is new."""
+        key = hop_key(gateway)
+        with self._lock:
+            if key in self._shared:
+                return self._shared[key], False
+            self._shared[key] = gateway
+            self._opening[key] = threading.Lock()
+            return gateway, True
+
+    def open(self, gateway: Connection, keepalive: float) -> None:
+        key = hop_key(gateway)
+        with self._opening[key]:
+            if key in self._failed:
+                raise self._failed[key]
+            if gateway.is_connected:
+                return
+            try:
+                gateway.open()
+            except BaseException as exc:   # noqa: BLE001 - kept for the nodes behind it
+                self._failed[key] = exc
+                raise
+            gateway.transport.set_keepalive(max(1, int(keepalive)))
+
+    def close(self) -> None:
+        with self._lock:
+            hops, self._shared = list(self._shared.values()), {}
+        for gateway in hops:
+            try:
+                gateway.close()
+            except Exception:
+                pass
+
+
+def hop_key(conn: Connection) -> tuple[Any, ...]:
+    before = conn.gateway
+    return (conn.user, conn.host, conn.port,
+            hop_key(before) if isinstance(before, Connection) else before)
+
+
 class SshTransport:
     """One node over SSH. Connects at first use; every method is safe from several threads."""
 
     def __init__(self, host: Host, settings: SshSettings, policy: str, config: Config,
-                 warn: Callable[[str], None]) -> None:
+                 warn: Callable[[str], None], gateways: Gateways | None = None) -> None:
         self.host = host
+        self.gateways = gateways or Gateways()    # the backend passes one for all its nodes
         self.label = host.name
         self.settings = settings
         self.policy = policy
@@ -113,6 +166,8 @@ class SshTransport:
         conn = self._make(self.host.address, self.host.user, self.host.port, timeout)
         at = self.attempt = self._attempt(conn, timeout)
         try:
+            if isinstance(conn.gateway, Connection):
+                self.gateways.open(conn.gateway, self._probe_interval())
             conn.open()
         except BaseException as exc:  # noqa: BLE001 - translated, never swallowed
             try:
@@ -144,7 +199,10 @@ class SshTransport:
         conn.gateway = conn.get_gateway()   # ProxyJump/ProxyCommand of the merged options
         self._prepare(conn, timeout, self.host.identity_file)
         self.known = self._secure(conn, ssh_cfg)
-        gateway = conn.gateway
+        if not isinstance(conn.gateway, Connection):
+            return conn
+        conn.gateway, new = self.gateways.share(conn.gateway)
+        gateway = conn.gateway if new else None        # a shared hop is prepared once
         while isinstance(gateway, Connection):
             self._prepare(gateway, timeout, None)
             self._secure(gateway, gateway.ssh_config)

@@ -33,6 +33,7 @@ def main() -> int:
                       "cluster_node_rank": os.environ.get("CLUSTER_NODE_RANK"),
                       "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
                       "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+                      "python": sys.executable, "from_setup": os.environ.get("FROM_SETUP"),
                       "env_hash": hashlib.sha256(os.environ[args.env_hash].encode()).hexdigest()
                       if args.env_hash and args.env_hash in os.environ else None}), flush=True)
     if args.sleep:
