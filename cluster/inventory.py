@@ -444,8 +444,8 @@ class _Parser:
         if "python" in m:
             fields["python"] = self.string(m, "python")
         if "mounts" in m:
-            fields["mounts"] = tuple(self.mount(text, line)
-                                     for text, line in self.strings(m, "mounts", "SRC:DST[:FLAGS]"))
+            fields["mounts"] = tuple(self.mount(text, line) for text, line
+                                     in self.strings(m, "mounts", "[/datasets:/datasets:ro]"))
         if "options" in m:
             options = self.strings(m, "options", "one word each, e.g. [--shm-size, 16g]")
             for text, line in options:
@@ -456,19 +456,6 @@ class _Parser:
                                  hint="e.g. container: {runtime: docker, image: "
                                  "nvcr.io/nvidia/pytorch:24.05-py3}")
         return Container(**fields)
-
-    def strings(self, m: _Map, key: str, hint: str) -> list[tuple[str, int]]:
-        """A list of non-empty strings without control characters, each with its line."""
-        value = m[key]
-        if not isinstance(value, _List) or not all(isinstance(v, str) and v for v in value):
-            raise self.fail(m, key, "must be a list of non-empty strings", hint)
-        for text, line in zip(value, value.lines):
-            bad = control_char(text)
-            if bad:
-                raise InventoryError(self.source, line, key, f"control character {bad} in {text!r}",
-                                     hint="fields that reach a script may not hold newlines or "
-                                     "other control characters")
-        return list(zip(value, value.lines))
 
     def mount(self, text: str, line: int) -> Mount:
         parts = text.split(":")
@@ -487,6 +474,9 @@ class _Parser:
         return Mount(*parts)
 
     def run_option(self, text: str, line: int) -> None:
+        if not text:
+            raise InventoryError(self.source, line, "options", "an empty option",
+                                 hint="one word each, e.g. [--ulimit, stack=67108864]")
         name = text.split("=", 1)[0] if text.startswith("--") else _short_reserved(text)
         why = RESERVED_RUN_OPTIONS.get(name or "")
         if why:
