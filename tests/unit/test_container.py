@@ -72,6 +72,13 @@ def start(d: Path, box: FakeBox, mode: str, secrets: dict[str, str]) -> subproce
     return p
 
 
+def finish(p: subprocess.Popen) -> bytes:
+    """The supervisor's output to its end, its input left open (closed means: launcher gone)."""
+    out = p.stdout.read()
+    p.wait(timeout=60)
+    return out
+
+
 def stop(d: Path, box: FakeBox, grace: float = 5) -> dict:
     out = subprocess.run([sys.executable, str(SUPERVISOR), "stop", str(d), "--grace", str(grace)],
                          capture_output=True, text=True, env=box.env())
@@ -83,7 +90,7 @@ def test_values_reach_the_container_and_never_its_command_line(tmp_path: Path, r
     box = FakeBox(tmp_path, runtime)
     d = node_dir(tmp_path, box)
     p = start(d, box, "exit", {"TOKEN": SECRET})
-    out = p.communicate(timeout=60)[0]
+    out = finish(p)
     assert p.returncode == 0, out.decode(errors="replace")
     got = box.received()
     # the program: its arguments, the node's env and the secret byte for byte, the identity
@@ -118,7 +125,7 @@ def test_stop_goes_through_the_runtime_by_name_with_one_term(tmp_path: Path) -> 
     p = start(d, box, "sleep", {"TOKEN": SECRET})
     assert wait_for(box.out.exists), p.stdout.read1().decode(errors="replace") if p.poll() else ""
     report = stop(d, box, grace=5)
-    p.communicate(timeout=30)
+    finish(p)
     assert report["left"] == [] and report["signalled"], report
     name = container_name(RUN_ID, "n1")
     stops = box.calls("stop")
@@ -139,6 +146,6 @@ def test_a_runtime_that_cannot_stop_still_leaves_nothing(tmp_path: Path) -> None
     broken.write_text("#!/bin/sh\necho 'Error: cannot connect to the service' >&2\nexit 125\n")
     broken.chmod(0o755)
     report = stop(d, box, grace=1)
-    p.communicate(timeout=30)
+    finish(p)
     assert wait_for(lambda: not tagged(RUN_ID), 5)
     assert report["left"] == [f"container {container_name(RUN_ID, 'n1')} (podman did not answer)"]

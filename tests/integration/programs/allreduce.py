@@ -53,6 +53,7 @@ def main() -> int:
     say({"rank": rank, "world_size": world, "sum": t.item(), "host": socket.gethostname(),
          "pid": os.getpid(), "node": os.environ.get("CLUSTER_NODE"),
          "env_hash": env_hash(args.env_hash),
+         "in_container": os.path.exists("/run/.containerenv") or os.path.exists("/.dockerenv"),
          "restart": int(os.environ.get("CLUSTER_RESTART_COUNT", "0")), "python": sys.executable,
          "env": {k: os.environ.get(k) for k in args.show_env.split(",") if k}})
     first = os.environ.get("CLUSTER_RESTART_COUNT", "0") == "0"

@@ -1,0 +1,224 @@
+"""torchrun in containers on the SSH test nodes, with a real runtime: rootless podman as the
+nodes' user (no daemon, so `--network host` is the node's own namespace) and an image built
+here with `podman import`, no registry (fixtures/podman.py). Python and torch come from this
+machine's /usr and the test venv, mounted read-only through the inventory's `mounts`.
+
+What a user relies on: a 2-node all_reduce inside the containers; Ctrl-C and a killed rank
+leaving no container and no process on any node; no environment value, secret or not, on any
+command line of any node; the secret in no file a node or its runtime keeps.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+try:
+    from tests.integration.conftest import PROGRAMS, Cli, Proc, wait_until
+    from tests.integration.fixtures import processes_with_env
+    from tests.integration.fixtures.podman import PodmanImage, missing_tools
+except ImportError:  # run with tests/integration on sys.path
+    from conftest import PROGRAMS, Cli, Proc, wait_until  # type: ignore
+    from fixtures import processes_with_env  # type: ignore
+    from fixtures.podman import PodmanImage, missing_tools  # type: ignore
+
+pytestmark = [pytest.mark.integration]
+
+SECRET = "tok-$(touch /tmp/pwned) 'q' \"dq\" 7f3a9c1e"
+PLAIN = "plain-value-with spaces-$(id)-58e2b7"
+
+
+@pytest.fixture(scope="module")
+def podman(ssh_nodes4):
+    missing = missing_tools()
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (tests/run installs them)")
+    with PodmanImage(ssh_nodes4.user) as img:
+        yield img
+
+
+@pytest.fixture
+def box(podman: PodmanImage, cli: Cli):
+    podman.ensure_pause_process()
+    yield podman
+    for run_id in cli.run_ids():
+        podman.remove_containers(f"cluster-{run_id}")
+
+
+def inventory(ssh_nodes4, cli: Cli, podman: PodmanImage, **overrides) -> str:
+    """The nodes with the test image. The fake nodes' names live in per-namespace hosts files
+    that podman does not copy into a container (it takes /etc/hosts from its own mount
+    namespace), and torchrun resolves its own host name: `--add-host` options name them, as a
+    user would on a cluster without DNS for its nodes."""
+    venv = str(Path(ssh_nodes4.python).parent.parent)
+    box = podman.container_config(python=ssh_nodes4.python, mounts=[f"{venv}:{venv}:ro"])
+    box["options"] = [f"--add-host={n.name}:{n.address}" for n in ssh_nodes4.nodes]
+    return ssh_nodes4.write_inventory(cli.home / "inv.yaml", container=box, **overrides)
+
+
+def results(proc: Proc) -> list[dict]:
+    out = []
+    for line in proc.out:
+        _, _, text = line.partition("] ")
+        if text.startswith("{") and '"sum"' in text:
+            out.append(json.loads(text))
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def sleeping(n: int):
+    return lambda p: sum('"sleeping"' in line for line in p.out) >= n
+
+
+def leftovers(ssh_nodes4, podman: PodmanImage, run_id: str, nodes=(1, 2)) -> dict:
+    """Everything of a run still on the nodes: its containers (any state), and every process
+    in the nodes' namespaces but their sshd and podman's per-user pause process."""
+    from tests.integration.conftest import node_leftovers
+    pause = podman.pause_pid()
+    procs = {node: [p for p in found if not p.startswith(f"{pause} ")]
+             for node, found in node_leftovers(ssh_nodes4, *nodes).items()}
+    procs = {k: v for k, v in procs.items() if v}
+    boxes = [n for n in podman.containers() if n.startswith(f"cluster-{run_id}")]
+    return {"processes": procs, "containers": boxes,
+            "tagged": processes_with_env("CLUSTER_RUN_ID", run_id)}
+
+
+def nothing_left(ssh_nodes4, podman, run_id) -> bool:
+    left = leftovers(ssh_nodes4, podman, run_id)
+    return not (left["processes"] or left["containers"] or left["tagged"])
+
+
+def test_allreduce_inside_containers(ssh_nodes4, cli, box, record_property):
+    inv = inventory(ssh_nodes4, cli, box)
+    t0 = time.monotonic()
+    proc = cli.run("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--", "allreduce.py",
+                   timeout=300)
+    seconds = time.monotonic() - t0
+    record_property("container_allreduce_2_nodes_s", round(seconds, 3))
+    sys.stderr.write(f"\n[container timing] 2-node all_reduce in podman: {seconds:.2f} s\n")
+    assert proc.popen.returncode == 0, proc.dump()
+    got = results(proc)
+    assert [r["rank"] for r in got] == [0, 1], proc.dump()
+    for r in got:
+        assert r["sum"] == 3.0 and r["world_size"] == 2
+        assert r["in_container"], "the rank did not run inside a container"
+        assert r["node"] == f"node{r['rank'] + 1}"
+    run_id = cli.run_ids()[-1]
+    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 15) is not None, \
+        leftovers(ssh_nodes4, box, run_id)
+
+
+def test_ctrl_c_leaves_no_container_and_no_process(ssh_nodes4, cli, box, record_property):
+    inv = inventory(ssh_nodes4, cli, box)
+    proc = cli.start("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--",
+                     "allreduce.py", "--sleep", "120")
+    proc.wait_for(sleeping(2), 180, "every rank asleep")
+    run_id = proc.run_id()
+    assert len(box.containers()) >= 2 and all(
+        n in box.containers() for n in (f"cluster-{run_id}-node1", f"cluster-{run_id}-node2"))
+    os.kill(proc.popen.pid, signal.SIGINT)
+    t0 = time.monotonic()
+    assert proc.wait(90) == 130, proc.dump()
+    record_property("container_ctrl_c_to_exit_s", round(time.monotonic() - t0, 3))
+    gone = wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 15)
+    assert gone is not None, leftovers(ssh_nodes4, box, run_id)
+    record_property("container_ctrl_c_to_all_gone_s", round(time.monotonic() - t0, 3))
+
+
+def worker_pid(run_id: str, rank: int) -> int:
+    """A rank's pid as this machine sees it (the program reports its pid in the container)."""
+    for pid in processes_with_env("CLUSTER_RUN_ID", run_id):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=0" in env:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} in run {run_id}")
+
+
+def test_a_killed_rank_stops_every_container(ssh_nodes4, cli, box, record_property):
+    inv = inventory(ssh_nodes4, cli, box)
+    proc = cli.start("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--",
+                     "allreduce.py", "--sleep", "120")
+    proc.wait_for(sleeping(2), 180, "every rank asleep")
+    run_id = proc.run_id()
+    os.kill(worker_pid(run_id, 1), signal.SIGKILL)
+    t0 = time.monotonic()
+    assert proc.wait(90) == 4, proc.dump()
+    gone = wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 15)
+    assert gone is not None, leftovers(ssh_nodes4, box, run_id)
+    seconds = time.monotonic() - t0
+    record_property("container_kill9_to_all_gone_s", round(seconds, 3))
+    sys.stderr.write(f"\n[container timing] kill -9 of a rank -> nothing left: {seconds:.2f} s\n")
+    assert "failed first" in proc.stderr, proc.dump()
+
+
+def command_lines() -> dict[int, bytes]:
+    out = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                out[int(name)] = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+    return out
+
+
+def files_holding(value: str, roots: list[str]) -> list[str]:
+    """Files under roots that hold value as it is, or as JSON writes it (podman's state is
+    JSON: quotes there are escaped)."""
+    needles = {value.encode(), json.dumps(value)[1:-1].encode()}
+    found = []
+    for root in roots:
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                path = os.path.join(dirpath, f)
+                try:
+                    if os.path.islink(path) or not os.path.isfile(path):
+                        continue
+                    with open(path, "rb") as fh:
+                        data = fh.read()
+                        if any(n in data for n in needles):
+                            found.append(path)
+                except OSError:
+                    continue
+    return found
+
+
+def test_env_values_and_the_secret_are_on_no_command_line(ssh_nodes4, cli, box):
+    inv = inventory(ssh_nodes4, cli, box, secret_env=["TOKEN"], env={"PLAIN": PLAIN})
+    cli.env["TOKEN"] = SECRET
+    proc = cli.start("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--",
+                     "allreduce.py", "--sleep", "120", "--env-hash", "TOKEN")
+    proc.wait_for(sleeping(2), 180, "every rank asleep")
+    run_id = proc.run_id()
+    try:
+        # while it runs: no process on this machine (every node) shows either value
+        lines = command_lines()
+        for value in (SECRET, PLAIN):
+            shown = {pid: cmd for pid, cmd in lines.items() if value.encode() in cmd}
+            assert not shown, f"{value!r} is on a command line: {shown}"
+        # the secret arrived (its hash), and no file on the nodes or in podman's state holds it
+        want = hashlib.sha256(SECRET.encode()).hexdigest()
+        assert [r["env_hash"] for r in results(proc)] == [want, want], proc.dump()
+        roots = [ssh_nodes4.workdir(i) for i in (1, 2)] + box.state_dirs()
+        assert files_holding(SECRET, roots) == []
+        # the plain value is in each node's private run directory (its script and the env file
+        # read inside the container), and nowhere else
+        holding = files_holding(PLAIN, [ssh_nodes4.workdir(i) for i in (1, 2)])
+        assert sorted(Path(p).name for p in holding) == ["container.env"] * 2 + ["launch.sh"] * 2, holding
+        assert all(os.stat(p).st_mode & 0o077 == 0 and os.stat(Path(p).parent).st_mode & 0o077 == 0
+                   for p in holding)
+        assert files_holding(PLAIN, box.state_dirs()) == []
+    finally:
+        os.kill(proc.popen.pid, signal.SIGINT)
+        proc.wait(90)
+    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 15) is not None, \
+        leftovers(ssh_nodes4, box, run_id)
