@@ -248,6 +248,15 @@ def _node(rank: int, host: Host, inv: Inventory, job: Job, templates: Templates,
                     env=tuple(decided + network.decided_env(net)) + host.env, container=box_name)
 
 
+def container_check(host: Host, name: str, templates: Templates, code: str) -> str:
+    """A script that runs `code` with the image's python in the node's container, started as
+    a run starts it (cluster doctor's look inside the image)."""
+    if host.container is None:
+        raise InputError(f"{host.name} has no container")
+    return templates.render("container_check.sh.j2", host=host, box=host.container,
+                            box_name=name, code=code)
+
+
 def container_env(host: Host) -> tuple[str, ...]:
     """The names a node's container gets values for (secrets travel apart, on its stdin)."""
     return tuple(dict.fromkeys(CONTAINER_ENV + tuple(k for k, _ in host.env)))

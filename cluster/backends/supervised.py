@@ -92,6 +92,9 @@ class SupervisedNode:
             args += ["--ifname", node.host.network.ifname]
         if port:
             args += ["--port", str(plan.master_port)]
+        if node.host.container:
+            args += ["--container-runtime", node.host.container.runtime,
+                     "--container-image", node.host.container.image]
         if deep:
             args.append("--deep")
         if connect:

@@ -10,6 +10,7 @@ command line of any node; the secret in no file a node or its runtime keeps.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import json
 import os
 import signal
@@ -110,7 +111,7 @@ def test_allreduce_inside_containers(ssh_nodes4, cli, box, record_property):
         assert r["in_container"], "the rank did not run inside a container"
         assert r["node"] == f"node{r['rank'] + 1}"
     run_id = cli.run_ids()[-1]
-    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 15) is not None, \
+    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
         leftovers(ssh_nodes4, box, run_id)
 
 
@@ -126,7 +127,7 @@ def test_ctrl_c_leaves_no_container_and_no_process(ssh_nodes4, cli, box, record_
     t0 = time.monotonic()
     assert proc.wait(90) == 130, proc.dump()
     record_property("container_ctrl_c_to_exit_s", round(time.monotonic() - t0, 3))
-    gone = wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 15)
+    gone = wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30)
     assert gone is not None, leftovers(ssh_nodes4, box, run_id)
     record_property("container_ctrl_c_to_all_gone_s", round(time.monotonic() - t0, 3))
 
@@ -152,7 +153,7 @@ def test_a_killed_rank_stops_every_container(ssh_nodes4, cli, box, record_proper
     os.kill(worker_pid(run_id, 1), signal.SIGKILL)
     t0 = time.monotonic()
     assert proc.wait(90) == 4, proc.dump()
-    gone = wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 15)
+    gone = wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30)
     assert gone is not None, leftovers(ssh_nodes4, box, run_id)
     seconds = time.monotonic() - t0
     record_property("container_kill9_to_all_gone_s", round(seconds, 3))
@@ -220,5 +221,63 @@ def test_env_values_and_the_secret_are_on_no_command_line(ssh_nodes4, cli, box):
     finally:
         os.kill(proc.popen.pid, signal.SIGINT)
         proc.wait(90)
-    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 15) is not None, \
+    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
         leftovers(ssh_nodes4, box, run_id)
+
+
+def doctor(cli: Cli, inv: str) -> tuple[int, dict]:
+    proc = cli.run("doctor", "-i", inv, "--nodes", "2", "--json", timeout=300)
+    return proc.popen.returncode, json.loads(proc.stdout)
+
+
+def checks(report: dict, check: str) -> dict[str, dict]:
+    return {c["node"]: c for c in report["checks"] if c["check"] == check}
+
+
+def test_doctor_checks_the_runtime_the_image_and_inside_it(ssh_nodes4, cli, box):
+    import torch
+    code, report = doctor(cli, inventory(ssh_nodes4, cli, box))
+    assert code == 0, report
+    for node in ("node1", "node2"):
+        assert checks(report, "container")[node]["status"] == "pass"
+        inside = checks(report, "image torch")[node]
+        assert inside["status"] == "pass" and f"torch {torch.__version__}" in inside["detail"]
+    assert list(report["fingerprint"]["torch"]) == [torch.__version__]
+    assert len(report["fingerprint"]["image"]) == 1
+    assert not [n for n in box.containers() if n.startswith("cluster-doctor-")]
+
+    # an image that is on no node, and that no registry has
+    inv = inventory(ssh_nodes4, cli, box)
+    text = Path(inv).read_text().replace(box.image, "localhost/cluster-absent:1")
+    Path(inv).write_text(text)
+    code, report = doctor(cli, inv)
+    assert code == 3
+    for node in ("node1", "node2"):
+        c = checks(report, "container")[node]
+        assert c["status"] == "fail" and "cannot be pulled" in c["detail"], c
+    assert not checks(report, "image torch")
+
+    # docker named, its client installed, no daemon (as on this machine)
+    if not shutil.which("docker"):
+        return
+    Path(inv).write_text(text.replace("runtime: podman", "runtime: docker"))
+    code, report = doctor(cli, inv)
+    assert code == 3
+    c = checks(report, "container")["node1"]
+    assert c["status"] == "fail" and "docker" in c["detail"] and "daemon" in c["fix"], c
+
+
+def test_up_starts_nothing_when_a_node_lacks_the_image(ssh_nodes4, cli, box):
+    import yaml
+    inv = inventory(ssh_nodes4, cli, box)
+    data = yaml.safe_load(Path(inv).read_text())
+    data["hosts"][1]["container"] = {"image": "localhost/cluster-absent:1"}   # node2's own
+    Path(inv).write_text(yaml.safe_dump(data))
+    proc = cli.run("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--", "allreduce.py",
+                   timeout=120)
+    assert proc.popen.returncode == 3, proc.dump()
+    assert "node2: container: image localhost/cluster-absent:1 is not on this node" in proc.stderr
+    assert "podman pull localhost/cluster-absent:1" in proc.stderr
+    run_id = cli.run_ids()[-1]
+    assert not [n for n in box.containers() if n.startswith(f"cluster-{run_id}")]
+    assert processes_with_env("CLUSTER_RUN_ID", run_id) == []
