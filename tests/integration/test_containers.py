@@ -281,3 +281,21 @@ def test_up_starts_nothing_when_a_node_lacks_the_image(ssh_nodes4, cli, box):
     run_id = cli.run_ids()[-1]
     assert not [n for n in box.containers() if n.startswith(f"cluster-{run_id}")]
     assert processes_with_env("CLUSTER_RUN_ID", run_id) == []
+
+
+def test_hang_watchdog_collects_every_stack_inside_containers(ssh_nodes4, cli, box):
+    """Two workers per node: each dump pauses torchrun, which in a container is not the
+    script's process group leader but the workers' parent inside the container."""
+    inv = inventory(ssh_nodes4, cli, box, nproc_per_node=2)
+    proc = cli.run("up", "-i", inv, "--nodes", "2", "--hang-timeout", "8", "--sync", str(PROGRAMS),
+                   "--", "allreduce.py", "--hang-rank", "1", "--hang", "300", timeout=300)
+    assert proc.popen.returncode == 4, proc.dump()
+    run_id = cli.run_ids()[-1]
+    hang = cli.cwd / "runs" / run_id / "hang"
+    dumps = sorted(p.name for p in hang.iterdir())
+    assert dumps == ["node1-rank0.txt", "node1-rank1.txt", "node2-rank2.txt", "node2-rank3.txt",
+                     "summary.txt"], dumps
+    summary = (hang / "summary.txt").read_text()
+    assert "odd one(s) out: rank 1 (node1): main in allreduce.py" in summary, summary
+    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
+        leftovers(ssh_nodes4, box, run_id)
