@@ -299,3 +299,37 @@ def test_hang_watchdog_collects_every_stack_inside_containers(ssh_nodes4, cli, b
     assert "odd one(s) out: rank 1 (node1): main in allreduce.py" in summary, summary
     assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
         leftovers(ssh_nodes4, box, run_id)
+
+
+def test_a_restart_runs_in_fresh_containers(ssh_nodes4, cli, box):
+    """A rank fails after every worker joined (seen from outside the container, through the
+    workers' sockets): the job restarts, in containers named for the attempt, and completes."""
+    inv = inventory(ssh_nodes4, cli, box)
+    proc = cli.run("up", "-i", inv, "--nodes", "2", "--max-restarts", "1", "--sync", str(PROGRAMS),
+                   "--", "allreduce.py", "--fail-rank", "1", "--fail-first", timeout=300)
+    assert proc.popen.returncode == 0, proc.dump()
+    got = results(proc)
+    assert sorted((r["restart"], r["rank"]) for r in got) == [(0, 0), (0, 1), (1, 0), (1, 1)], got
+    assert all(r["in_container"] for r in got)
+    run_id = cli.run_ids()[-1]
+    envs = sorted(Path(ssh_nodes4.workdir(1)).glob(f".cluster/{run_id}/node1*/container.json"))
+    assert [json.loads(p.read_text())["name"] for p in envs] == [
+        f"cluster-{run_id}-node1", f"cluster-{run_id}-node1-a1"]
+    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
+        leftovers(ssh_nodes4, box, run_id)
+
+
+def test_detached_run_stopped_by_cluster_down(ssh_nodes4, cli, box):
+    inv = inventory(ssh_nodes4, cli, box)
+    up = cli.run("up", "-i", inv, "--nodes", "2", "--detach", "--sync", str(PROGRAMS), "--",
+                 "allreduce.py", "--sleep", "300", timeout=120)
+    assert up.popen.returncode == 0, up.dump()
+    run_id = up.run_id()
+    names = {f"cluster-{run_id}-node1", f"cluster-{run_id}-node2"}
+    assert wait_until(lambda: names <= set(box.containers()), 60) is not None, box.containers()
+    assert wait_until(lambda: len(processes_with_env("CLUSTER_RUN_ID", run_id)) >= 4, 60)
+    down = cli.run("down", run_id, timeout=120)
+    assert down.popen.returncode == 0, down.dump()
+    assert "still alive" not in down.stderr, down.dump()
+    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
+        leftovers(ssh_nodes4, box, run_id)
