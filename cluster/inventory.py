@@ -66,6 +66,7 @@ RESERVED_RUN_OPTIONS = {
     "--network": "host networking keeps the interface choice and MASTER_ADDR valid",
     "--net": "host networking keeps the interface choice and MASTER_ADDR valid",
     "--ipc": "host IPC gives NCCL and DataLoader workers the node's shared memory",
+    "--shm-size": "with host IPC the container uses the node's /dev/shm (podman refuses both)",
     "--name": "the container is named after the run and node, which is how it is stopped",
     "--rm": "cluster removes the container itself",
     "--detach": "the node's supervisor follows the container to its end",
@@ -447,7 +448,7 @@ class _Parser:
             fields["mounts"] = tuple(self.mount(text, line) for text, line
                                      in self.strings(m, "mounts", "[/datasets:/datasets:ro]"))
         if "options" in m:
-            options = self.strings(m, "options", "one word each, e.g. [--shm-size, 16g]")
+            options = self.strings(m, "options", "one word each, e.g. [--ulimit, stack=67108864]")
             for text, line in options:
                 self.run_option(text, line)
             fields["options"] = tuple(text for text, _ in options)

@@ -187,7 +187,7 @@ def deep_findings(node: Any, f: Mapping[str, Any], offset: float | None) -> list
             for g in busy), "another job holds these GPUs: wait, or stop it"))
     out += threshold(name, "/dev/shm", f.get("shm_bytes"), 1 * GIB, None,
                      "DataLoader workers and NCCL use shared memory: mount a larger /dev/shm "
-                     "(docker: --shm-size or --ipc=host)")
+                     "(docker: --shm-size or --ipc=host; a container key gets host IPC)")
     out += threshold(name, "disk", f.get("disk_free_bytes"), 5 * GIB, 1 * GIB,
                      "free space in the workdir (checkpoints)")
     nofile = f.get("nofile")

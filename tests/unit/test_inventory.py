@@ -121,8 +121,10 @@ BAD = [
     ("defaults:\n  container: {image: x, mounts: /a:/a}\nhosts: [a]\n", 2, "mounts", "must be a list"),
     ('defaults:\n  container: {image: x, mounts: ["/a:/b\\n"]}\nhosts: [a]\n', 2, "mounts",
      "control character"),
-    ("defaults:\n  container:\n    image: x\n    options:\n      - --shm-size=1g\n"
+    ("defaults:\n  container:\n    image: x\n    options:\n      - --cpus=4\n"
      "      - --network=bridge\nhosts: [a]\n", 6, "options", "host networking"),
+    ("defaults:\n  container: {image: x, options: [--shm-size=16g]}\nhosts: [a]\n", 2, "options",
+     "podman refuses both"),
     ("defaults:\n  container: {image: x, options: [-it]}\nhosts: [a]\n", 2, "options", "standard input"),
     ("defaults:\n  container: {image: x, options: [-eTOKEN=x]}\nhosts: [a]\n", 2, "options",
      "visible in ps"),
@@ -169,14 +171,14 @@ def test_secret_env_merges_defaults_and_host_names_only() -> None:
 def test_container_merges_defaults_and_host_key_by_key() -> None:
     inv = inventory.parse_yaml(
         "defaults:\n  container:\n    runtime: podman\n    image: reg.example:5000/train:1\n"
-        "    mounts: [/data:/data:ro, '~/ckpt:/ckpt']\n    options: [--shm-size, 16g, -v/x:/x]\n"
+        "    mounts: [/data:/data:ro, '~/ckpt:/ckpt']\n    options: [--ulimit, stack=1, -v/x:/x]\n"
         "hosts:\n  - a\n  - {name: b, container: {image: other:2, python: /opt/conda/bin/python}}\n"
         "  - c\n", "x.yaml")
     a, b, _ = inv.hosts
     assert a.container is not None and b.container is not None
     assert a.container.runtime == "podman" and a.container.image == "reg.example:5000/train:1"
     assert [str(m) for m in a.container.mounts] == ["/data:/data:ro", "~/ckpt:/ckpt"]
-    assert a.container.options == ("--shm-size", "16g", "-v/x:/x")
+    assert a.container.options == ("--ulimit", "stack=1", "-v/x:/x")
     assert (b.container.image, b.container.python, b.container.runtime) == (
         "other:2", "/opt/conda/bin/python", "podman")
     assert b.container.mounts == a.container.mounts

@@ -327,7 +327,7 @@ option = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mounts=st.lists(st.tuples(st.one_of(mount_path, st.sampled_from(["/$(touch {canary})", "/a b"])),
                                  mount_path, st.sampled_from(["", "ro", "rw,z"])), max_size=3),
-       options=st.lists(st.one_of(option, st.sampled_from(["--shm-size", "1g", "$(touch {canary})",
+       options=st.lists(st.one_of(option, st.sampled_from(["--cpus", "4", "$(touch {canary})",
                                                            "`id`", "a b"])), max_size=4))
 def test_mounts_and_options_reach_the_runtime_unchanged(tmp_path_factory, mounts, options) -> None:
     tmp = tmp_path_factory.mktemp("boxopts")

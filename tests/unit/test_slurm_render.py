@@ -58,7 +58,7 @@ CASES: dict[str, tuple[Inventory, SlurmSettings, Job]] = {
     "container_pyxis": (inv(container=Container(
         image="nvcr.io/nvidia/pytorch:24.05-py3", runtime="docker", python="python",
         mounts=(Mount("/datasets", "/datasets", "ro"), Mount("~/ckpt dir", "/ckpt", "rw,rslave")),
-        options=("--shm-size", "16g")), secret_env=("HF_TOKEN",)),
+        options=("--ulimit", "stack=67108864")), secret_env=("HF_TOKEN",)),
         SlurmSettings(nodes=2, gpus_per_node=8), job("--epochs", "3")),
     "container_docker_hub": (inv(container=Container(image="pytorch/pytorch:2.3.0-cuda12.1")),
                              SlurmSettings(nodes=2), job()),
@@ -173,7 +173,7 @@ def test_pyxis_options_in_the_step() -> None:
     assert ("CLUSTER_MOUNTS=/home/u/project:/home/u/project,/datasets:/datasets:ro,"
             "\"$HOME\"/'ckpt dir':/ckpt:rw+rslave\n") in text
     assert "  python \\\n" in srun, "the image's python, not the node's"
-    assert "--shm-size" not in srun and "docker/podman options: not for pyxis" in text
+    assert "--ulimit" not in srun and "docker/podman options: not for pyxis" in text
     assert "--container" not in render_case("one_node")
 
 

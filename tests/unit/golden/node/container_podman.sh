@@ -77,7 +77,7 @@ CLUSTER_RUN+=(--volume "$HOME"/'ckpt dir':/ckpt)
 # shellcheck disable=SC2054  # the commas separate mount flags, not array items
 CLUSTER_RUN+=(--volume /scratch:/scratch:rw,z)
 # The inventory's own options, last: they may override the ones above.
-CLUSTER_RUN+=(--shm-size 16g '--label=owner=a b')
+CLUSTER_RUN+=(--ulimit stack=67108864 '--label=owner=a b')
 
 # The container's environment: every variable set above, by name, NUL-separated (any value
 # arrives byte for byte), in this node's private run directory. Secrets are not in it.
@@ -186,7 +186,7 @@ CLUSTER_RUN+=(--volume "$HOME"/'ckpt dir':/ckpt)
 # shellcheck disable=SC2054  # the commas separate mount flags, not array items
 CLUSTER_RUN+=(--volume /scratch:/scratch:rw,z)
 # The inventory's own options, last: they may override the ones above.
-CLUSTER_RUN+=(--shm-size 16g '--label=owner=a b')
+CLUSTER_RUN+=(--ulimit stack=67108864 '--label=owner=a b')
 
 # The container's environment: every variable set above, by name, NUL-separated (any value
 # arrives byte for byte), in this node's private run directory. Secrets are not in it.

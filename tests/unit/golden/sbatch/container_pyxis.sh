@@ -39,7 +39,7 @@ export PYTHONUNBUFFERED=1
 # nvcr.io/nvidia/pytorch:24.05-py3: the job's working directory at the same path, the user's home not
 # mounted; srun hands the task's environment to the container. Pyxis keeps the node's network
 # (the interface chosen in the step holds), and the step needs bash in the image.
-# container.options (--shm-size 16g) are docker/podman options: not for pyxis.
+# container.options (--ulimit stack=67108864) are docker/podman options: not for pyxis.
 CLUSTER_MOUNTS=/home/u/project:/home/u/project,/datasets:/datasets:ro,"$HOME"/'ckpt dir':/ckpt:rw+rslave
 
 # The job step, run once on every node by srun. Quoted heredoc: nothing expands here.
