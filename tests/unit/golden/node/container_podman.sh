@@ -50,7 +50,7 @@ second line'
 export MASTER_ADDR=10.0.0.11
 export MASTER_PORT=29841
 
-# The container. Host networking: the interface chosen above and MASTER_ADDR hold inside it.
+# The container. Host networking: the interface chosen for NCCL and Gloo and MASTER_ADDR hold.
 # Host IPC: NCCL and DataLoader workers need more shared memory than a container's 64 MB.
 # The node's GPUs and InfiniBand devices, locked memory for RDMA, the working directory at the
 # same path. No value of the environment is ever on this command line (ps would show it).
@@ -159,7 +159,7 @@ second line'
 export MASTER_ADDR=10.0.0.11
 export MASTER_PORT=29841
 
-# The container. Host networking: the interface chosen above and MASTER_ADDR hold inside it.
+# The container. Host networking: the interface chosen for NCCL and Gloo and MASTER_ADDR hold.
 # Host IPC: NCCL and DataLoader workers need more shared memory than a container's 64 MB.
 # The node's GPUs and InfiniBand devices, locked memory for RDMA, the working directory at the
 # same path. No value of the environment is ever on this command line (ps would show it).
