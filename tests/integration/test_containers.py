@@ -22,26 +22,53 @@ from pathlib import Path
 import pytest
 
 try:
-    from tests.integration.conftest import PROGRAMS, Cli, Proc, wait_until
-    from tests.integration.fixtures import processes_with_env
+    from tests.integration.conftest import (PROGRAMS, Cli, Proc, node_leftovers,
+                                            skip_unless_ssh_nodes, wait_until)
+    from tests.integration.fixtures import SshNodes, processes_with_env
     from tests.integration.fixtures.podman import PodmanImage, missing_tools
 except ImportError:  # run with tests/integration on sys.path
-    from conftest import PROGRAMS, Cli, Proc, wait_until  # type: ignore
-    from fixtures import processes_with_env  # type: ignore
+    from conftest import (PROGRAMS, Cli, Proc, node_leftovers,  # type: ignore
+                          skip_unless_ssh_nodes, wait_until)
+    from fixtures import SshNodes, processes_with_env  # type: ignore
     from fixtures.podman import PodmanImage, missing_tools  # type: ignore
 
 pytestmark = [pytest.mark.integration]
+
+# A user of their own for these nodes: podman keeps one long-lived process per user (outside
+# any node's namespace), and the suites sharing the usual test user end its stray processes.
+BOX_USER = "clusterbox"
+
+
+@pytest.fixture(scope="module")
+def box_nodes():
+    skip_unless_ssh_nodes()
+    with SshNodes(2, user=BOX_USER) as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def cli(tmp_path: Path, box_nodes: SshNodes):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True, mode=0o700)
+    shutil.copy(box_nodes.known_hosts_path, home / ".ssh" / "known_hosts")
+    work = tmp_path / "work"
+    work.mkdir()
+    c = Cli(work, home)
+    try:
+        yield c
+    finally:
+        c.cleanup()
 
 SECRET = "tok-$(touch /tmp/pwned) 'q' \"dq\" 7f3a9c1e"
 PLAIN = "plain-value-with spaces-$(id)-58e2b7"
 
 
 @pytest.fixture(scope="module")
-def podman(ssh_nodes4):
+def podman(box_nodes):
     missing = missing_tools()
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (tests/run installs them)")
-    with PodmanImage(ssh_nodes4.user) as img:
+    with PodmanImage(box_nodes.user) as img:
         yield img
 
 
@@ -53,15 +80,15 @@ def box(podman: PodmanImage, cli: Cli):
         podman.remove_containers(f"cluster-{run_id}")
 
 
-def inventory(ssh_nodes4, cli: Cli, podman: PodmanImage, **overrides) -> str:
+def inventory(box_nodes, cli: Cli, podman: PodmanImage, **overrides) -> str:
     """The nodes with the test image. The fake nodes' names live in per-namespace hosts files
     that podman does not copy into a container (it takes /etc/hosts from its own mount
     namespace), and torchrun resolves its own host name: `--add-host` options name them, as a
     user would on a cluster without DNS for its nodes."""
-    venv = str(Path(ssh_nodes4.python).parent.parent)
-    box = podman.container_config(python=ssh_nodes4.python, mounts=[f"{venv}:{venv}:ro"])
-    box["options"] = [f"--add-host={n.name}:{n.address}" for n in ssh_nodes4.nodes]
-    return ssh_nodes4.write_inventory(cli.home / "inv.yaml", container=box, **overrides)
+    venv = str(Path(box_nodes.python).parent.parent)
+    box = podman.container_config(python=box_nodes.python, mounts=[f"{venv}:{venv}:ro"])
+    box["options"] = [f"--add-host={n.name}:{n.address}" for n in box_nodes.nodes]
+    return box_nodes.write_inventory(cli.home / "inv.yaml", container=box, **overrides)
 
 
 def results(proc: Proc) -> list[dict]:
@@ -77,26 +104,25 @@ def sleeping(n: int):
     return lambda p: sum('"sleeping"' in line for line in p.out) >= n
 
 
-def leftovers(ssh_nodes4, podman: PodmanImage, run_id: str, nodes=(1, 2)) -> dict:
+def leftovers(box_nodes, podman: PodmanImage, run_id: str, nodes=(1, 2)) -> dict:
     """Everything of a run still on the nodes: its containers (any state), and every process
     in the nodes' namespaces but their sshd and podman's per-user pause process."""
-    from tests.integration.conftest import node_leftovers
     pause = podman.pause_pid()
     procs = {node: [p for p in found if not p.startswith(f"{pause} ")]
-             for node, found in node_leftovers(ssh_nodes4, *nodes).items()}
+             for node, found in node_leftovers(box_nodes, *nodes).items()}
     procs = {k: v for k, v in procs.items() if v}
     boxes = [n for n in podman.containers() if n.startswith(f"cluster-{run_id}")]
     return {"processes": procs, "containers": boxes,
             "tagged": processes_with_env("CLUSTER_RUN_ID", run_id)}
 
 
-def nothing_left(ssh_nodes4, podman, run_id) -> bool:
-    left = leftovers(ssh_nodes4, podman, run_id)
+def nothing_left(box_nodes, podman, run_id) -> bool:
+    left = leftovers(box_nodes, podman, run_id)
     return not (left["processes"] or left["containers"] or left["tagged"])
 
 
-def test_allreduce_inside_containers(ssh_nodes4, cli, box, record_property):
-    inv = inventory(ssh_nodes4, cli, box)
+def test_allreduce_inside_containers(box_nodes, cli, box, record_property):
+    inv = inventory(box_nodes, cli, box)
     t0 = time.monotonic()
     proc = cli.run("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--", "allreduce.py",
                    timeout=300)
@@ -111,12 +137,12 @@ def test_allreduce_inside_containers(ssh_nodes4, cli, box, record_property):
         assert r["in_container"], "the rank did not run inside a container"
         assert r["node"] == f"node{r['rank'] + 1}"
     run_id = cli.run_ids()[-1]
-    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
-        leftovers(ssh_nodes4, box, run_id)
+    assert wait_until(lambda: nothing_left(box_nodes, box, run_id), 30) is not None, \
+        leftovers(box_nodes, box, run_id)
 
 
-def test_ctrl_c_leaves_no_container_and_no_process(ssh_nodes4, cli, box, record_property):
-    inv = inventory(ssh_nodes4, cli, box)
+def test_ctrl_c_leaves_no_container_and_no_process(box_nodes, cli, box, record_property):
+    inv = inventory(box_nodes, cli, box)
     proc = cli.start("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--",
                      "allreduce.py", "--sleep", "120")
     proc.wait_for(sleeping(2), 180, "every rank asleep")
@@ -127,8 +153,8 @@ def test_ctrl_c_leaves_no_container_and_no_process(ssh_nodes4, cli, box, record_
     t0 = time.monotonic()
     assert proc.wait(90) == 130, proc.dump()
     record_property("container_ctrl_c_to_exit_s", round(time.monotonic() - t0, 3))
-    gone = wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30)
-    assert gone is not None, leftovers(ssh_nodes4, box, run_id)
+    gone = wait_until(lambda: nothing_left(box_nodes, box, run_id), 30)
+    assert gone is not None, leftovers(box_nodes, box, run_id)
     record_property("container_ctrl_c_to_all_gone_s", round(time.monotonic() - t0, 3))
 
 
@@ -144,8 +170,8 @@ def worker_pid(run_id: str, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} in run {run_id}")
 
 
-def test_a_killed_rank_stops_every_container(ssh_nodes4, cli, box, record_property):
-    inv = inventory(ssh_nodes4, cli, box)
+def test_a_killed_rank_stops_every_container(box_nodes, cli, box, record_property):
+    inv = inventory(box_nodes, cli, box)
     proc = cli.start("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--",
                      "allreduce.py", "--sleep", "120")
     proc.wait_for(sleeping(2), 180, "every rank asleep")
@@ -153,8 +179,8 @@ def test_a_killed_rank_stops_every_container(ssh_nodes4, cli, box, record_proper
     os.kill(worker_pid(run_id, 1), signal.SIGKILL)
     t0 = time.monotonic()
     assert proc.wait(90) == 4, proc.dump()
-    gone = wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30)
-    assert gone is not None, leftovers(ssh_nodes4, box, run_id)
+    gone = wait_until(lambda: nothing_left(box_nodes, box, run_id), 30)
+    assert gone is not None, leftovers(box_nodes, box, run_id)
     seconds = time.monotonic() - t0
     record_property("container_kill9_to_all_gone_s", round(seconds, 3))
     sys.stderr.write(f"\n[container timing] kill -9 of a rank -> nothing left: {seconds:.2f} s\n")
@@ -193,8 +219,8 @@ def files_holding(value: str, roots: list[str]) -> list[str]:
     return found
 
 
-def test_env_values_and_the_secret_are_on_no_command_line(ssh_nodes4, cli, box):
-    inv = inventory(ssh_nodes4, cli, box, secret_env=["TOKEN"], env={"PLAIN": PLAIN})
+def test_env_values_and_the_secret_are_on_no_command_line(box_nodes, cli, box):
+    inv = inventory(box_nodes, cli, box, secret_env=["TOKEN"], env={"PLAIN": PLAIN})
     cli.env["TOKEN"] = SECRET
     proc = cli.start("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--",
                      "allreduce.py", "--sleep", "120", "--env-hash", "TOKEN")
@@ -209,11 +235,11 @@ def test_env_values_and_the_secret_are_on_no_command_line(ssh_nodes4, cli, box):
         # the secret arrived (its hash), and no file on the nodes or in podman's state holds it
         want = hashlib.sha256(SECRET.encode()).hexdigest()
         assert [r["env_hash"] for r in results(proc)] == [want, want], proc.dump()
-        roots = [ssh_nodes4.workdir(i) for i in (1, 2)] + box.state_dirs()
+        roots = [box_nodes.workdir(i) for i in (1, 2)] + box.state_dirs()
         assert files_holding(SECRET, roots) == []
         # the plain value is in each node's private run directory (its script and the env file
         # read inside the container), and nowhere else
-        holding = files_holding(PLAIN, [ssh_nodes4.workdir(i) for i in (1, 2)])
+        holding = files_holding(PLAIN, [box_nodes.workdir(i) for i in (1, 2)])
         assert sorted(Path(p).name for p in holding) == ["container.env"] * 2 + ["launch.sh"] * 2, holding
         assert all(os.stat(p).st_mode & 0o077 == 0 and os.stat(Path(p).parent).st_mode & 0o077 == 0
                    for p in holding)
@@ -221,8 +247,8 @@ def test_env_values_and_the_secret_are_on_no_command_line(ssh_nodes4, cli, box):
     finally:
         os.kill(proc.popen.pid, signal.SIGINT)
         proc.wait(90)
-    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
-        leftovers(ssh_nodes4, box, run_id)
+    assert wait_until(lambda: nothing_left(box_nodes, box, run_id), 30) is not None, \
+        leftovers(box_nodes, box, run_id)
 
 
 def doctor(cli: Cli, inv: str) -> tuple[int, dict]:
@@ -234,9 +260,9 @@ def checks(report: dict, check: str) -> dict[str, dict]:
     return {c["node"]: c for c in report["checks"] if c["check"] == check}
 
 
-def test_doctor_checks_the_runtime_the_image_and_inside_it(ssh_nodes4, cli, box):
+def test_doctor_checks_the_runtime_the_image_and_inside_it(box_nodes, cli, box):
     import torch
-    code, report = doctor(cli, inventory(ssh_nodes4, cli, box))
+    code, report = doctor(cli, inventory(box_nodes, cli, box))
     assert code == 0, report
     for node in ("node1", "node2"):
         assert checks(report, "container")[node]["status"] == "pass"
@@ -247,7 +273,7 @@ def test_doctor_checks_the_runtime_the_image_and_inside_it(ssh_nodes4, cli, box)
     assert not [n for n in box.containers() if n.startswith("cluster-doctor-")]
 
     # an image that is on no node, and that no registry has
-    inv = inventory(ssh_nodes4, cli, box)
+    inv = inventory(box_nodes, cli, box)
     text = Path(inv).read_text().replace(box.image, "localhost/cluster-absent:1")
     Path(inv).write_text(text)
     code, report = doctor(cli, inv)
@@ -267,9 +293,9 @@ def test_doctor_checks_the_runtime_the_image_and_inside_it(ssh_nodes4, cli, box)
     assert c["status"] == "fail" and "docker" in c["detail"] and "daemon" in c["fix"], c
 
 
-def test_up_starts_nothing_when_a_node_lacks_the_image(ssh_nodes4, cli, box):
+def test_up_starts_nothing_when_a_node_lacks_the_image(box_nodes, cli, box):
     import yaml
-    inv = inventory(ssh_nodes4, cli, box)
+    inv = inventory(box_nodes, cli, box)
     data = yaml.safe_load(Path(inv).read_text())
     data["hosts"][1]["container"] = {"image": "localhost/cluster-absent:1"}   # node2's own
     Path(inv).write_text(yaml.safe_dump(data))
@@ -283,11 +309,11 @@ def test_up_starts_nothing_when_a_node_lacks_the_image(ssh_nodes4, cli, box):
     assert processes_with_env("CLUSTER_RUN_ID", run_id) == []
 
 
-def test_hang_watchdog_collects_every_stack_inside_containers(ssh_nodes4, cli, box):
+def test_hang_watchdog_collects_every_stack_inside_containers(box_nodes, cli, box):
     """Two workers per node: each dump pauses torchrun, which in a container is not the
     script's process group leader but the workers' parent inside the container."""
-    inv = inventory(ssh_nodes4, cli, box, nproc_per_node=2)
-    proc = cli.run("up", "-i", inv, "--nodes", "2", "--hang-timeout", "8", "--sync", str(PROGRAMS),
+    inv = inventory(box_nodes, cli, box, nproc_per_node=2)
+    proc = cli.run("up", "-i", inv, "--nodes", "2", "--hang-timeout", "20", "--sync", str(PROGRAMS),
                    "--", "allreduce.py", "--hang-rank", "1", "--hang", "300", timeout=300)
     assert proc.popen.returncode == 4, proc.dump()
     run_id = cli.run_ids()[-1]
@@ -297,30 +323,33 @@ def test_hang_watchdog_collects_every_stack_inside_containers(ssh_nodes4, cli, b
                      "summary.txt"], dumps
     summary = (hang / "summary.txt").read_text()
     assert "odd one(s) out: rank 1 (node1): main in allreduce.py" in summary, summary
-    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
-        leftovers(ssh_nodes4, box, run_id)
+    assert wait_until(lambda: nothing_left(box_nodes, box, run_id), 30) is not None, \
+        leftovers(box_nodes, box, run_id)
 
 
-def test_a_restart_runs_in_fresh_containers(ssh_nodes4, cli, box):
-    """A rank fails after every worker joined (seen from outside the container, through the
+def test_a_restart_runs_in_fresh_containers(box_nodes, cli, box):
+    """A rank killed after every worker joined (seen from outside the container, through the
     workers' sockets): the job restarts, in containers named for the attempt, and completes."""
-    inv = inventory(ssh_nodes4, cli, box)
-    proc = cli.run("up", "-i", inv, "--nodes", "2", "--max-restarts", "1", "--sync", str(PROGRAMS),
-                   "--", "allreduce.py", "--fail-rank", "1", "--fail-first", timeout=300)
-    assert proc.popen.returncode == 0, proc.dump()
+    inv = inventory(box_nodes, cli, box)
+    proc = cli.start("up", "-i", inv, "--nodes", "2", "--max-restarts", "1", "--sync", str(PROGRAMS),
+                     "--", "allreduce.py", "--sleep", "300", "--sleep-first")
+    proc.wait_for(sleeping(2), 180, "every rank asleep")
+    run_id = proc.run_id()
+    time.sleep(3)                      # the supervisors' scans for the joined workers back off to 2 s
+    os.kill(worker_pid(run_id, 1), signal.SIGKILL)
+    assert proc.wait(300) == 0, proc.dump()
     got = results(proc)
     assert sorted((r["restart"], r["rank"]) for r in got) == [(0, 0), (0, 1), (1, 0), (1, 1)], got
     assert all(r["in_container"] for r in got)
-    run_id = cli.run_ids()[-1]
-    envs = sorted(Path(ssh_nodes4.workdir(1)).glob(f".cluster/{run_id}/node1*/container.json"))
-    assert [json.loads(p.read_text())["name"] for p in envs] == [
+    records = sorted(Path(box_nodes.workdir(1)).glob(f".cluster/{run_id}/node1*/container.json"))
+    assert [json.loads(p.read_text())["name"] for p in records] == [
         f"cluster-{run_id}-node1", f"cluster-{run_id}-node1-a1"]
-    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
-        leftovers(ssh_nodes4, box, run_id)
+    assert wait_until(lambda: nothing_left(box_nodes, box, run_id), 30) is not None, \
+        leftovers(box_nodes, box, run_id)
 
 
-def test_detached_run_stopped_by_cluster_down(ssh_nodes4, cli, box):
-    inv = inventory(ssh_nodes4, cli, box)
+def test_detached_run_stopped_by_cluster_down(box_nodes, cli, box):
+    inv = inventory(box_nodes, cli, box)
     up = cli.run("up", "-i", inv, "--nodes", "2", "--detach", "--sync", str(PROGRAMS), "--",
                  "allreduce.py", "--sleep", "300", timeout=120)
     assert up.popen.returncode == 0, up.dump()
@@ -331,5 +360,5 @@ def test_detached_run_stopped_by_cluster_down(ssh_nodes4, cli, box):
     down = cli.run("down", run_id, timeout=120)
     assert down.popen.returncode == 0, down.dump()
     assert "still alive" not in down.stderr, down.dump()
-    assert wait_until(lambda: nothing_left(ssh_nodes4, box, run_id), 30) is not None, \
-        leftovers(ssh_nodes4, box, run_id)
+    assert wait_until(lambda: nothing_left(box_nodes, box, run_id), 30) is not None, \
+        leftovers(box_nodes, box, run_id)
