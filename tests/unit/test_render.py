@@ -148,3 +148,15 @@ def test_doctors_look_inside_the_image_starts_it_as_a_run_does(source: str, tmp_
     if shutil.which("shellcheck"):
         out = subprocess.run(["shellcheck", "-s", "bash", str(f)], capture_output=True, text=True)
         assert out.returncode == 0, out.stdout
+
+
+def test_a_container_runs_torchrun_even_with_python_auto_and_setup() -> None:
+    """python: auto names the node's own python (for cluster's supervisor); the job's torchrun
+    is the image's, after the setup lines ran on the node."""
+    inv = inventory.parse_yaml("defaults:\n  python: auto\n  setup: ['module load cuda']\n"
+                               "  container: {runtime: podman, image: 'x:1', python: /opt/py}\n"
+                               "hosts: [a]\n", "x.yaml")
+    script = render(inv, JOB, Templates()).nodes[0].script
+    assert "module load cuda" in script
+    assert script.index("module load cuda") < script.index('podman "${CLUSTER_RUN[@]}" x:1')
+    assert "/opt/py -c \"$CLUSTER_ENTRY\"" in script and 'exec "$PYTHON"' not in script

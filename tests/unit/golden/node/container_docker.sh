@@ -2,7 +2,7 @@
 #!/usr/bin/env bash
 # cluster run golden-run: node 0 of 2, gpu-a (10.0.0.11)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 # This node's private run directory (where the supervisor put this script).
 CLUSTER_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -111,7 +111,7 @@ cluster_secrets | env -u CLUSTER_RUN_ID -u CLUSTER_NODE \
 #!/usr/bin/env bash
 # cluster run golden-run: node 1 of 2, gpu-b (10.0.0.12)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 # This node's private run directory (where the supervisor put this script).
 CLUSTER_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -2,7 +2,7 @@
 #!/usr/bin/env bash
 # cluster run golden-run: node 0 of 2, gpu-a (10.0.0.11)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 # This node's private run directory (where the supervisor put this script).
 CLUSTER_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -16,6 +16,14 @@ export CLUSTER_NODE=gpu-a
 export CLUSTER_NODE_RANK=0
 export CLUSTER_NNODES=2
 export CLUSTER_RESTART_COUNT=0
+
+# Environment from the inventory (defaults, then this host's own values).
+export OMP_NUM_THREADS=4
+export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2)
+second line'
+
+# Secret environment, passed by the launcher over its connection at start (never written to
+# a file or a command line): HF_TOKEN, WANDB_API_KEY
 
 # Interface, chosen here at run time: the one that holds this node's address (the address the
 # other nodes reach it by), else the one the route to the master leaves through; never by
@@ -38,14 +46,6 @@ else
   echo "cluster: no interface found for this node's address; NCCL and Gloo will choose one" >&2
 fi
 if compgen -G '/sys/class/infiniband/*' >/dev/null; then export NCCL_IB_DISABLE=0; else export NCCL_IB_DISABLE=1; fi
-
-# Environment from the inventory (defaults, then this host's own values).
-export OMP_NUM_THREADS=4
-export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2)
-second line'
-
-# Secret environment, passed by the launcher over its connection at start (never written to
-# a file or a command line): HF_TOKEN, WANDB_API_KEY
 
 export MASTER_ADDR=10.0.0.11
 export MASTER_PORT=29841
@@ -129,7 +129,7 @@ cluster_secrets | env -u CLUSTER_RUN_ID -u CLUSTER_NODE -u HF_TOKEN -u WANDB_API
 #!/usr/bin/env bash
 # cluster run golden-run: node 1 of 2, gpu-b (10.0.0.12)
 # Rendered by `cluster up`; every value below is shell-quoted. Do not edit: re-render instead.
-# shellcheck disable=SC2016  # literal $ and backquotes inside quoted values are intended
+# shellcheck disable=SC2016  # literal $ and backquotes in quoted values
 set -euo pipefail
 # This node's private run directory (where the supervisor put this script).
 CLUSTER_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -144,10 +144,6 @@ export CLUSTER_NODE_RANK=1
 export CLUSTER_NNODES=2
 export CLUSTER_RESTART_COUNT=0
 
-export NCCL_SOCKET_IFNAME=ens5
-export GLOO_SOCKET_IFNAME=ens5
-if compgen -G '/sys/class/infiniband/*' >/dev/null; then export NCCL_IB_DISABLE=0; else export NCCL_IB_DISABLE=1; fi
-
 # Environment from the inventory (defaults, then this host's own values).
 export OMP_NUM_THREADS=4
 export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2)
@@ -155,6 +151,10 @@ second line'
 
 # Secret environment, passed by the launcher over its connection at start (never written to
 # a file or a command line): HF_TOKEN, WANDB_API_KEY
+
+export NCCL_SOCKET_IFNAME=ens5
+export GLOO_SOCKET_IFNAME=ens5
+if compgen -G '/sys/class/infiniband/*' >/dev/null; then export NCCL_IB_DISABLE=0; else export NCCL_IB_DISABLE=1; fi
 
 export MASTER_ADDR=10.0.0.11
 export MASTER_PORT=29841
