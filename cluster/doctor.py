@@ -24,10 +24,10 @@ from typing import Any
 import hostlist
 
 from .errors import ClusterError, PreflightError, RunFailed
-from .plan import Job, LaunchPlan, Templates, render
+from .plan import Job, LaunchPlan, Templates, container_check, render, shquote
 from .preflight import FAIL, PASS, Finding, evaluate, fingerprint
 from .runs import new_run_id
-from .spec import Inventory
+from .spec import Inventory, container_name
 from .console import Console
 
 SCHEMA = 1
@@ -64,6 +64,8 @@ def diagnose(inventory: Inventory, backend: Any, templates: Templates, *,
     t0 = time.monotonic()
     plan = render(inventory, Job(run_id=f"doctor-{new_run_id()}", script="-"), templates)
     facts, clock, findings = survey(backend, plan)
+    for name, inside in look_inside(backend, plan, templates, facts).items():
+        facts[name]["inside"] = inside
     reach = None
     if plan.master.host.name in facts:
         try:
@@ -101,6 +103,51 @@ def survey(backend: Any, plan: LaunchPlan) -> tuple[dict[str, dict[str, Any]], d
         findings.append(Finding(name, "ssh", PASS, "logged in over SSH (batch mode, host key checked)"
                                 if backend.name == "ssh" else f"reached ({backend.name})"))
     return facts, clock, findings
+
+
+# --- inside each node's container image ---------------------------------------------------------
+
+# Runs with the image's python: what torch there is and which GPUs it sees.
+IMAGE_CHECK = """import json, sys
+out = {"python": sys.version.split()[0]}
+try:
+    import torch
+    out.update(torch=torch.__version__, cuda=torch.version.cuda)
+    out["device_count"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out["cudnn"] = torch.backends.cudnn.version()
+    if out["device_count"]:
+        v = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+except Exception as exc:
+    out["error"] = "%s: %s" % (type(exc).__name__, exc)
+print("@@inside " + json.dumps(out), flush=True)
+"""
+INSIDE_TIMEOUT = 300.0         # a first start may unpack a large image
+
+
+def look_inside(backend: Any, plan: LaunchPlan, templates: Templates,
+                facts: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """On every node whose image is there: start its container as a run would and say what
+    torch and GPUs it sees (by node name)."""
+    nodes = [n for n in plan.nodes if n.host.container
+             and ((facts.get(n.host.name) or {}).get("container") or {}).get("image_id")]
+    results = backend.each(nodes, lambda n: inside(backend.transport(n.host), n, plan, templates))
+    return {n.host.name: r if not isinstance(r, Exception) else {"error": str(r)}
+            for n, r in results}
+
+
+def inside(transport: Any, node: Any, plan: LaunchPlan, templates: Templates) -> dict[str, Any]:
+    box = node.host.container
+    name = container_name(plan.run_id, node.host.name)
+    script = container_check(node.host, name, templates, IMAGE_CHECK)
+    res = transport.run("bash -s", input=script.encode(), timeout=INSIDE_TIMEOUT)
+    for line in reversed(res.stdout.decode(errors="replace").splitlines()):
+        if line.startswith("@@inside "):
+            return json.loads(line[len("@@inside "):])
+    if res.code is None:          # timed out or cut: the container may still be there
+        transport.run(f"{box.runtime} rm --force {shquote(name)}", timeout=60)
+    said = [line for line in res.text().splitlines() if "level=warning" not in line]
+    return {"error": "\n".join(said)[-500:] or f"exit code {res.code}"}
 
 
 # --- --deep: a real collective -----------------------------------------------------------------

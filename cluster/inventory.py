@@ -17,18 +17,20 @@ import hostlist
 import yaml
 
 from .errors import InputError, InventoryError, did_you_mean
-from .spec import (DEFAULT_STOP_GRACE, ENV_KEY, HOSTNAME, Host, Inventory, Network, SlurmSettings,
-                   SshSettings, control_char, dump, expand_names, host_from_dict, reserved_env,
-                   setup_block, slurm_from_dict, ssh_from_dict)
+from .spec import (CONTAINER_RUNTIMES, DEFAULT_STOP_GRACE, ENV_KEY, HOSTNAME, Container, Host,
+                   Inventory, Mount, Network, SlurmSettings, SshSettings, control_char, dump,
+                   expand_names, host_from_dict, reserved_env, setup_block, slurm_from_dict,
+                   ssh_from_dict)
 
 HOST_SETTINGS = ("user", "port", "identity_file", "workdir", "python", "nproc_per_node",
                  "master_port", "rendezvous", "network", "env", "secret_env", "env_forward",
-                 "setup", "torchrun_args", "gpus")
+                 "setup", "torchrun_args", "gpus", "container")
 # The same for every node (one rendezvous): set under defaults only, never per host.
 JOB_WIDE = ("master_port", "rendezvous")
 HOST_KEYS = ("name", "address") + tuple(k for k in HOST_SETTINGS if k not in JOB_WIDE)
 TOP_KEYS = ("defaults", "hosts", "backend", "ssh", "slurm", "stop_grace", "restarts", "hang_timeout")
 NETWORK_KEYS = ("ifname", "ib")
+CONTAINER_KEYS = ("runtime", "image", "python", "mounts", "options")
 SSH_KEYS = ("host_key_policy", "connect_timeout", "config", "keepalive")
 SLURM_KEYS = ("partition", "account", "time", "nodes", "gpus_per_node", "cpus_per_task",
               "gpu_style", "signal", "max_requeues", "output_dir", "job_name", "constraint",
@@ -54,6 +56,28 @@ BACKENDS = ("ssh", "slurm", "local")
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")
 
 _IFNAME = re.compile(r"^[=^]?[A-Za-z0-9_.:@-]+(,[A-Za-z0-9_.:@-]+)*$")
+# An image reference as docker and podman take it (registry/path:tag@digest), or pyxis's
+# forms (registry#path, a squashfs file): never a word the runtime would read as an option.
+_IMAGE = re.compile(r"^[A-Za-z0-9/.][A-Za-z0-9._/:@#+-]*$")
+_MOUNT_FLAGS = re.compile(r"^[A-Za-z0-9]+(,[A-Za-z0-9]+)*$")
+# `RUNTIME run` options that would undo what cluster sets itself, and why. Matched on the
+# option's name, alone or with '=value'; short ones also when combined (-it, -dit).
+RESERVED_RUN_OPTIONS = {
+    "--network": "host networking keeps the interface choice and MASTER_ADDR valid",
+    "--net": "host networking keeps the interface choice and MASTER_ADDR valid",
+    "--ipc": "host IPC gives NCCL and DataLoader workers the node's shared memory",
+    "--shm-size": "with host IPC the container uses the node's /dev/shm (podman refuses both)",
+    "--name": "the container is named after the run and node, which is how it is stopped",
+    "--rm": "cluster removes the container itself",
+    "--detach": "the node's supervisor follows the container to its end",
+    "--interactive": "standard input carries the secret environment",
+    "--tty": "standard input carries the secret environment",
+    "--env": "values on a command line are visible in ps: use env or secret_env",
+    "--env-file": "cluster writes the environment file itself: use env or secret_env",
+    "--env-host": "the node's whole environment would leak into the container: use env",
+}
+RESERVED_SHORT_OPTIONS = {"d": "--detach", "i": "--interactive", "t": "--tty", "e": "--env"}
+SHORT_BOOLEANS = "dit" + "P"          # docker's short flags that take no value: they combine
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -276,6 +300,9 @@ class _Parser:
             changes["gpus"] = self.integer(m, "gpus", minimum=0)
         if "network" in m:
             changes["network"] = self.network(self.mapping(m["network"], m, "network"), base.network)
+        if "container" in m:
+            changes["container"] = self.container(self.mapping(m["container"], m, "container"),
+                                                  base.container)
         if "env" in m:
             merged = dict(base.env)
             merged.update(self.env(self.mapping(m["env"], m, "env")))
@@ -401,6 +428,62 @@ class _Parser:
                 raise self.fail(m, "ib", f"must be auto, on or off, got {raw!r}")
         return Network(ifname=ifname, ib=ib)
 
+    def container(self, m: _Map, base: Container | None) -> Container:
+        """`container:` over the defaults' one, key by key (a host may change the image alone)."""
+        self.known_keys(m, CONTAINER_KEYS, "container.")
+        fields: dict[str, Any] = {}
+        if base is not None:
+            fields.update(image=base.image, runtime=base.runtime, python=base.python,
+                          mounts=base.mounts, options=base.options)
+        if "runtime" in m:
+            fields["runtime"] = self.choice(m, "runtime", CONTAINER_RUNTIMES)
+        if "image" in m:
+            fields["image"] = self.string(m, "image")
+            if not _IMAGE.match(fields["image"]):
+                raise self.fail(m, "image", f"{fields['image']!r} is not an image reference",
+                                "e.g. nvcr.io/nvidia/pytorch:24.05-py3")
+        if "python" in m:
+            fields["python"] = self.string(m, "python")
+        if "mounts" in m:
+            fields["mounts"] = tuple(self.mount(text, line) for text, line
+                                     in self.strings(m, "mounts", "[/datasets:/datasets:ro]"))
+        if "options" in m:
+            options = self.strings(m, "options", "one word each, e.g. [--ulimit, stack=67108864]")
+            for text, line in options:
+                self.run_option(text, line)
+            fields["options"] = tuple(text for text, _ in options)
+        if "image" not in fields:
+            raise InventoryError(self.source, m.line, "container", "a container needs an 'image'",
+                                 hint="e.g. container: {runtime: docker, image: "
+                                 "nvcr.io/nvidia/pytorch:24.05-py3}")
+        return Container(**fields)
+
+    def mount(self, text: str, line: int) -> Mount:
+        parts = text.split(":")
+        problem = ""
+        if len(parts) not in (2, 3):
+            problem = "is not SRC:DST or SRC:DST:FLAGS (paths may not hold ':')"
+        elif not (parts[0].startswith(("/", "~")) and parts[1].startswith("/")):
+            problem = "needs an absolute source (or ~/...) and an absolute target"
+        elif any("," in p for p in parts[:2]):
+            problem = "paths may not hold ',' (docker's --mount and pyxis split on it)"
+        elif len(parts) == 3 and not _MOUNT_FLAGS.match(parts[2]):
+            problem = f"flags {parts[2]!r} are not comma-separated words (ro, rw, z, ...)"
+        if problem:
+            raise InventoryError(self.source, line, "mounts", f"{text!r} {problem}",
+                                 hint="e.g. /data:/data:ro")
+        return Mount(*parts)
+
+    def run_option(self, text: str, line: int) -> None:
+        if not text:
+            raise InventoryError(self.source, line, "options", "an empty option",
+                                 hint="one word each, e.g. [--ulimit, stack=67108864]")
+        name = text.split("=", 1)[0] if text.startswith("--") else _short_reserved(text)
+        why = RESERVED_RUN_OPTIONS.get(name or "")
+        if why:
+            raise InventoryError(self.source, line, "options",
+                                 f"{text!r} is not allowed: {why}")
+
     def env(self, m: _Map) -> dict[str, str]:
         out: dict[str, str] = {}
         for key, value in m.items():
@@ -524,6 +607,19 @@ def bash_syntax(lines: list[str]) -> tuple[int | None, str] | None:
         return None, res.stderr.strip()
     # Line 1 is `set +u`; each setup line then takes two: `{ line` and its failure handler.
     return max(0, (int(m.group(1)) - 2) // 2), m.group(2).strip()
+
+
+def _short_reserved(word: str) -> str | None:
+    """The reserved long option a short-option word sets (-it: --interactive), else None.
+    Boolean letters combine; the first letter that takes a value ends the word (-v/data:/d)."""
+    if not word.startswith("-"):
+        return None
+    for letter in word[1:]:
+        if letter in RESERVED_SHORT_OPTIONS:
+            return RESERVED_SHORT_OPTIONS[letter]
+        if letter not in SHORT_BOOLEANS:
+            return None
+    return None
 
 
 def _check_unique(hosts: tuple[Host, ...], source: str | None) -> None:

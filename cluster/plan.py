@@ -16,9 +16,16 @@ import jinja2
 
 from .errors import InputError
 from . import network
-from .spec import DEFAULT_STOP_GRACE, Host, Inventory, setup_block
+from .spec import DEFAULT_STOP_GRACE, Host, Inventory, container_name, setup_block
 
 PORT_BASE, PORT_SPAN = 29500, 1000
+# What a container's environment holds besides the node's own `env`, by name: the values are
+# taken on the node at start (the interface may be chosen there). The rest of the node's
+# environment stays outside: the image keeps its own PATH and libraries.
+CONTAINER_ENV = ("CLUSTER_RUN_ID", "CLUSTER_NODE", "CLUSTER_NODE_RANK", "CLUSTER_NNODES",
+                 "CLUSTER_RESTART_COUNT", "CLUSTER_HEARTBEAT_FILE", "MASTER_ADDR", "MASTER_PORT",
+                 "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE",
+                 "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED")
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class NodePlan:
     script: str                       # the rendered launch script
     run_dir: str                      # per-node directory on that node (may start with ~)
     env: tuple[tuple[str, str], ...]  # the environment the script sets that cluster decided
+    container: str | None = None      # the container's name on the node, if it runs in one
 
     @property
     def secret_env(self) -> tuple[str, ...]:
@@ -224,18 +232,34 @@ def rank_order(inventory: Inventory) -> tuple[Host, ...]:
 def _node(rank: int, host: Host, inv: Inventory, job: Job, templates: Templates,
           port: int, resolved: str | None) -> NodePlan:
     net = network.policy(host, resolved)
+    box_name = container_name(job.run_id, host.name, job.attempt) if host.container else None
     text = templates.render(
         "node.sh.j2", run_id=job.run_id, rdzv_id=job.rdzv_id, attempt=job.attempt, rank=rank,
         nnodes=len(inv.hosts), host=host,
         master_addr=inv.master.address, master_port=port, rendezvous=inv.master.rendezvous,
         net=net, env=host.env, secret_env=host.secret_env, nproc=_nproc(host),
-        script=job.script, args=job.args)
+        script=job.script, args=job.args, box=host.container, box_name=box_name,
+        box_env=container_env(host))
     decided = [("CLUSTER_RUN_ID", job.run_id), ("CLUSTER_NODE", host.name),
                ("CLUSTER_NODE_RANK", str(rank)), ("CLUSTER_NNODES", str(len(inv.hosts))),
                ("CLUSTER_RESTART_COUNT", str(job.attempt)),
                ("MASTER_ADDR", inv.master.address), ("MASTER_PORT", str(port))]
     return NodePlan(rank=rank, host=host, script=text, run_dir=node_run_dir(host, job),
-                    env=tuple(decided + network.decided_env(net)) + host.env)
+                    env=tuple(decided + network.decided_env(net)) + host.env, container=box_name)
+
+
+def container_check(host: Host, name: str, templates: Templates, code: str) -> str:
+    """A script that runs `code` with the image's python in the node's container, started as
+    a run starts it (cluster doctor's look inside the image)."""
+    if host.container is None:
+        raise InputError(f"{host.name} has no container")
+    return templates.render("container_check.sh.j2", host=host, box=host.container,
+                            box_name=name, code=code)
+
+
+def container_env(host: Host) -> tuple[str, ...]:
+    """The names a node's container gets values for (secrets travel apart, on its stdin)."""
+    return tuple(dict.fromkeys(CONTAINER_ENV + tuple(k for k, _ in host.env)))
 
 
 def node_run_dir(host: Host, job: Job) -> str:

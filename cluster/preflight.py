@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .plan import LaunchPlan
+from .spec import Container
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 GIB = 1 << 30
@@ -55,7 +56,9 @@ def failures(findings: Sequence[Finding]) -> list[Finding]:
 def node_findings(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Finding]:
     name, out = node.host.name, []
     torch = f.get("torch") or {}
-    if not torch.get("run_py"):
+    if node.host.container:              # torch comes with the image, not from the node
+        out.append(container_finding(name, node.host.container, f.get("container") or {}))
+    elif not torch.get("run_py"):
         out.append(Finding(name, "torch", FAIL, f"torch is not installed for {f.get('executable')}",
                            "pip install torch there, or point 'python:' at a venv that has it"))
     else:
@@ -69,6 +72,60 @@ def node_findings(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Fin
                            "" if f["port_free"] else "another program listens on it: choose "
                            "another master_port (or leave it out to have one derived)"))
     return out
+
+
+RUNTIME_FIX = {
+    "docker": "install docker there, start its daemon, and let this user use it (the docker group)",
+    "podman": "install podman there (with uidmap and catatonit, for a user without root)",
+}
+
+
+def container_finding(name: str, box: Container, c: Mapping[str, Any]) -> Finding:
+    """The runtime answers and the image is on the node (a pull at the start would hold every
+    other node at the rendezvous meanwhile); with doctor's deeper look, whether its registry
+    has an image that is not there."""
+    pull = f"{box.runtime} pull {box.image}"
+    if c.get("error"):
+        return Finding(name, "container", FAIL, c["error"], RUNTIME_FIX[box.runtime])
+    if c.get("image_id"):
+        return Finding(name, "container", PASS, f"image {box.image} ({c['image_id'][:19]}), "
+                       f"{c.get('version')}")
+    if c.get("pullable"):
+        return Finding(name, "container", WARN, f"image {box.image} is not on this node; its "
+                       f"registry has it", f"pull it ahead ({pull}): a pull at the start holds "
+                       f"every other node at the rendezvous")
+    if "pullable" in c:
+        return Finding(name, "container", FAIL, f"image {box.image} is not on this node and "
+                       f"cannot be pulled: {c.get('pull_error')}",
+                       f"check its name and the registry login, or `{box.runtime} load` it there")
+    return Finding(name, "container", FAIL, f"image {box.image} is not on this node",
+                   f"pull it there first ({pull}); cluster doctor says whether its registry has it")
+
+
+def inside_findings(name: str, box: Container, gpus: Sequence[Any],
+                    inside: Mapping[str, Any]) -> list[Finding]:
+    """What the container sees, started as a run starts it: torch, and the node's GPUs."""
+    if inside.get("error"):
+        return [Finding(name, "image torch", FAIL, f"in {box.image}: {inside['error']}",
+                        f"check that {box.python} in the image has torch (container.python)")]
+    out = [Finding(name, "image torch", PASS, f"torch {inside.get('torch')} (CUDA "
+                   f"{inside.get('cuda') or 'none'}), python {inside.get('python')} in {box.image}")]
+    seen = inside.get("device_count") or 0
+    if gpus and not seen:
+        out.append(Finding(name, "image gpus", FAIL, f"the node has {len(gpus)} GPU(s); none is "
+                           f"visible in the container", GPU_FIX[box.runtime]))
+    elif gpus and seen < len(gpus):
+        out.append(Finding(name, "image gpus", WARN, f"{seen} of the node's {len(gpus)} GPU(s) "
+                           f"visible in the container", GPU_FIX[box.runtime]))
+    elif gpus:
+        out.append(Finding(name, "image gpus", PASS, f"{seen} GPU(s) visible in the container"))
+    return out
+
+
+GPU_FIX = {
+    "docker": "install the NVIDIA container toolkit and restart docker (`--gpus all` needs it)",
+    "podman": "generate the CDI spec: nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml",
+}
 
 
 def interface_finding(name: str, net: Mapping[str, Any]) -> Finding:
@@ -108,9 +165,12 @@ def reach_finding(name: str, r: Mapping[str, Any], plan: LaunchPlan) -> Finding:
 def deep_findings(node: Any, f: Mapping[str, Any], offset: float | None) -> list[Finding]:
     name, out = node.host.name, []
     rt = f.get("torch_runtime") or {}
-    if rt.get("error"):
-        out.append(Finding(name, "torch import", FAIL, rt["error"], "reinstall torch on this node"))
     gpus = f.get("gpus") if isinstance(f.get("gpus"), list) else []
+    if node.host.container:
+        if "inside" in f:
+            out += inside_findings(name, node.host.container, gpus, f["inside"])
+    elif rt.get("error"):
+        out.append(Finding(name, "torch import", FAIL, rt["error"], "reinstall torch on this node"))
     nproc = node.host.nproc_per_node
     if isinstance(nproc, int) and gpus and nproc > len(gpus):
         out.append(Finding(name, "gpus", FAIL, f"nproc_per_node {nproc} but {len(gpus)} GPU(s)",
@@ -127,7 +187,7 @@ def deep_findings(node: Any, f: Mapping[str, Any], offset: float | None) -> list
             for g in busy), "another job holds these GPUs: wait, or stop it"))
     out += threshold(name, "/dev/shm", f.get("shm_bytes"), 1 * GIB, None,
                      "DataLoader workers and NCCL use shared memory: mount a larger /dev/shm "
-                     "(docker: --shm-size or --ipc=host)")
+                     "(docker: --shm-size or --ipc=host; a container key gets host IPC)")
     out += threshold(name, "disk", f.get("disk_free_bytes"), 5 * GIB, 1 * GIB,
                      "free space in the workdir (checkpoints)")
     nofile = f.get("nofile")
@@ -163,13 +223,19 @@ def fingerprint(facts: Facts, *, deep: bool = False) -> dict[str, dict[str, list
     def put(attr: str, node: str, value: Any) -> None:
         rows.setdefault(attr, {}).setdefault(str(value), []).append(node)
     for node, f in facts.items():
-        torch = f.get("torch")
+        torch, box, inside = f.get("torch"), f.get("container"), f.get("inside") or {}
         put("python", node, f.get("python"))
-        if torch:                 # a node without torch fails on its own; no second row
+        if box:                   # torch is the image's: the same image, and what it holds
+            found = box.get("image_id") or ("unknown" if box.get("error") else "absent")
+            put("image", node, f"{box.get('image')} {found[:19]}")
+            if inside.get("torch"):
+                put("torch", node, inside["torch"])
+                put("torch CUDA", node, inside.get("cuda"))
+        elif torch:               # a node without torch fails on its own; no second row
             put("torch", node, torch.get("version"))
             put("torch CUDA", node, torch.get("cuda"))
         if deep:
-            rt = f.get("torch_runtime") or {}
+            rt = inside if box else (f.get("torch_runtime") or {})
             gpus = f.get("gpus") if isinstance(f.get("gpus"), list) else []
             put("NCCL", node, rt.get("nccl"))
             put("cuDNN", node, rt.get("cudnn"))

@@ -153,13 +153,19 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
 
     net = network.policy(host)
     user_env = {**dict(host.env), **dict.fromkeys(host.secret_env, "")}
+    box = host.container
+    python = box.python if box else host.python
+    if box and re.search(r"[:,]", cwd):
+        raise InputError(f"the job's working directory {cwd!r} holds ':' or ',' and cannot be "
+                         f"mounted into the container (pyxis splits --container-mounts on them)")
     text = templates.render(
         TEMPLATE, run_id=job.run_id, nodes=nodes, options=options,
         cpus_per_task=settings.cpus_per_task is not None, master_port=port, net=net,
         env=host.env, secret_env=host.secret_env, user_sets=user_env.__contains__, nproc=nproc,
-        python=host.python, setup=host.setup, torchrun_args=host.torchrun_args,
+        python=python, setup=host.setup, torchrun_args=host.torchrun_args,
         script=job.script, args=job.args, signal=signal,
-        signal_option=signal_option, max_requeues=settings.max_requeues)
+        signal_option=signal_option, max_requeues=settings.max_requeues, box=box, cwd=cwd,
+        pyxis_image=pyxis_image(box.image) if box else None)
 
     decided = [("CLUSTER_RUN_ID", job.run_id), ("MASTER_PORT", str(port))]
     decided += network.decided_env(net)
@@ -167,9 +173,23 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
         decided.append(("PYTHONUNBUFFERED", "1"))
     return SbatchPlan(run_id=job.run_id, script=text, options=options, output=output,
                       workdir=cwd, nodes=nodes, nproc=nproc, master_port=port,
-                      python=host.python, command=(job.script, *job.args),
+                      python=python, command=(job.script, *job.args),
                       env=tuple(decided) + host.env, secret_env=host.secret_env,
                       stop_grace=inventory.stop_grace)
+
+
+def pyxis_image(image: str) -> str:
+    """An image as pyxis (enroot) takes it: a registry is separated by '#', not '/'
+    (nvcr.io/nvidia/pytorch:24.05-py3 -> nvcr.io#nvidia/pytorch:24.05-py3), since enroot reads
+    a first component as a Docker Hub user. A squashfs file (a path) and a reference already
+    in enroot's form stay as they are. Docker's rule for a registry: the first component has a
+    '.' or a ':', or is localhost."""
+    if image.startswith(("/", ".")) or "#" in image or "/" not in image:
+        return image
+    first, rest = image.split("/", 1)
+    if "." in first or ":" in first or first == "localhost":
+        return f"{first}#{rest}"
+    return image
 
 
 def _output_path(output_dir: str, cwd: str, run_id: str) -> str:

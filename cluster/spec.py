@@ -76,6 +76,38 @@ class Network:
     ib: str = "auto"              # auto | on | off
 
 
+CONTAINER_RUNTIMES = ("docker", "podman")
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A bind mount into the container: `source` on the node (may start with ~), `target`
+    inside, `flags` as docker and podman write them (comma-separated: ro, rw, z, ...)."""
+    source: str
+    target: str
+    flags: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.target}" + (f":{self.flags}" if self.flags else "")
+
+
+@dataclass(frozen=True)
+class Container:
+    """Run torchrun inside an image on the node (inventory key `container`)."""
+    image: str
+    runtime: str = "docker"           # docker | podman (SLURM uses pyxis whatever this says)
+    python: str = "python3"           # the interpreter inside the image whose torchrun runs
+    mounts: tuple[Mount, ...] = ()
+    options: tuple[str, ...] = ()     # more `RUNTIME run` arguments, each one word
+
+
+def container_name(run_id: str, node: str, attempt: int = 0) -> str:
+    """The container's name on the node: the run and the node, so that stopping finds it by
+    identity (never by pattern). Docker and podman accept [a-zA-Z0-9][a-zA-Z0-9_.-]*."""
+    raw = f"cluster-{run_id}-{node}" + (f"-a{attempt}" if attempt else "")
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", raw)
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -95,6 +127,7 @@ class Host:
     setup: tuple[str, ...] = ()       # shell lines run on the node before torchrun, as written
     torchrun_args: tuple[str, ...] = ()  # options cluster does not model, passed to torchrun
     gpus: int | None = None
+    container: Container | None = None   # None: torchrun runs on the node itself
     line: int | None = None       # where it was defined, for later messages
 
     def replace(self, **changes: Any) -> "Host":
@@ -197,6 +230,7 @@ def dump(inv: Inventory) -> str:
         d["env"] = dict(h.env)
         for key in ("secret_env", "env_forward", "setup", "torchrun_args"):
             d[key] = list(getattr(h, key))
+        d["container"] = container_dict(h.container)
         d.pop("line")
         return d
     data = {"source": inv.source, "backend": inv.backend, "stop_grace": inv.stop_grace,
@@ -207,6 +241,23 @@ def dump(inv: Inventory) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def container_dict(box: Container | None) -> dict[str, Any] | None:
+    """A container as plain YAML values (mounts as the strings the inventory takes)."""
+    if box is None:
+        return None
+    return {"runtime": box.runtime, "image": box.image, "python": box.python,
+            "mounts": [str(m) for m in box.mounts], "options": list(box.options)}
+
+
+def container_from_dict(d: Mapping[str, Any] | None) -> Container | None:
+    if not d:
+        return None
+    mounts = tuple(Mount(*m.split(":", 2)) for m in d.get("mounts") or ())
+    return Container(image=d["image"], runtime=d.get("runtime", "docker"),
+                     python=d.get("python", "python3"), mounts=mounts,
+                     options=tuple(d.get("options") or ()))
+
+
 def host_from_dict(d: Mapping[str, Any]) -> Host:
     """Inverse of dump() for one host: read back from a run directory."""
     d = dict(d)
@@ -214,6 +265,7 @@ def host_from_dict(d: Mapping[str, Any]) -> Host:
     d["env"] = tuple((d.get("env") or {}).items())
     for key in ("secret_env", "env_forward", "setup", "torchrun_args"):
         d[key] = tuple(d.get(key) or ())
+    d["container"] = container_from_dict(d.get("container"))
     return Host(**d)
 
 

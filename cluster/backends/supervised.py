@@ -92,6 +92,9 @@ class SupervisedNode:
             args += ["--ifname", node.host.network.ifname]
         if port:
             args += ["--port", str(plan.master_port)]
+        if node.host.container:
+            args += ["--container-runtime", node.host.container.runtime,
+                     "--container-image", node.host.container.image]
         if deep:
             args.append("--deep")
         if connect:
@@ -189,7 +192,7 @@ class SupervisedNode:
         args = ["--run-id", _run_id(node), "--node", node.host.name, "--grace", f"{grace:g}"]
         args += ["--detach"] if detach else ["--keepalive", f"{keepalive:g}"]
         config = (json.dumps({"env": dict(secrets)}) + "\n").encode()
-        ch.write(go_input(self.dir, args, node.script.encode()) + config)
+        ch.write(go_input(self.dir, args, node.script.encode(), container_record(node)) + config)
         if not detach:
             return SupervisedProcess(node, self, ch, grace)
         said = b""
@@ -244,10 +247,14 @@ def stage_input() -> bytes:
     return f"{len(stage)}\n".encode() + stage + f"{len(probe)}\n".encode() + probe
 
 
-def go_input(run_dir: str, args: list[str], script: bytes) -> bytes:
-    """The launcher's word to a staged node: where, the supervisor's arguments, its files."""
+def go_input(run_dir: str, args: list[str], script: bytes, box: bytes | None = None) -> bytes:
+    """The launcher's word to a staged node: where, the supervisor's arguments, its files
+    (with the name of its container, if it runs in one: written before the supervisor runs,
+    so that any stop, even one racing the start, finds it)."""
     files = [("supervisor.py", SUPERVISOR.read_bytes(), 0o600),
              ("workers.py", WORKERS.read_bytes(), 0o600), ("launch.sh", script, 0o700)]
+    if box is not None:
+        files.insert(0, ("container.json", box, 0o600))
     head = {"dir": run_dir, "args": args, "files": [[n, len(d), m] for n, d, m in files]}
     return (json.dumps(head) + "\n").encode() + b"".join(d for _, d, _ in files)
 
@@ -260,6 +267,13 @@ def probe_input() -> bytes:
 def probe_command(exe: str, *args: str) -> str:
     """exe: the shell words that run the node's python (plan.python_command)."""
     return " ".join([exe, "-c", shlex.quote(BOOTSTRAP), *(shlex.quote(a) for a in args)])
+
+
+def container_record(node: NodePlan) -> bytes | None:
+    """What the node's supervisor stops its container by: the runtime and the name."""
+    if not (node.container and node.host.container):
+        return None
+    return json.dumps({"runtime": node.host.container.runtime, "name": node.container}).encode()
 
 
 def _run_id(node: NodePlan) -> str:

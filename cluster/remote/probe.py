@@ -4,12 +4,15 @@ standard input (`python - facts ...`), so that nothing has to be copied there fi
 Standard library only, Python 3.8+, because it runs on whatever interpreter the node has.
 
     probe.py facts --dir D [--workdir W] [--own ADDR --master ADDR] [--ifname IF]
-                   [--port P] [--connect ADDR:PORT] [--deep]
+                   [--port P] [--connect ADDR:PORT] [--container-runtime R --container-image I]
+                   [--deep]
         JSON: python, torch (found without importing it), the run directory (made, 0700),
         the network interface that reaches the master, InfiniBand devices, whether the master
         port is free; --connect whether a TCP connection to the master port opens (the
-        listener below is there meanwhile); --deep adds what importing torch and nvidia-smi tell (CUDA, cuDNN, NCCL,
-        driver, GPUs and their use), /dev/shm, free disk, open-file limit.
+        listener below is there meanwhile); the container runtime's version and the image's id
+        on this node; --deep adds what importing torch and nvidia-smi tell (CUDA, cuDNN, NCCL,
+        driver, GPUs and their use), /dev/shm, free disk, open-file limit, and for an image that
+        is not here whether its registry has it.
     probe.py listen --port P [--seconds S]
         Listen on P (as torchrun's store will), print 'listening', accept and close every
         connection until standard input closes or S seconds pass.
@@ -22,6 +25,7 @@ import json
 import os
 import re
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -52,6 +56,8 @@ def parse(argv):
     f.add_argument("--master")
     f.add_argument("--ifname")
     f.add_argument("--port", type=int)
+    f.add_argument("--container-runtime")
+    f.add_argument("--container-image")
     f.add_argument("--deep", action="store_true")
     f.add_argument("--connect", help="ADDR:PORT to open a TCP connection to (the master port)")
     f.add_argument("--connect-timeout", type=float, default=8.0)
@@ -83,6 +89,9 @@ def facts(args):
     if args.connect:
         addr, _, port = args.connect.rpartition(":")
         out["reach"] = connect(addr, int(port), args.connect_timeout)
+    if args.container_runtime:
+        out["container"] = container_facts(args.container_runtime, args.container_image,
+                                           args.deep)
     if args.deep:
         out.update(deep_facts(out.get("workdir") or out.get("dir") or "."))
     out["time"] = time.time()
@@ -135,6 +144,53 @@ def port_free(port):
         return exc.errno not in (errno.EADDRINUSE, errno.EACCES)
     finally:
         s.close()
+
+
+# --- the container runtime and image ------------------------------------------------------------
+
+def runtime_call(argv, timeout):
+    """(exit code, standard output, what it said on error) of a runtime command; code None
+    when it could not run at all. Its warnings on stderr never mix into a value."""
+    try:
+        res = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, "", "no answer within %g s" % timeout
+    except OSError as exc:
+        return None, "", exc.strerror or str(exc)
+    out = res.stdout.decode("utf-8", "replace").strip()
+    err = res.stderr.decode("utf-8", "replace").strip()
+    said = [line for line in (err or out).splitlines() if "level=warning" not in line]
+    return res.returncode, out, "\n".join(said) or "exit code %d" % res.returncode
+
+
+def container_facts(runtime, image, look_remote):
+    """The runtime's version, and the image's id here; when it is not here and look_remote,
+    whether its registry has it (the manifest only: nothing is pulled)."""
+    out = {"runtime": runtime, "image": image, "version": None, "image_id": None}
+    if not shutil.which(runtime):
+        out["error"] = "%s is not installed here (not on PATH: %s)" % (
+            runtime, os.environ.get("PATH", ""))
+        return out
+    code, text, said = runtime_call([runtime, "--version"], 30)
+    if code != 0:
+        out["error"] = "%s: %s" % (runtime, said)
+        return out
+    out["version"] = text.splitlines()[0] if text else runtime
+    code, text, said = runtime_call([runtime, "image", "inspect", "--format", "{{.Id}}", image], 60)
+    if code == 0:
+        out["image_id"] = text.splitlines()[-1] if text else "?"
+        return out
+    lowered = said.lower()
+    if code is None or not ("no such image" in lowered or "image not known" in lowered):
+        out["error"] = "%s: %s" % (runtime, said[-400:])
+        return out
+    if look_remote:
+        code, text, said = runtime_call([runtime, "manifest", "inspect", image], 60)
+        out["pullable"] = code == 0
+        if code != 0:
+            out["pull_error"] = said.splitlines()[-1][-300:]
+    return out
 
 
 # --- the network interface ---------------------------------------------------------------------

@@ -27,6 +27,7 @@ that group is known to be ours (this supervisor is alive, or is the one stopping
 """
 import argparse
 import json
+import math
 import os
 import select
 import signal
@@ -236,6 +237,14 @@ def terminate(d, grace, we_supervise=False):
     ident = identity(d, we_supervise or supervisor_alive(d))
     if ident is None:
         return {"signalled": [], "killed": [], "left": []}
+    box = container_record(d)
+    if box is not None:
+        return terminate_container(ident, box, grace)
+    return sweep(ident, grace)
+
+
+def sweep(ident, grace):
+    """TERM each process of the run once, wait up to `grace`, KILL the rest, verify."""
     first = ident.members()
     # One TERM each: a second one interrupts torchrun's own shutdown of its workers.
     signalled = [pid for pid in first if ident.signal(pid, signal.SIGTERM)]
@@ -254,6 +263,70 @@ def terminate(d, grace, we_supervise=False):
         time.sleep(0.05)
         left = ident.members()
     return {"signalled": signalled, "killed": killed, "left": left}
+
+
+# --- the run's container, by its name -----------------------------------------------------------
+
+RUNTIMES = ("docker", "podman")
+CLIENT_GRACE = 5.0         # the script and the runtime's client, once their container is gone
+
+
+def container_record(d):
+    """The run's container on this node, {"runtime", "name"} (written beside launch.sh before
+    the start), or None when the run does not use one."""
+    rec = read_json(d, "container.json")
+    if isinstance(rec, dict) and rec.get("runtime") in RUNTIMES and rec.get("name"):
+        return rec
+    return None
+
+
+def runtime(box, *args, timeout=60.0):
+    """(exit code, output) of the container runtime; code None when it could not be run."""
+    try:
+        res = subprocess.run([box["runtime"]] + list(args), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, str(exc)
+    return res.returncode, res.stdout.decode("utf-8", "replace").strip()
+
+
+def container_exists(box):
+    """True, False, or None when the runtime could not say (its daemon is down...)."""
+    code, out = runtime(box, "container", "inspect", "--format", "{{.Id}}", box["name"])
+    if code == 0:
+        return True
+    if code is not None and "no such" in out.lower():
+        return False
+    return None
+
+
+def terminate_container(ident, box, grace):
+    """Stop a run whose torchrun is in a container, by the container's name. Its runtime's
+    `stop` sends TERM to the container's init, which passes it to torchrun (one TERM, as
+    torchrun wants), and KILL after the grace: this reaches the container's processes even
+    where this user cannot see them (a root daemon's). The script and the runtime's client end
+    with the container. Whatever of the run is still on the node then (a container that never
+    started, a runtime that did not answer) is stopped like any run's; last, the container
+    must be gone."""
+    t0 = time.time()
+    before = ident.members()
+    runtime(box, "stop", "-t", str(int(math.ceil(grace))), box["name"], timeout=grace + 30)
+    deadline = time.time() + CLIENT_GRACE
+    while ident.members() and time.time() < deadline:
+        time.sleep(0.05)
+    report = sweep(ident, max(1.0, grace - (time.time() - t0)))
+    report["signalled"] = sorted(set(before) | set(report["signalled"]))
+    if container_exists(box) is not False:
+        runtime(box, "rm", "--force", box["name"], timeout=grace + 30)
+    deadline = time.time() + CLIENT_GRACE
+    present = container_exists(box)
+    while present is not False and time.time() < deadline:
+        time.sleep(0.2)
+        present = container_exists(box)
+    if present is not False:
+        report["left"] = report["left"] + ["container %s%s" % (
+            box["name"], "" if present else " (%s did not answer)" % box["runtime"])]
+    return report
 
 
 # --- probe -----------------------------------------------------------------------------------

@@ -163,10 +163,13 @@ def dump_stacks(ident, tap, wait=5.0):
         if text is not None:
             out.append((rank, pid, "py-spy", text))
     rest = [(pid, rank) for pid, rank in found if rank not in {r for r, _, _, _ in out}]
-    if rest and ident.pgid:
-        # torchrun (the group's leader) would stop the others when the first worker dies.
-        if ident.signal(ident.pgid, signal.SIGSTOP):
-            paused.append(ident.pgid)
+    launcher = parent(found[0][0]) if found else None
+    if rest and (launcher or ident.pgid):
+        # torchrun would stop the others when the first worker dies: pause it. It is the
+        # workers' parent (the group's leader, unless it runs in a container: then the
+        # leader is the script, and torchrun a process of the run inside the container).
+        if ident.signal(launcher or ident.pgid, signal.SIGSTOP):
+            paused.append(launcher or ident.pgid)
     try:
         for pid, rank in rest:
             tap.start()
@@ -180,6 +183,16 @@ def dump_stacks(ident, tap, wait=5.0):
         for pid in paused:
             ident.signal(pid, signal.SIGCONT)
     return out
+
+
+def parent(pid):
+    """The parent of pid, or None."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            data = f.read().decode("ascii", "replace")
+        return int(data[data.rfind(")") + 2:].split()[1]) or None
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def alive_pid(pid):

@@ -39,6 +39,19 @@ def test_dry_run_prints_every_script_and_records_the_run(in_tmp: Path, capsys) -
     assert (run.path / "inventory.source").read_text() == (REPO / "inventory" / "example.yaml").read_text()
 
 
+def test_dry_run_of_the_container_example(in_tmp: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    code = run_cli(["up", "-i", str(REPO / "inventory" / "containers.yaml"), "--dry-run",
+                    "--", "train.py"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.count("docker \"${CLUSTER_RUN[@]}\" nvcr.io/nvidia/pytorch:24.05-py3") == 2
+    run = RunDir.find(None, in_tmp / "runs")
+    assert "CLUSTER_CONTAINER=cluster-" + run.run_id + "-gpu-a" in out
+    assert "hf_secret_value" not in out
+    assert all("hf_secret_value" not in p.read_text() for p in run.path.rglob("*") if p.is_file())
+
+
 def test_run_records_the_git_commit_of_the_working_tree(in_tmp: Path, capsys) -> None:
     import subprocess
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]

@@ -119,3 +119,58 @@ def test_report_text_groups_equal_nodes_and_json_is_stable() -> None:
     assert "torch: 2.13.0 on n[1-4]" in text and text.rstrip().splitlines()[-1].startswith("FAILED")
     data = json.loads(json.dumps(rep.to_json()))
     assert data["schema"] == 1 and data["ok"] is False
+
+
+# --- containers -------------------------------------------------------------------------------
+
+BOX = ("defaults:\n  container: {runtime: podman, image: 'reg.example/t:1'}\n"
+       "hosts: [a, b, {name: c, container: {runtime: docker}}, d]\n")
+
+
+def box_facts(gpus=None, inside=None, **container):
+    c = {"runtime": "podman", "image": "reg.example/t:1", "version": "podman version 4.3.1",
+         "image_id": "sha256:0123456789abcdef0123"}
+    c.update(container)
+    extra = {"gpus": gpus} if gpus is not None else {}
+    if inside is not None:
+        extra["inside"] = inside
+    return node_facts(torch=None, container=c, **extra)
+
+
+def test_container_nodes_need_the_runtime_and_the_image_not_torch() -> None:
+    plan = plan_for(BOX)
+    facts = {"a": box_facts(),
+             "b": box_facts(image_id=None),
+             "c": box_facts(version=None, image_id=None, error="docker: Cannot connect to the "
+                            "Docker daemon at unix:///var/run/docker.sock"),
+             "d": box_facts(image_id=None, pullable=False, pull_error="manifest unknown")}
+    found = evaluate(plan, facts)
+    assert not by(found, "a", "torch"), "torch is the image's, not the node's"
+    assert by(found, "a", "container")[0].status == PASS
+    b, c, d = (by(found, n, "container")[0] for n in "bcd")
+    assert b.status == FAIL and "podman pull reg.example/t:1" in b.fix
+    assert c.status == FAIL and "Cannot connect" in c.detail and "daemon" in c.fix
+    assert d.status == FAIL and "cannot be pulled: manifest unknown" in d.detail
+    pullable = evaluate(plan, {"a": box_facts(image_id=None, pullable=True)})
+    assert by(pullable, "a", "container")[0].status == WARN
+
+
+def test_doctor_compares_the_image_and_the_torch_inside_it() -> None:
+    plan = plan_for(BOX)
+    gpus = [{"index": i, "name": "H200", "driver": "550", "memory_used_mib": 0, "processes": 0}
+            for i in range(2)]
+    inside = {"torch": "2.13.0", "cuda": "12.4", "python": "3.11.2", "device_count": 2}
+    facts = {"a": box_facts(gpus=gpus, inside=inside),
+             "b": box_facts(gpus=gpus, inside={**inside, "device_count": 0}),
+             "c": box_facts(image_id="sha256:ffff", gpus=gpus, inside={**inside, "torch": "2.12.0"}),
+             "d": box_facts(inside={"error": "ModuleNotFoundError: No module named 'torch'"})}
+    found = evaluate(plan, facts, deep=True)
+    assert by(found, "a", "image torch")[0].status == PASS
+    assert by(found, "a", "image gpus")[0].status == PASS
+    assert by(found, "b", "image gpus")[0].status == FAIL
+    assert "nvidia-ctk cdi generate" in by(found, "b", "image gpus")[0].fix
+    assert by(found, "d", "image torch")[0].status == FAIL and not by(found, "d", "image gpus")
+    assert not by(found, "a", "torch import"), "the node's own torch does not matter"
+    same = {f.check: f for f in found if f.node == "all"}
+    assert same["same torch"].status == FAIL and "2.12.0 on c" in same["same torch"].detail
+    assert same["same image"].status == WARN and "sha256:ffff" in same["same image"].detail

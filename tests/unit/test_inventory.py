@@ -101,6 +101,40 @@ BAD = [
     ("hosts:\n  - {name: a, master_port: 29400}\n", 2, "master_port", "set it under 'defaults'"),
     ("stop_grace: 0\nhosts: [a]\n", 1, "stop_grace", "positive number of seconds"),
     ("ssh: {keepalive: -1}\nhosts: [a]\n", 1, "keepalive", "positive number of seconds"),
+    # containers
+    ("defaults:\n  container: {runtime: docker}\nhosts: [a]\n", 2, "container", "needs an 'image'"),
+    ("defaults:\n  container: {image: x, runtim: podman}\nhosts: [a]\n", 2, "runtim",
+     "did you mean 'runtime'?"),
+    ("defaults:\n  container: {image: x, runtime: singularity}\nhosts: [a]\n", 2, "runtime",
+     "docker, podman"),
+    ("defaults:\n  container: {image: '--privileged'}\nhosts: [a]\n", 2, "image",
+     "not an image reference"),
+    ("defaults:\n  container: {image: 'a b'}\nhosts: [a]\n", 2, "image", "not an image reference"),
+    ('defaults:\n  container: {image: "x\\n"}\nhosts: [a]\n', 2, "image", "control character"),
+    ('defaults:\n  container: {image: x, python: "py\\r"}\nhosts: [a]\n', 2, "python",
+     "control character"),
+    ("defaults:\n  container:\n    image: x\n    mounts:\n      - /a:/a\n      - data:/data\n"
+     "hosts: [a]\n", 6, "mounts", "absolute source"),
+    ("defaults:\n  container: {image: x, mounts: ['/a']}\nhosts: [a]\n", 2, "mounts", "SRC:DST"),
+    ("defaults:\n  container: {image: x, mounts: ['/a,b:/b']}\nhosts: [a]\n", 2, "mounts", "','"),
+    ("defaults:\n  container: {image: x, mounts: ['/a:/b:r o']}\nhosts: [a]\n", 2, "mounts", "flags"),
+    ("defaults:\n  container: {image: x, mounts: /a:/a}\nhosts: [a]\n", 2, "mounts", "must be a list"),
+    ('defaults:\n  container: {image: x, mounts: ["/a:/b\\n"]}\nhosts: [a]\n', 2, "mounts",
+     "control character"),
+    ("defaults:\n  container:\n    image: x\n    options:\n      - --cpus=4\n"
+     "      - --network=bridge\nhosts: [a]\n", 6, "options", "host networking"),
+    ("defaults:\n  container: {image: x, options: [--shm-size=16g]}\nhosts: [a]\n", 2, "options",
+     "podman refuses both"),
+    ("defaults:\n  container: {image: x, options: [-it]}\nhosts: [a]\n", 2, "options", "standard input"),
+    ("defaults:\n  container: {image: x, options: [-eTOKEN=x]}\nhosts: [a]\n", 2, "options",
+     "visible in ps"),
+    ("defaults:\n  container: {image: x, options: [--env-file, f]}\nhosts: [a]\n", 2, "options",
+     "environment file"),
+    ("defaults:\n  container: {image: x, options: [--name=x]}\nhosts: [a]\n", 2, "options",
+     "named after the run"),
+    ('defaults:\n  container: {image: x, options: ["--label=a\\tb"]}\nhosts: [a]\n', 2, "options",
+     "control character"),
+    ("hosts:\n  - {name: a, container: {mounts: ['/a:/a']}}\n", 2, "container", "needs an 'image'"),
 ]
 
 
@@ -132,6 +166,31 @@ def test_secret_env_merges_defaults_and_host_names_only() -> None:
                                "  - {name: a, secret_env: [WANDB_API_KEY]}\n  - b\n", "x.yaml")
     assert inv.hosts[0].secret_env == ("HF_TOKEN", "WANDB_API_KEY")
     assert inv.hosts[1].secret_env == ("HF_TOKEN",)
+
+
+def test_container_merges_defaults_and_host_key_by_key() -> None:
+    inv = inventory.parse_yaml(
+        "defaults:\n  container:\n    runtime: podman\n    image: reg.example:5000/train:1\n"
+        "    mounts: [/data:/data:ro, '~/ckpt:/ckpt']\n    options: [--ulimit, stack=1, -v/x:/x]\n"
+        "hosts:\n  - a\n  - {name: b, container: {image: other:2, python: /opt/conda/bin/python}}\n"
+        "  - c\n", "x.yaml")
+    a, b, _ = inv.hosts
+    assert a.container is not None and b.container is not None
+    assert a.container.runtime == "podman" and a.container.image == "reg.example:5000/train:1"
+    assert [str(m) for m in a.container.mounts] == ["/data:/data:ro", "~/ckpt:/ckpt"]
+    assert a.container.options == ("--ulimit", "stack=1", "-v/x:/x")
+    assert (b.container.image, b.container.python, b.container.runtime) == (
+        "other:2", "/opt/conda/bin/python", "podman")
+    assert b.container.mounts == a.container.mounts
+    assert inventory.parse_yaml("hosts: [a]\n", "x.yaml").hosts[0].container is None
+
+
+def test_container_survives_the_run_record() -> None:
+    import yaml as _yaml
+    inv = inventory.parse_yaml("defaults:\n  container: {image: 'x:1', mounts: ['/a:/b:ro,z']}\n"
+                               "hosts: [a]\n", "x.yaml")
+    back = inventory.host_from_dict(_yaml.safe_load(inventory.dump(inv))["hosts"][0])
+    assert back.container == inv.hosts[0].container
 
 
 def test_timing_settings() -> None:

@@ -266,3 +266,99 @@ def test_hetjob_words_are_refused_in_sbatch_values(field: str) -> None:
     with pytest.raises(InputError, match="heterogeneous-job separator"):
         render_sbatch(inv, Job(run_id="p", script="t.py"), Templates(),
                       SlurmSettings(**{field: "my-HetJob-x"}), cwd="/w")
+
+
+# --- a node in a container (fake runtime on PATH: fake_runtime.py) ------------------------------
+
+from cluster.inventory import Mount  # noqa: E402
+
+from .fake_box import FakeBox  # noqa: E402
+
+
+def run_in_box(tmp: Path, env: dict[str, str], args: list[str], secrets: dict[str, str],
+               mounts: tuple[Mount, ...] = (), options: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
+    """Run a rendered container node script with bash, as the supervisor would (secrets in its
+    environment); return what the stand-in torchrun received and the runtime's arguments."""
+    box = FakeBox(tmp)
+    work = tmp / "work"
+    work.mkdir()
+    host = box.host(work, env, tuple(secrets), mounts=mounts, options=options)
+    node = box.node(host, Job(run_id="prop", script="train.py", args=tuple(args)))
+    d = tmp / "node"
+    d.mkdir()
+    (d / "launch.sh").write_text(node.script)
+    res = subprocess.run(["bash", str(d / "launch.sh")], capture_output=True, cwd=tmp,
+                         env={**box.env(), **secrets, "CLUSTER_RUN_ID": "prop", "CLUSTER_NODE": "n1"})
+    assert res.returncode == 0, res.stderr.decode(errors="replace")
+    (run,) = box.calls("run")
+    return box.received(), run["argv"]
+
+
+# Marked, so that finding one among the runtime's arguments can only mean it leaked there.
+secret_value = value.map(lambda v: "~SECRET~" + v)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(env=st.dictionaries(env_key, value, max_size=3), args=st.lists(value, max_size=4),
+       secrets=st.dictionaries(env_key, secret_value, max_size=2))
+def test_values_reach_a_container_unchanged_and_execute_nothing(tmp_path_factory, env, args,
+                                                                 secrets) -> None:
+    tmp = tmp_path_factory.mktemp("box")
+    canary = tmp / "canary"
+    secrets = {k: v.replace("{canary}", str(canary)) for k, v in secrets.items() if k not in env}
+    env = {k: v.replace("{canary}", str(canary)) for k, v in env.items()}
+    args = [a.replace("{canary}", str(canary)) for a in args]
+    got, runtime_argv = run_in_box(tmp, env, args, secrets)
+    assert got["argv"][got["argv"].index("train.py") + 1:] == args
+    for key, val in {**env, **secrets}.items():
+        assert got["env"][key] == val
+    for val in secrets.values():
+        assert not any(val in word for word in runtime_argv), "a secret on the runtime's command line"
+    assert not canary.exists(), "a value was executed by the shell"
+
+
+mount_path = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc"),
+                                            blacklist_characters=":,\x00"),
+                     min_size=1, max_size=20).map(lambda s: "/" + s)
+option = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_size=1,
+                 max_size=20).map(lambda s: "--label=" + s)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mounts=st.lists(st.tuples(st.one_of(mount_path, st.sampled_from(["/$(touch {canary})", "/a b"])),
+                                 mount_path, st.sampled_from(["", "ro", "rw,z"])), max_size=3),
+       options=st.lists(st.one_of(option, st.sampled_from(["--cpus", "4", "$(touch {canary})",
+                                                           "`id`", "a b"])), max_size=4))
+def test_mounts_and_options_reach_the_runtime_unchanged(tmp_path_factory, mounts, options) -> None:
+    tmp = tmp_path_factory.mktemp("boxopts")
+    canary = tmp / "canary"
+    mounts = [Mount(s.replace("{canary}", str(canary)), t, f) for s, t, f in mounts]
+    options = [o.replace("{canary}", str(canary)) for o in options]
+    _, argv = run_in_box(tmp, {}, [], {}, tuple(mounts), tuple(options))
+    for m in mounts:
+        at = argv.index(str(m))
+        assert argv[at - 1] == "--volume"
+    if options:
+        start = argv.index(options[0])
+        assert argv[start:start + len(options)] == options
+    assert not canary.exists()
+
+
+CONTAINER_TEXT = {"image": "{value}", "python": "{value}", "mounts": ["/a:/{value}"],
+                  "options": ["--label={value}"]}
+
+
+@settings(max_examples=80, deadline=None)
+@given(field=st.sampled_from(sorted(CONTAINER_TEXT)), bad=CONTROL, after=text)
+def test_container_fields_reject_control_characters(field: str, bad: str, after: str) -> None:
+    box: dict = {"image": "x:1"}
+    raw = CONTAINER_TEXT[field]
+    bad_value = "v" + bad + after
+    box[field] = ([r.replace("{value}", bad_value) for r in raw] if isinstance(raw, list)
+                  else raw.replace("{value}", bad_value))
+    source = yaml.safe_dump({"defaults": {"container": box}, "hosts": ["a"]}, allow_unicode=True,
+                            default_style='"')
+    with pytest.raises(InventoryError) as info:
+        parse_yaml(source, "inv.yaml")
+    assert info.value.key == field, str(info.value)
+    assert str(info.value).startswith("inv.yaml:"), str(info.value)

@@ -126,3 +126,37 @@ def test_c10d_ranks_follow_torchs_order_of_local_addr_strings() -> None:
         assert "--rdzv_endpoint=10.0.0.9:" in n.script
     static = inventory.parse_yaml(f"defaults: {{rendezvous: static}}\nhosts:\n{hosts}\n", "x.yaml")
     assert [n.host.name for n in render(static, JOB, Templates()).nodes] == ["n9", "n10", "n11", "n2"]
+
+
+@pytest.mark.parametrize("source", ["container_podman.yaml", "container_docker.yaml"])
+def test_doctors_look_inside_the_image_starts_it_as_a_run_does(source: str, tmp_path: Path) -> None:
+    """The check script includes the same run options as the node script (one template), with
+    the image's python given the code on its command line and no run directory."""
+    from cluster.plan import container_check
+    inv = inventory.load(GOLDEN / "inputs" / source)
+    host = inv.hosts[0]
+    script = container_check(host, "cluster-doctor-x-gpu-a", Templates(), "print('@@inside {}')")
+    check_golden(GOLDEN / "check" / f"{Path(source).stem}.sh", script, "tests/unit/test_render.py")
+    node = render(inv, JOB, Templates()).nodes[0].script
+    options = script[script.index("CLUSTER_RUN=("):script.index("\n", script.rindex("CLUSTER_RUN+=("))]
+    assert options.replace(' --volume "$CLUSTER_DIR:$CLUSTER_DIR"', "") in node.replace(
+        ' --volume "$CLUSTER_DIR:$CLUSTER_DIR"', "")
+    assert "CLUSTER_DIR" not in script
+    f = tmp_path / "check.sh"
+    f.write_text(script)
+    assert subprocess.run(["bash", "-n", str(f)], capture_output=True).returncode == 0
+    if shutil.which("shellcheck"):
+        out = subprocess.run(["shellcheck", "-s", "bash", str(f)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout
+
+
+def test_a_container_runs_torchrun_even_with_python_auto_and_setup() -> None:
+    """python: auto names the node's own python (for cluster's supervisor); the job's torchrun
+    is the image's, after the setup lines ran on the node."""
+    inv = inventory.parse_yaml("defaults:\n  python: auto\n  setup: ['module load cuda']\n"
+                               "  container: {runtime: podman, image: 'x:1', python: /opt/py}\n"
+                               "hosts: [a]\n", "x.yaml")
+    script = render(inv, JOB, Templates()).nodes[0].script
+    assert "module load cuda" in script
+    assert script.index("module load cuda") < script.index('podman "${CLUSTER_RUN[@]}" x:1')
+    assert "/opt/py -c \"$CLUSTER_ENTRY\"" in script and 'exec "$PYTHON"' not in script

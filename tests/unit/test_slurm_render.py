@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from cluster.errors import InputError
-from cluster.inventory import Host, Inventory, Network, SlurmSettings
+from cluster.inventory import Container, Host, Inventory, Mount, Network, SlurmSettings
 from cluster.plan import Job, Templates
-from cluster.sbatch import render_sbatch, signal_parts
+from cluster.sbatch import pyxis_image, render_sbatch, signal_parts
 
 from .golden import check_golden
 
@@ -55,6 +55,13 @@ CASES: dict[str, tuple[Inventory, SlurmSettings, Job]] = {
                                             job_name="my long run", output_dir="/scratch/logs"),
                               job("--resume")),
     "no_requeue": (inv(), SlurmSettings(nodes=2, max_requeues=0, signal="USR2"), job()),
+    "container_pyxis": (inv(container=Container(
+        image="nvcr.io/nvidia/pytorch:24.05-py3", runtime="docker", python="python",
+        mounts=(Mount("/datasets", "/datasets", "ro"), Mount("~/ckpt dir", "/ckpt", "rw,rslave")),
+        options=("--ulimit", "stack=67108864")), secret_env=("HF_TOKEN",)),
+        SlurmSettings(nodes=2, gpus_per_node=8), job("--epochs", "3")),
+    "container_docker_hub": (inv(container=Container(image="pytorch/pytorch:2.3.0-cuda12.1")),
+                             SlurmSettings(nodes=2), job()),
     "nasty_env": (inv(env=NASTY, network=Network(ifname="^docker0,lo", ib="off")),
                   SlurmSettings(nodes=2, partition="a b"),
                   job("--name", "a b $(x)", "it's", script="/path with space/train.py")),
@@ -154,6 +161,49 @@ def test_signal_is_for_the_batch_shell_and_never_usr1() -> None:
     assert '#SBATCH --job-name="my long run"' in text
     assert '"${SLURM_RESTART_COUNT:-0}" -lt 5' in text
     assert "#SBATCH --no-requeue" in render_case("no_requeue")
+
+
+def test_pyxis_options_in_the_step() -> None:
+    text = render_case("container_pyxis")
+    srun = text[text.index("\nsrun "):text.index("CLUSTER_SRUN=$!")]
+    assert "--container-image='nvcr.io#nvidia/pytorch:24.05-py3'" in srun
+    assert '--container-mounts="$CLUSTER_MOUNTS"' in srun and "--no-container-mount-home" in srun
+    assert "--container-workdir=/home/u/project" in srun
+    assert srun.index("--container-image") < srun.index("bash -c"), "srun's options come first"
+    assert ("CLUSTER_MOUNTS=/home/u/project:/home/u/project,/datasets:/datasets:ro,"
+            "\"$HOME\"/'ckpt dir':/ckpt:rw+rslave\n") in text
+    assert "  python \\\n" in srun, "the image's python, not the node's"
+    assert "--ulimit" not in srun and "docker/podman options: not for pyxis" in text
+    assert "--container" not in render_case("one_node")
+
+
+def test_mounts_expand_to_what_pyxis_reads(tmp_path: Path) -> None:
+    """The CLUSTER_MOUNTS line, run by bash: one value, '~' as the home, flags joined by '+'."""
+    text = render_case("container_pyxis")
+    line = next(l for l in text.splitlines() if l.startswith("CLUSTER_MOUNTS="))
+    out = subprocess.run(["bash", "-c", line + '\nprintf %s "$CLUSTER_MOUNTS"'], capture_output=True,
+                         text=True, env={"HOME": "/home/u", "PATH": os.environ["PATH"]})
+    assert out.stdout == ("/home/u/project:/home/u/project,/datasets:/datasets:ro,"
+                          "/home/u/ckpt dir:/ckpt:rw+rslave")
+
+
+@pytest.mark.parametrize("image,want", [
+    ("nvcr.io/nvidia/pytorch:24.05-py3", "nvcr.io#nvidia/pytorch:24.05-py3"),
+    ("registry.local:5000/team/train:1", "registry.local:5000#team/train:1"),
+    ("localhost/train:1", "localhost#train:1"),
+    ("pytorch/pytorch:2.3.0", "pytorch/pytorch:2.3.0"),       # Docker Hub user/repo
+    ("ubuntu:22.04", "ubuntu:22.04"),
+    ("nvcr.io#nvidia/pytorch:24.05-py3", "nvcr.io#nvidia/pytorch:24.05-py3"),
+    ("/shared/images/train.sqsh", "/shared/images/train.sqsh"),
+])
+def test_pyxis_image_names(image: str, want: str) -> None:
+    assert pyxis_image(image) == want
+
+
+def test_a_working_directory_pyxis_cannot_mount_is_refused() -> None:
+    inventory, settings, j = CASES["container_pyxis"]
+    with pytest.raises(InputError, match="cannot be mounted"):
+        render_sbatch(inventory, j, Templates(), settings, cwd="/home/u/a,b")
 
 
 def step_text(script: str) -> str:

@@ -3,6 +3,7 @@
     --sleep S     after the all-reduce and a barrier, sleep S seconds (to be killed meanwhile)
     --fail-rank R exit 3 right after the all-reduce on that global rank
     --fail-first  ... only in the first attempt of a restarted job (CLUSTER_RESTART_COUNT 0)
+    --sleep-first sleep only in the first attempt
     --hang-rank R after the all-reduce, rank R sleeps --hang S seconds while the others wait
                   in the next all-reduce (a hang: nobody prints, nobody progresses)
     --env-hash N  add the sha256 of environment variable N to the line (proves a secret
@@ -42,6 +43,7 @@ def main() -> int:
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--env-hash")
     p.add_argument("--fail-first", action="store_true")
+    p.add_argument("--sleep-first", action="store_true")
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang", type=float, default=600.0)
     p.add_argument("--show-env", default="")
@@ -53,6 +55,7 @@ def main() -> int:
     say({"rank": rank, "world_size": world, "sum": t.item(), "host": socket.gethostname(),
          "pid": os.getpid(), "node": os.environ.get("CLUSTER_NODE"),
          "env_hash": env_hash(args.env_hash),
+         "in_container": os.path.exists("/run/.containerenv") or os.path.exists("/.dockerenv"),
          "restart": int(os.environ.get("CLUSTER_RESTART_COUNT", "0")), "python": sys.executable,
          "env": {k: os.environ.get(k) for k in args.show_env.split(",") if k}})
     first = os.environ.get("CLUSTER_RESTART_COUNT", "0") == "0"
@@ -63,7 +66,7 @@ def main() -> int:
             time.sleep(args.hang)          # outside any collective
         dist.all_reduce(t)                 # the others wait here for it
     dist.barrier()
-    if args.sleep:
+    if args.sleep and (first or not args.sleep_first):
         say({"rank": rank, "sleeping": args.sleep})
         time.sleep(args.sleep)
         dist.barrier()
