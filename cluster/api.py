@@ -245,9 +245,10 @@ class Run:
             return ""
         out = []
         for path in sorted((self._dir.path / "logs").glob("*.log")):
-            name = path.stem.split("-", 1)[1] if "-" in path.stem else path.stem
+            rank, _, name = path.stem.partition("-")          # <rank>-<host>.log
             if node is None or node == name:
-                out += [f"[{name}] {line}" for line in path.read_text(errors="replace").splitlines()]
+                label = f"{name} {rank}"                      # as `cluster up` prefixes them
+                out += [f"[{label}] {line}" for line in path.read_text(errors="replace").splitlines()]
         return "\n".join(out) + ("\n" if out else "")
 
     def __repr__(self) -> str:
