@@ -14,7 +14,6 @@ import shutil
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
