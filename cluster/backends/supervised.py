@@ -309,18 +309,26 @@ class SupervisedProcess:
 # --- the shared backend flow for supervised nodes ---------------------------------------------
 
 
+# progress(phase, done, total): a phase that waits on every node ("check", "sync") has
+# `done` of its `total` nodes finished. Called from the pool's threads as each node finishes.
+Progress = Callable[[str, int, int], None]
+
+
 class SupervisedBackend:
     """Check all, then start all, over one Transport per node (made by `connect`).
 
     keepalive: seconds a started node's supervisor waits for the launcher's heartbeat before
-    it stops the node by itself (0: it waits for its connection to close instead)."""
+    it stops the node by itself (0: it waits for its connection to close instead).
+    progress: told as each node finishes the check (and the sync), for a progress line
+    (console.NodeProgress); may also be set as an attribute after construction."""
 
     name = "supervised"
     checks_nodes = True      # every node is probed, reached and pushed to before the start
 
     def __init__(self, connect: Callable[[Any], Transport], max_workers: int = 64,
-                 keepalive: float = 0.0) -> None:
+                 keepalive: float = 0.0, progress: Progress | None = None) -> None:
         self._connect = connect
+        self.progress = progress
         self._transports: dict[str, Transport] = {}
         self._nodes: dict[str, SupervisedNode] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_workers)
@@ -366,7 +374,7 @@ class SupervisedBackend:
                 facts["port_free"] = "busy" not in state
             return facts
         try:
-            results = self.each_or_fail(plan.nodes, one)
+            results = self.each_or_fail(plan.nodes, one, phase="check")
         except ClusterError:
             self.release()
             raise
@@ -403,9 +411,10 @@ class SupervisedBackend:
     def push(self, plan: LaunchPlan) -> None:
         """Nothing: each node's files travel with its start, in the same round trip."""
 
-    def each_or_fail(self, nodes: Any, fn: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
+    def each_or_fail(self, nodes: Any, fn: Callable[[Any], Any],
+                     phase: str | None = None) -> list[tuple[Any, Any]]:
         """A check on every node at once; if any fails, one PreflightError listing each."""
-        results = self.each(nodes, fn)
+        results = self.each(nodes, fn, phase=phase)
         failures = {n.label: str(r) for n, r in results if isinstance(r, Exception)}
         if failures:
             lines = "\n".join(f"  {label}: {why}" for label, why in failures.items())
@@ -473,8 +482,13 @@ class SupervisedBackend:
                     proc.heartbeat()
         threading.Thread(target=loop, daemon=True, name="cluster-heartbeat").start()
 
-    def each(self, nodes: Any, fn: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
-        """fn on every node at once; every node reports (a result or its exception)."""
+    def each(self, nodes: Any, fn: Callable[[Any], Any],
+             phase: str | None = None) -> list[tuple[Any, Any]]:
+        """fn on every node at once; every node reports (a result or its exception). With a
+        phase, self.progress hears of each node as it finishes, failed or not."""
+        nodes = list(nodes)
+        tick = self._ticker(phase, len(nodes))
+
         def guard(n: Any) -> Any:
             try:
                 return fn(n)
@@ -482,8 +496,27 @@ class SupervisedBackend:
                 return exc
             except Exception as exc:  # a node's unexpected failure is still that node's report
                 return ClusterError(f"{type(exc).__name__}: {exc}")
+            finally:
+                tick()
         futures = [(n, self._pool.submit(guard, n)) for n in nodes]
         return [(n, f.result()) for n, f in futures]
+
+    def _ticker(self, phase: str | None, total: int) -> Callable[[], None]:
+        """One call per finished node -> progress(phase, done, total); a progress display
+        that fails never fails the phase it shows."""
+        progress = self.progress
+        if progress is None or phase is None:
+            return lambda: None
+        lock, done = threading.Lock(), [0]
+
+        def tick() -> None:
+            with lock:
+                done[0] += 1
+                try:
+                    progress(phase, done[0], total)
+                except Exception:  # noqa: BLE001 - a display, never the work
+                    pass
+        return tick
 
     # -- recorded runs --
 
