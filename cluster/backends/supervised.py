@@ -215,6 +215,34 @@ STAGE_BOOT = ("import os\n"
               "exec(compile(t(int(l)),'stage.py','exec'))")
 
 
+# A node-side program and the modules it imports, all on standard input (a JSON line naming
+# each module and its length, then their sources, read to the byte): loaded in order, then
+# the last one's main(argv) runs. The rest of the input is the program's own (its control).
+BUNDLE_BOOT = ("import os,sys,json,types\n"
+               "def t(n):\n b=b''\n while len(b)<n:\n  c=os.read(0,n-len(b))\n"
+               "  if not c:raise SystemExit(1)\n  b+=c\n return b\n"
+               "l=b''\nwhile not l.endswith(b'\\n'):l+=t(1)\n"
+               "for n,k in json.loads(l):\n"
+               " m=types.ModuleType(n);m.__file__=n+'.py';sys.modules[n]=m\n"
+               " exec(compile(t(k),n+'.py','exec'),m.__dict__)\n"
+               "sys.exit(m.main(sys.argv[1:]))")
+# Each node-side program bundled with what it imports (cluster/remote/).
+PROGRAMS = {"execute": ("workers", "supervisor", "execute"),
+            "clean": ("workers", "supervisor", "clean")}
+
+
+def bundle_command(python: str, program: str, *args: str) -> str:
+    if program not in PROGRAMS:
+        raise ValueError(f"no node-side program {program!r}")
+    return " ".join([shpath(python), "-c", shlex.quote(BUNDLE_BOOT), *(shlex.quote(a) for a in args)])
+
+
+def bundle_input(program: str) -> bytes:
+    sources = [(name, (SUPERVISOR.parent / f"{name}.py").read_bytes()) for name in PROGRAMS[program]]
+    head = json.dumps([[name, len(src)] for name, src in sources]) + "\n"
+    return head.encode() + b"".join(src for _, src in sources)
+
+
 def stage_command(python: str, *args: str) -> str:
     return " ".join([shpath(python), "-c", shlex.quote(STAGE_BOOT), *(shlex.quote(a) for a in args)])
 
@@ -382,6 +410,18 @@ class SupervisedBackend:
             if "listener" in state:
                 state["listener"].close()
         return {n.host.name: r for n, r in results}
+
+    def spawn_program(self, host: Any, program: str, *args: str) -> Channel:
+        """A node-side program of cluster/remote (PROGRAMS) started on host with its python,
+        its source sent first on the channel; the channel is then the program's own."""
+        ch = self.transport(host).spawn(bundle_command(host.python, program, *args))
+        ch.write(bundle_input(program))
+        return ch
+
+    def run_program(self, host: Any, program: str, *args: str, timeout: float = 120) -> Result:
+        """The same, for a program that answers and ends: one round trip."""
+        return self.transport(host).run(bundle_command(host.python, program, *args),
+                                        timeout=timeout, input=bundle_input(program))
 
     def release(self) -> None:
         """Every staged node that will not start lets go (prepare failed, or is trying again)."""

@@ -5,8 +5,9 @@
     cluster status  one row per node of a run (the newest by default)
     cluster logs    a run's saved or live output
     cluster down    stop every node of a run
+    cluster exec    one command on every node at once, output prefixed by node
 """
-from . import doctor, runs, up  # noqa: F401  (each registers its verb on `main`)
+from . import doctor, execute, runs, up  # noqa: F401  (each registers its verb on `main`)
 from .main import entry, install_stop_handlers, main, run_cli
 
 __all__ = ["entry", "install_stop_handlers", "main", "run_cli"]
