@@ -194,7 +194,12 @@ class SupervisedNode:
         return _json_or_error(res)
 
     def status(self) -> dict[str, Any]:
-        return _json_or_error(self.transport.run(self.supervisor("status", self.dir), timeout=60))
+        """The supervisor's word; {"state": "gone"} when the run's folder is no longer there
+        (cluster clean removed it: nothing of the run can be running from it)."""
+        gone = json.dumps({"state": "gone", "reason": f"{self.dir} was removed"})
+        command = (f"if [ -d {shpath(self.dir)} ]; then {self.supervisor('status', self.dir)}; "
+                   f"else echo {shlex.quote(gone)}; fi")
+        return _json_or_error(self.transport.run(command, timeout=60))
 
     def logs(self, follow: bool) -> Channel:
         return self.transport.spawn(self.supervisor("logs", self.dir, *(["--follow"] if follow else [])))

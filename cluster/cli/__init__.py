@@ -6,8 +6,9 @@
     cluster logs    a run's saved or live output
     cluster down    stop every node of a run
     cluster exec    one command on every node at once, output prefixed by node
+    cluster clean   old run folders on the nodes and old run records here, never a running run
 """
-from . import doctor, execute, runs, up  # noqa: F401  (each registers its verb on `main`)
+from . import clean, doctor, execute, runs, up  # noqa: F401  (each registers its verb on `main`)
 from .main import entry, install_stop_handlers, main, run_cli
 
 __all__ = ["entry", "install_stop_handlers", "main", "run_cli"]
