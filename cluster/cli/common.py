@@ -173,6 +173,19 @@ def backend(name: str, inventory: inv_mod.Inventory, sync: list[tuple[str, str]]
 
 
 
+def complete_run(ctx, param, incomplete: str) -> list:  # type: ignore[no-untyped-def]
+    """Shell completion of a RUN argument: the run ids in ./runs (CLUSTER_RUNS_DIR), newest
+    first, that start with what was typed."""
+    from click.shell_completion import CompletionItem
+    from ..runs import runs_root
+    root = runs_root()
+    try:
+        names = sorted((p.name for p in root.iterdir() if (p / "run.json").is_file()), reverse=True)
+    except OSError:
+        return []
+    return [CompletionItem(n) for n in names if n.startswith(incomplete)]
+
+
 def recorded_backend(run: RunDir):
     name = run.meta()["backend"]
     if name == "slurm":

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2] / "cluster"
 LAYERS = [
     ["cluster.__main__"],
     ["cluster.cli"],
-    ["cluster.doctor", "cluster.nodes_exec", "cluster.clean"],
+    ["cluster.doctor", "cluster.nodes_exec", "cluster.clean", "cluster.top"],
     ["cluster.launch"],
     ["cluster.prepare"],
     ["cluster.watch", "cluster.hang"],
