@@ -26,8 +26,11 @@ from .runs import RunDir
 GPU_QUERY = "index,utilization.gpu,memory.used,memory.total"
 GPU_MARK, METRICS_MARK = "@@cluster-gpu", "@@cluster-metrics"
 METRICS_LINES = 20
-ENDED = frozenset({"exited", "stopped", "gone", "lost", "unreachable", "completed", "failed",
-                   "cancelled", "timeout", "node_fail", "out_of_memory", "boot_fail", "deadline"})
+# States after which a node shows nothing new: top stops refreshing when every node is in one.
+# An unreachable node is not among them (it may answer at the next refresh).
+ENDED = frozenset({"exited", "stopped", "gone", "lost", "unknown", "not submitted", "completed",
+                   "failed", "cancelled", "timeout", "node_fail", "out_of_memory", "boot_fail",
+                   "deadline", "revoked", "special_exit"})
 
 
 @dataclass(frozen=True)

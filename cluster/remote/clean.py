@@ -65,14 +65,14 @@ def decide(path, name, now, opts):
         entry["why"] = "not a plain directory"
         return entry
     nodes = node_dirs(path)
-    busy = [why for why in (running(d) for d in nodes) if why]
     age = now - last_active(path, nodes)
     entry["age"] = round(age, 1)
+    if age < opts["older-than"]:           # kept anyway: no need to look for its processes
+        entry["why"] = "active %s ago" % ago(age)
+        return entry
+    busy = [why for why in (running(d) for d in nodes) if why]
     if busy:
         entry["why"] = "; ".join(busy)
-        return entry
-    if age < opts["older-than"]:
-        entry["why"] = "active %s ago" % ago(age)
         return entry
     if age < opts["fresh"] and any(never_started(d) for d in nodes):
         entry["why"] = "a node folder that never started, %s old: a launch may be checking it" % ago(age)

@@ -142,6 +142,9 @@ def test_collect_asks_every_node_once_and_only_rank_0_for_metrics(tmp_path: Path
     assert "tail -n 20 \"$HOME\"/w/.cluster/r/train/metrics.jsonl" in c1 and "tail" not in c2
     assert "/home/u/w/.cluster/r/n1/supervisor.py" in c1 and "\"$HOME\"/w/.cluster/r/n2" in c2
     assert not ended(rows)
+    assert ended([Row(0, "n1", "exited"), Row(1, "n2", "stopped")])
+    assert not ended([Row(0, "n1", "exited"), Row(1, "n2", "unreachable")]), \
+        "an unreachable node may still be running"
 
 
 def test_collect_under_slurm_uses_the_scheduler_and_the_shared_output(tmp_path: Path) -> None:
