@@ -154,3 +154,11 @@ def test_summary_names_each_node_that_did_not_exit_0() -> None:
                "c": NodeResult("c", error="refused"), "d": NodeResult("d", lost=True)}
     assert summary_lines(results) == ["  b: exit code 137 (SIGKILL)", "  c: unreachable: refused",
                                       "  d: connection lost while the command ran"]
+
+
+def test_exec_under_slurm_refuses_and_says_what_to_use(tmp_path: Path, capsys) -> None:
+    from cluster.cli import run_cli
+    inv = tmp_path / "slurm.yaml"
+    inv.write_text("backend: slurm\nhosts:\n  - {name: c1}\n")
+    assert run_cli(["exec", "-i", str(inv), "--", "hostname"]) == 2
+    assert "srun --nodes N --ntasks-per-node 1 CMD" in capsys.readouterr().err
