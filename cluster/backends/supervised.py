@@ -420,7 +420,10 @@ class SupervisedBackend:
         """A node-side program of cluster/remote (PROGRAMS) started on host with its python,
         its source sent first on the channel; the channel is then the program's own."""
         ch = self.transport(host).spawn(bundle_command(host.python, program, *args))
-        ch.write(bundle_input(program))
+        try:
+            ch.write(bundle_input(program))
+        except ClusterError:
+            pass     # it ended before reading (no such python): its output and status say why
         return ch
 
     def run_program(self, host: Any, program: str, *args: str, timeout: float = 120) -> Result:

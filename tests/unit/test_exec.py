@@ -162,3 +162,12 @@ def test_exec_under_slurm_refuses_and_says_what_to_use(tmp_path: Path, capsys) -
     inv.write_text("backend: slurm\nhosts:\n  - {name: c1}\n")
     assert run_cli(["exec", "-i", str(inv), "--", "hostname"]) == 2
     assert "srun --nodes N --ntasks-per-node 1 CMD" in capsys.readouterr().err
+
+
+def test_a_node_without_the_python_says_so_in_its_output(backend, tmp_path) -> None:
+    con, out, _ = console()
+    host = hosts(1, tmp_path)[0].replace(python=str(tmp_path / "no-python"))
+    with pytest.raises(RunFailed) as info:
+        run([host], backend, ["true"], con)
+    assert "no-python" in out.getvalue() and "not found" in out.getvalue()
+    assert "exit code 127" in info.value.details
