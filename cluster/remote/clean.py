@@ -121,16 +121,18 @@ def never_started(d):
 
 
 def last_active(path, nodes):
-    """The newest modification time of the run folder, its entries and each node folder's
-    files (output.log, heartbeat, exit: what a run touches while it lives)."""
+    """When the run last did something: the newest modification time of the run folder and of
+    the files in each of its folders (output.log, heartbeat, exit, the trainer's metrics). Not
+    the folders' own times, nor __pycache__: reading a run's status (`cluster status`, this
+    very check) makes Python cache the supervisor's helper there, which is no activity."""
     newest = mtime(path)
-    for d in [path] + nodes:
+    for d in [path] + nodes + [os.path.join(path, "train")]:
         try:
-            names = os.listdir(d)
+            names = [n for n in os.listdir(d) if n != "__pycache__"]
         except OSError:
             continue
-        for name in names:
-            newest = max(newest, mtime(os.path.join(d, name)))
+        files = [os.path.join(d, n) for n in names if not os.path.isdir(os.path.join(d, n))]
+        newest = max([newest] + [mtime(f) for f in files] + ([] if files else [mtime(d)]))
     return newest
 
 

@@ -166,9 +166,8 @@ def top_rows(proc) -> dict[str, list[str]]:
 
 def test_top_shows_each_node_and_the_trainers_progress_while_it_runs(ssh_nodes4, cli):
     inv = inventory(ssh_nodes4, cli)
-    up = cli.run("up", "-i", inv, "--nodes", "2", "--detach",
-                 "--env", "CLUSTER_TRAIN_TEST_STEP_SLEEP=0.2", "--", "cluster-train/train.py",
-                 "--epochs", "50", "--no-resume", "--out", "top-out", "--checkpoint-dir", "top-ckpt",
+    up = cli.run("up", "-i", inv, "--nodes", "2", "--detach", "--", "cluster-train/train.py",
+                 "--epochs", "500", "--no-resume", "--out", "top-out", "--checkpoint-dir", "top-ckpt",
                  timeout=300)
     assert up.popen.returncode == 0, up.dump()
     run_id = up.run_id()

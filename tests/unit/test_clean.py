@@ -218,3 +218,17 @@ def test_stop_of_a_lost_run_records_its_end(tmp_path: Path) -> None:
 def test_status_of_a_removed_folder_is_gone(tmp_path: Path) -> None:
     node = SupervisedNode(LocalTransport(), sys.executable, str(tmp_path / "removed"))
     assert node.status()["state"] == "gone"
+
+
+def test_reading_a_runs_status_is_no_activity(tmp_path: Path, backend) -> None:
+    """`cluster status` (and the records' check) runs the supervisor in the node folder, and
+    Python caches its helper there: an old run must stay old."""
+    d = node_folder(tmp_path, "20250101-000000-aaaa", {"exit": "{}"})
+    (d / "supervisor.py").write_text(SUPERVISOR.read_text())
+    (d / "workers.py").write_text(SUPERVISOR.with_name("workers.py").read_text())
+    make_old(d.parent, 8 * DAY)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, str(d / "supervisor.py"), "status", str(d)], check=True,
+                   capture_output=True, env=env)
+    assert (d / "__pycache__").is_dir()
+    assert sweep(backend, tmp_path, older_than=7 * DAY)["20250101-000000-aaaa"][0] == "removed"
