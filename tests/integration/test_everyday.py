@@ -127,7 +127,12 @@ def test_clean_removes_old_runs_on_nodes_and_here_and_keeps_a_running_one(ssh_no
     old, running = done.run_id(), going.run_id()
     folders = {rid: [Path(ssh_nodes4.workdir(i)) / ".cluster" / rid for i in (1, 2)]
                for rid in (old, running)}
-    for rid in (old, running):              # both a month old, as far as any clock can tell
+    logs = [f / f"node{i}" / "output.log" for i, f in zip((1, 2), folders[running])]
+    asleep = wait_until(lambda: all(l.is_file() and b'"sleeping"' in l.read_bytes() for l in logs),
+                        120, 0.2)
+    assert asleep is not None, "the detached run never reached its sleep"
+    # Both a month old, as far as any clock can tell: the running one is kept for running.
+    for rid in (old, running):
         for folder in folders[rid]:
             make_old(folder, 30 * DAY)
         make_old(cli.cwd / "runs" / rid, 30 * DAY)
