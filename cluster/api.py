@@ -24,7 +24,7 @@ from typing import Any
 from . import launch, resolve
 from .backends import Backend
 from .backends.slurm import cli_settings
-from .console import Console
+from .console import Console, NodeProgress
 from .errors import ClusterError, InputError
 from .plan import Job, Templates
 from .runs import RunDir, new_run_id
@@ -78,6 +78,9 @@ class Prepared:
     def run(self, console: Console, argv: list[str], created: Any = None) -> int:
         """Record the run, then check, start and watch it (or only print it, for a dry run).
         created(run_dir) is called once the run directory exists."""
+        progress = NodeProgress(stream=console.err)   # drawn only on a terminal, 8+ nodes
+        if hasattr(self.backend, "progress"):
+            self.backend.progress = progress
         try:
             run = RunDir.create(self.job.run_id)
             job = self.job
@@ -91,6 +94,7 @@ class Prepared:
             return launch.up(self.inventory, job, self.templates, self.backend, run, argv,
                              console, self.options)
         finally:
+            progress.close()
             self.backend.close()
 
 

@@ -45,6 +45,55 @@ class Console:
             self.out.flush()
 
 
+class NodeProgress:
+    """A progress line on stderr for a phase that waits on every node ("checked 37/128
+    nodes"), drawn with rich while the phase runs and erased when close() is called. It is
+    the callable SupervisedBackend.progress takes: progress(phase, done, total), from any
+    thread. Silent for fewer than `min_nodes` nodes (the phase is over before a line would
+    help) and when stderr is not a terminal (a log file wants no redrawn lines)."""
+
+    VERBS = {"check": "checked", "sync": "synced"}
+
+    def __init__(self, stream: IO[str] | None = None, min_nodes: int = 8,
+                 enabled: bool | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.min_nodes = min_nodes
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.lock = threading.Lock()
+        self._bar: Any = None
+        self._tasks: dict[str, Any] = {}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled or total < self.min_nodes:
+            return
+        with self.lock:
+            bar = self._bar or self._start()
+            if phase not in self._tasks:
+                self._tasks[phase] = bar.add_task(phase, total=total,
+                                                  verb=self.VERBS.get(phase, phase))
+            bar.update(self._tasks[phase], completed=done, total=total)
+        if phase == "check" and done >= total:
+            self.close()                  # the last phase before the nodes' own lines
+
+    def _start(self) -> Any:
+        from rich.console import Console as RichConsole
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        self._bar = Progress(
+            TextColumn("cluster: {task.fields[verb]} {task.completed}/{task.total} nodes"),
+            BarColumn(), TimeElapsedColumn(),
+            console=RichConsole(file=self.stream, force_terminal=self.enabled),
+            transient=True, redirect_stdout=False, redirect_stderr=False)
+        self._bar.start()
+        return self._bar
+
+    def close(self) -> None:
+        with self.lock:
+            bar, self._bar = self._bar, None
+            self._tasks.clear()
+        if bar is not None:
+            bar.stop()
+
+
 class LineSplitter:
     """Bytes in, display lines out. A line rewritten with \\r (a progress bar) shows its last
     state, at most once a second until its newline comes."""

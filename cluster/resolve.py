@@ -190,7 +190,6 @@ def backend(name: str, inventory: inv_mod.Inventory, sync: list[tuple[str, str]]
     return SshBackend(inventory.ssh, sync=sync, sync_exclude=sync_exclude)
 
 
-
 def recorded_backend(run: RunDir):
     name = run.meta()["backend"]
     if name == "slurm":

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import BackendError, ClusterError, PreflightError
-from ..plan import LaunchPlan, NodePlan, python_command, render
+from ..plan import LaunchPlan, NodePlan, python_command, render, shpath
 from ..spec import DEFAULT_STOP_GRACE
 from ..nodes import Demux, NodeExit, NodeStatus
 
@@ -209,7 +209,12 @@ class SupervisedNode:
         return _json_or_error(res)
 
     def status(self) -> dict[str, Any]:
-        return _json_or_error(self.transport.run(self.supervisor("status", self.dir), timeout=60))
+        """The supervisor's word; {"state": "gone"} when the run's folder is no longer there
+        (cluster clean removed it: nothing of the run can be running from it)."""
+        gone = json.dumps({"state": "gone", "reason": f"{self.dir} was removed"})
+        command = (f"if [ -d {shpath(self.dir)} ]; then {self.supervisor('status', self.dir)}; "
+                   f"else echo {shlex.quote(gone)}; fi")
+        return _json_or_error(self.transport.run(command, timeout=60))
 
     def logs(self, follow: bool) -> Channel:
         return self.transport.spawn(self.supervisor("logs", self.dir, *(["--follow"] if follow else [])))
@@ -236,6 +241,35 @@ def reach_budget(nodes: int) -> float:
     process starts, a SYN lost in the crowd must not fail the launch (two of 256 test nodes
     missed a flat 8 s on 2 cores), so a little more per node."""
     return 8.0 + nodes / 16
+
+
+# A node-side program and the modules it imports, all on standard input (a JSON line naming
+# each module and its length, then their sources, read to the byte): loaded in order, then
+# the last one's main(argv) runs. The rest of the input is the program's own (its control).
+BUNDLE_BOOT = ("import os,sys,json,types\n"
+               "def t(n):\n b=b''\n while len(b)<n:\n  c=os.read(0,n-len(b))\n"
+               "  if not c:raise SystemExit(1)\n  b+=c\n return b\n"
+               "l=b''\nwhile not l.endswith(b'\\n'):l+=t(1)\n"
+               "for n,k in json.loads(l):\n"
+               " m=types.ModuleType(n);m.__file__=n+'.py';sys.modules[n]=m\n"
+               " exec(compile(t(k),n+'.py','exec'),m.__dict__)\n"
+               "sys.exit(m.main(sys.argv[1:]))")
+# Each node-side program bundled with what it imports (cluster/remote/).
+PROGRAMS = {"execute": ("workers", "supervisor", "execute"),
+            "clean": ("workers", "supervisor", "clean")}
+
+
+def bundle_command(exe: str, program: str, *args: str) -> str:
+    """exe: the shell words that run the node's python (plan.python_command)."""
+    if program not in PROGRAMS:
+        raise ValueError(f"no node-side program {program!r}")
+    return " ".join([exe, "-c", shlex.quote(BUNDLE_BOOT), *(shlex.quote(a) for a in args)])
+
+
+def bundle_input(program: str) -> bytes:
+    sources = [(name, (SUPERVISOR.parent / f"{name}.py").read_bytes()) for name in PROGRAMS[program]]
+    head = json.dumps([[name, len(src)] for name, src in sources]) + "\n"
+    return head.encode() + b"".join(src for _, src in sources)
 
 
 def stage_command(exe: str, *args: str) -> str:
@@ -364,18 +398,26 @@ class SupervisedProcess:
 # --- the shared backend flow for supervised nodes ---------------------------------------------
 
 
+# progress(phase, done, total): a phase that waits on every node ("check", "sync") has
+# `done` of its `total` nodes finished. Called from the pool's threads as each node finishes.
+Progress = Callable[[str, int, int], None]
+
+
 class SupervisedBackend:
     """Check all, then start all, over one Transport per node (made by `connect`).
 
     keepalive: seconds a started node's supervisor waits for the launcher's heartbeat before
-    it stops the node by itself (0: it waits for its connection to close instead)."""
+    it stops the node by itself (0: it waits for its connection to close instead).
+    progress: told as each node finishes the check (and the sync), for a progress line
+    (console.NodeProgress); may also be set as an attribute after construction."""
 
     name = "supervised"
     checks_nodes = True      # every node is probed, reached and pushed to before the start
 
     def __init__(self, connect: Callable[[Any], Transport], max_workers: int = 64,
-                 keepalive: float = 0.0) -> None:
+                 keepalive: float = 0.0, progress: Progress | None = None) -> None:
         self._connect = connect
+        self.progress = progress
         self._transports: dict[str, Transport] = {}
         self._nodes: dict[str, SupervisedNode] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_workers)
@@ -422,7 +464,7 @@ class SupervisedBackend:
                 facts["port_free"] = "busy" not in state
             return facts
         try:
-            results = self.each_or_fail(plan.nodes, one)
+            results = self.each_or_fail(plan.nodes, one, phase="check")
         except ClusterError:
             self.release()
             raise
@@ -430,6 +472,21 @@ class SupervisedBackend:
             if "listener" in state:
                 state["listener"].close()
         return {n.host.name: r for n, r in results}
+
+    def spawn_program(self, host: Any, program: str, *args: str) -> Channel:
+        """A node-side program of cluster/remote (PROGRAMS) started on host with its python,
+        its source sent first on the channel; the channel is then the program's own."""
+        ch = self.transport(host).spawn(bundle_command(python_command(host.python, host.setup), program, *args))
+        try:
+            ch.write(bundle_input(program))
+        except ClusterError:
+            pass     # it ended before reading (no such python): its output and status say why
+        return ch
+
+    def run_program(self, host: Any, program: str, *args: str, timeout: float = 120) -> Result:
+        """The same, for a program that answers and ends: one round trip."""
+        return self.transport(host).run(bundle_command(python_command(host.python, host.setup), program, *args),
+                                        timeout=timeout, input=bundle_input(program))
 
     def release(self) -> None:
         """Every staged node that will not start lets go (prepare failed, or is trying again)."""
@@ -460,9 +517,10 @@ class SupervisedBackend:
     def push(self, plan: LaunchPlan) -> None:
         """Nothing: each node's files travel with its start, in the same round trip."""
 
-    def each_or_fail(self, nodes: Any, fn: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
+    def each_or_fail(self, nodes: Any, fn: Callable[[Any], Any],
+                     phase: str | None = None) -> list[tuple[Any, Any]]:
         """A check on every node at once; if any fails, one PreflightError listing each."""
-        results = self.each(nodes, fn)
+        results = self.each(nodes, fn, phase=phase)
         failures = {n.label: str(r) for n, r in results if isinstance(r, Exception)}
         if failures:
             lines = "\n".join(f"  {label}: {why}" for label, why in failures.items())
@@ -530,8 +588,13 @@ class SupervisedBackend:
                     proc.heartbeat()
         threading.Thread(target=loop, daemon=True, name="cluster-heartbeat").start()
 
-    def each(self, nodes: Any, fn: Callable[[Any], Any]) -> list[tuple[Any, Any]]:
-        """fn on every node at once; every node reports (a result or its exception)."""
+    def each(self, nodes: Any, fn: Callable[[Any], Any],
+             phase: str | None = None) -> list[tuple[Any, Any]]:
+        """fn on every node at once; every node reports (a result or its exception). With a
+        phase, self.progress hears of each node as it finishes, failed or not."""
+        nodes = list(nodes)
+        tick = self._ticker(phase, len(nodes))
+
         def guard(n: Any) -> Any:
             try:
                 return fn(n)
@@ -539,8 +602,27 @@ class SupervisedBackend:
                 return exc
             except Exception as exc:  # a node's unexpected failure is still that node's report
                 return ClusterError(f"{type(exc).__name__}: {exc}")
+            finally:
+                tick()
         futures = [(n, self._pool.submit(guard, n)) for n in nodes]
         return [(n, f.result()) for n, f in futures]
+
+    def _ticker(self, phase: str | None, total: int) -> Callable[[], None]:
+        """One call per finished node -> progress(phase, done, total); a progress display
+        that fails never fails the phase it shows."""
+        progress = self.progress
+        if progress is None or phase is None:
+            return lambda: None
+        lock, done = threading.Lock(), [0]
+
+        def tick() -> None:
+            with lock:
+                done[0] += 1
+                try:
+                    progress(phase, done[0], total)
+                except Exception:  # noqa: BLE001 - a display, never the work
+                    pass
+        return tick
 
     # -- recorded runs --
 

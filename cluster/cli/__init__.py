@@ -5,8 +5,12 @@
     cluster status  one row per node of a run (the newest by default)
     cluster logs    a run's saved or live output
     cluster down    stop every node of a run
+    cluster exec    one command on every node at once, output prefixed by node
+    cluster clean   old run folders on the nodes and old run records here, never a running run
+    cluster top     a run's nodes, refreshed: state, uptime, GPUs, the trainer's step and loss
+    cluster completion  the shell completion script (bash, zsh, fish)
 """
-from . import doctor, runs, up  # noqa: F401  (each registers its verb on `main`)
+from . import clean, completion, doctor, execute, runs, top, up  # noqa: F401  (each registers its verb on `main`)
 from .main import entry, install_stop_handlers, main, run_cli
 
 __all__ = ["entry", "install_stop_handlers", "main", "run_cli"]

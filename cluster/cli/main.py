@@ -1,8 +1,9 @@
 """The `cluster` command's group and entry point: our error handling (a message on stderr, an
 exit code per error class) and the stop signals (SIGINT, SIGTERM, SIGHUP) every verb honours.
 
-Each verb is a module of its own (up.py, doctor.py, runs.py); common.py turns options into an
-inventory and a backend. The verbs parse options and call the library, nothing more.
+Each verb is a module of its own (up.py, doctor.py, runs.py, execute.py, clean.py, top.py,
+completion.py); cluster.resolve turns options into an inventory and a backend, cluster.api
+runs `up`. The verbs parse options and call the library, nothing more.
 """
 from __future__ import annotations
 
@@ -76,3 +77,16 @@ def run_cli(args: list[str] | None = None) -> int:
 def entry() -> None:
     install_stop_handlers()
     sys.exit(run_cli())
+
+
+def complete_run(ctx, param, incomplete: str) -> list:  # type: ignore[no-untyped-def]
+    """Shell completion of a RUN argument: the run ids in ./runs (CLUSTER_RUNS_DIR), newest
+    first, that start with what was typed."""
+    from click.shell_completion import CompletionItem
+    from ..runs import runs_root
+    root = runs_root()
+    try:
+        names = sorted((p.name for p in root.iterdir() if (p / "run.json").is_file()), reverse=True)
+    except OSError:
+        return []
+    return [CompletionItem(n) for n in names if n.startswith(incomplete)]

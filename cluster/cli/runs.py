@@ -6,14 +6,14 @@ import time
 import click
 
 from .. import resolve
-from .main import CONTEXT, main
+from .main import CONTEXT, complete_run, main
 from ..errors import ClusterError, InputError
 from ..runs import RunDir
 from ..console import Console
 
 
 @main.command(context_settings=CONTEXT)
-@click.argument("run", required=False)
+@click.argument("run", required=False, shell_complete=complete_run)
 def status(run: str | None) -> None:
     """Each node of RUN (default: the newest): running / exited with code / stopped / lost."""
     from rich.console import Console as RichConsole
@@ -41,7 +41,7 @@ def status(run: str | None) -> None:
 
 
 @main.command(context_settings=CONTEXT)
-@click.argument("run", required=False)
+@click.argument("run", required=False, shell_complete=complete_run)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing until the run ends.")
 @click.option("--node", help="Only this node (by name).")
 def logs(run: str | None, follow: bool, node: str | None) -> None:
@@ -67,7 +67,7 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
 
 
 @main.command(context_settings=CONTEXT)
-@click.argument("run", required=False)
+@click.argument("run", required=False, shell_complete=complete_run)
 def down(run: str | None) -> None:
     """Stop every node of RUN (default: the newest) and verify nothing is left."""
     rd = RunDir.find(run)

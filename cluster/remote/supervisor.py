@@ -579,7 +579,14 @@ def dump(d, tap, out):
 def stop(d, grace):
     # Tell the running supervisor (another process) that this end was asked for.
     write_atomic(d, "stop-requested", repr(time.time()))
-    return terminate(d, grace)
+    report = terminate(d, grace)
+    if status(d)["state"] == "lost" and not report["left"]:
+        # Its supervisor died without recording the end: this stop is the end, so that the run
+        # reads as stopped from now on (cluster status, cluster clean), not lost forever.
+        write_atomic(d, "exit", json.dumps({"code": None, "signal": None, "ended": time.time(),
+                                            "leftovers": report["signalled"], "stopped": True,
+                                            "reason": "stopped after its supervisor was lost"}))
+    return report
 
 
 def status(d):

@@ -1,135 +1,206 @@
-"""Everyday use on real sshd nodes with real torchrun: a venv activated by `source` in the
-inventory's setup (and `python: auto` taking its interpreter), values forwarded from the
-launching shell, torchrun options cluster does not model, and the Python API.
-
-Leftovers are checked by what is left in each node's network namespace (fixtures).
-"""
+"""Everyday verbs end to end on the namespaced SSH nodes, through the real `cluster` CLI:
+exec (output, per-node codes, a failing and an unreachable node, Ctrl-C and a killed launcher
+leaving nothing), clean (old runs removed on the nodes and here, a running one kept) and top
+(rows while a run runs). "Nothing left" is read from each node's network namespace
+(run_processes_in), independently of the identity scan the code under test uses."""
 from __future__ import annotations
 
 import json
+import os
 import re
-import subprocess
-import sys
-import textwrap
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
 try:
-    from tests.integration.conftest import PROGRAMS, make_venv, node_leftovers, wait_until
+    from tests.integration.conftest import PROGRAMS, Cli, run_processes_in, wait_until
+    from tests.integration.fixtures import kill_pids
 except ImportError:  # run with tests/integration on sys.path
-    from conftest import PROGRAMS, make_venv, node_leftovers, wait_until  # type: ignore
+    from conftest import PROGRAMS, Cli, run_processes_in, wait_until  # type: ignore
+    from fixtures import kill_pids  # type: ignore
 
 pytestmark = [pytest.mark.integration]
 
-SYNC = ["--sync", str(PROGRAMS), "--"]
+DAY = 86400
 
 
-def records(text: str) -> list[tuple[str, dict]]:
-    """(node label, JSON) of every '[label] {...}' line with an all-reduce result."""
-    out = []
-    for line in text.splitlines():
-        m = re.match(r"^\[([^\]]+)\] (\{.*\})$", line)
-        if m and '"sum"' in m.group(2):
-            out.append((m.group(1), json.loads(m.group(2))))
-    return out
+def inventory(ssh_nodes4, cli: Cli) -> str:
+    return ssh_nodes4.write_inventory(cli.home / "inv.yaml")
 
 
-def test_setup_sources_a_venv_auto_takes_its_python_and_values_are_forwarded(ssh_nodes4, cli):
-    venv = make_venv(Path(ssh_nodes4.dir) / "venv")           # readable by the nodes' user
-    inv = ssh_nodes4.write_inventory(
-        cli.home / "inv.yaml", python="auto",
-        setup=[f"source {venv}/bin/activate", "export FROM_SETUP=\"set on $(hostname)\""],
-        env_forward=["FWD_*"], torchrun_args=["--log-dir=torchrun-logs"])
-    cli.env.update(FWD_ONE="it's $(not run)", FWD_TWO="two", SHELL_NAME="from the shell")
-    (cli.cwd / "extra.env").write_text("FROM_FILE='a \"b\" c'\n")
-    proc = cli.run("up", "-i", inv, "--nodes", "2", "--env", "SHELL_NAME", "--env-file",
-                   "extra.env", *SYNC, "allreduce.py", "--show-env",
-                   "FROM_SETUP,FWD_ONE,FWD_TWO,SHELL_NAME,FROM_FILE,VIRTUAL_ENV")
+def leftovers(ssh_nodes4, nodes=(1, 2, 3, 4)) -> dict[int, list[str]]:
+    return {i: left for i in nodes if (left := run_processes_in(ssh_nodes4, i))}
+
+
+@pytest.fixture
+def nothing_left(ssh_nodes4):
+    """Each exec test starts with empty nodes and leaves them empty (killing, after a
+    failure, what the test left, so that the next test starts clean)."""
+    assert wait_until(lambda: not leftovers(ssh_nodes4), 20) is not None, leftovers(ssh_nodes4)
+    yield
+    left = leftovers(ssh_nodes4)
+    kill_pids(int(line.split()[0]) for lines in left.values() for line in lines)
+
+
+# --- exec ---------------------------------------------------------------------------------
+
+
+def test_exec_prefixes_every_line_and_reports_each_node(ssh_nodes4, cli, nothing_left):
+    inv = inventory(ssh_nodes4, cli)
+    # node1 and node3 exit 1, node2 and node4 exit 0; one line on stdout, one on stderr each.
+    script = 'n=$(hostname); echo "out $n"; echo "err $n" >&2; exit $(( ${n#node} % 2 ))'
+    proc = cli.run("exec", "-i", inv, "--", "bash", "-c", script, timeout=120)
+    assert proc.popen.returncode == 4, proc.dump()
+    for i in range(1, 5):
+        assert f"[node{i}] out node{i}" in proc.out and f"[node{i}] err node{i}" in proc.out, proc.dump()
+    assert "2 of 4 node(s) did not exit 0" in proc.stderr
+    assert "  node1: exit code 1" in proc.err and "  node3: exit code 1" in proc.err
+    assert not any("node2: exit" in line or "node4: exit" in line for line in proc.err)
+
+
+def test_exec_passes_each_argument_whole_and_unevaluated(ssh_nodes4, cli, nothing_left):
+    inv = inventory(ssh_nodes4, cli)
+    proc = cli.run("exec", "-i", inv, "--nodes", "2", "--", "echo", "$(hostname)", "a  b", "'q';",
+                   timeout=120)
     assert proc.popen.returncode == 0, proc.dump()
-    got = records(proc.stdout)
-    assert sorted(d["rank"] for _, d in got) == [0, 1], proc.dump()
-    for _, d in got:
-        assert Path(d["python"]).parent == venv / "bin"          # the venv's own interpreter
-        assert d["env"] == {"FROM_SETUP": f"set on {d['host']}", "FWD_ONE": "it's $(not run)",
-                            "FWD_TWO": "two", "SHELL_NAME": "from the shell",
-                            "FROM_FILE": 'a "b" c', "VIRTUAL_ENV": str(venv)}
-    for i in (1, 2):                          # torchrun took the option: its log directory
-        assert (Path(ssh_nodes4.workdir(i)) / "torchrun-logs").is_dir()
-    assert node_leftovers(ssh_nodes4, 1, 2) == {}
+    assert sorted(proc.out) == ["[node1] $(hostname) a  b 'q';", "[node2] $(hostname) a  b 'q';"]
+    assert "exec: all 2 node(s) exited 0" in proc.stderr
 
 
-def test_a_failing_setup_line_is_named_and_nothing_starts(ssh_nodes4, cli):
-    inv = ssh_nodes4.write_inventory(cli.home / "inv.yaml", setup=["true", "module load cuda/99"])
-    proc = cli.run("up", "-i", inv, "--nodes", "2", *SYNC, "allreduce.py")
-    assert proc.popen.returncode == 3, proc.dump()
-    assert "setup line 2 failed (exit 127): module load cuda/99" in proc.stderr, proc.dump()
-    assert records(proc.stdout) == []
-    assert node_leftovers(ssh_nodes4, 1, 2) == {}
-
-
-def test_a_forwarded_name_missing_from_the_shell_stops_before_any_node(ssh_nodes4, cli):
-    inv = ssh_nodes4.write_inventory(cli.home / "inv.yaml", env_forward=["WANDB_API_KEY_X"])
-    cli.env.pop("WANDB_API_KEY_X", None)
-    proc = cli.run("up", "-i", inv, "--nodes", "2", *SYNC, "allreduce.py")
-    assert proc.popen.returncode == 2, proc.dump()
-    assert "env_forward: WANDB_API_KEY_X is not set in this shell" in proc.stderr
-    assert not (cli.cwd / "runs").exists()            # checked before anything was created
-
-
-# --- the Python API ---------------------------------------------------------------------------
-
-API_PROGRAM = textwrap.dedent("""
-    import json, sys, time
-    import cluster
-    from cluster.errors import InputError
-
-    inv, programs, mode = sys.argv[1:4]
+def test_exec_names_an_unreachable_node_and_runs_on_the_others(ssh_nodes4, cli, nothing_left):
+    inv = inventory(ssh_nodes4, cli)
+    ssh_nodes4.stop_sshd(3)
     try:
-        cluster.up("no-such-inventory.yaml")
-        bad = None
-    except InputError as exc:
-        bad = str(exc)
-    out = {"bad": bad}
-    if mode == "finish":
-        run = cluster.up(inv, "allreduce.py", [], nodes=2, sync_dir=programs, echo=False)
-        out["code"] = run.wait(180)
-        out["status"] = run.status()
+        proc = cli.run("exec", "-i", inv, "--", "hostname", timeout=120)
+    finally:
+        ssh_nodes4.start_sshd(3)
+    assert proc.popen.returncode == 3, proc.dump()
+    assert sorted(proc.out) == ["[node1] node1", "[node2] node2", "[node4] node4"], proc.dump()
+    assert re.search(r"node3: unreachable: .*refused", proc.stderr, re.S), proc.dump()
+
+
+def command_running(ssh_nodes4, nodes, marker: str) -> bool:
+    return all(any(marker in line for line in run_processes_in(ssh_nodes4, i)) for i in nodes)
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+def test_exec_stopped_or_killed_leaves_nothing_on_any_node(ssh_nodes4, cli, nothing_left, how):
+    """Ctrl-C stops the command on every node, with a child in the background and one in a
+    session of its own; a launcher killed outright is the same, from the nodes' side."""
+    inv = inventory(ssh_nodes4, cli)
+    proc = cli.start("exec", "-i", inv, "--nodes", "3", "--", "bash", "-c",
+                     "sleep 3601 & setsid sleep 3602 & echo started; sleep 3603")
+    proc.wait_for(lambda p: sum("started" in line for line in p.out) == 3, 60, "every node started")
+    assert wait_until(lambda: command_running(ssh_nodes4, (1, 2, 3), "sleep 3602"), 10), \
+        leftovers(ssh_nodes4)
+    if how == "sigint":
+        os.kill(proc.popen.pid, signal.SIGINT)
+        assert proc.wait(60) == 130, proc.dump()
+        assert "the command was stopped on 3 node(s)" in proc.stderr, proc.dump()
+        assert wait_until(lambda: not leftovers(ssh_nodes4, (1, 2, 3)), 3) is not None, \
+            f"left after Ctrl-C: {leftovers(ssh_nodes4)}"
     else:
-        run = cluster.up(inv, "allreduce.py", ["--sleep", "120"], nodes=2, sync_dir=programs,
-                         echo=False)
-        deadline = time.monotonic() + 120
-        while run.logs().count('"sleeping"') < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        out["status"] = run.status()
-        out["code"] = run.down(120)
-    out.update(logs=run.logs(), error=str(run.error) if run.error else None, run_id=run.run_id,
-               path=str(run.path))
-    print(json.dumps(out))
-""")
+        proc.popen.kill()
+        proc.wait(10)
+        gone = wait_until(lambda: not leftovers(ssh_nodes4, (1, 2, 3)), 20)
+        assert gone is not None, f"left after SIGKILL of cluster exec: {leftovers(ssh_nodes4)}"
 
 
-def api(cli, inv: str, mode: str) -> dict:
-    res = subprocess.run([sys.executable, "-c", API_PROGRAM, inv, str(PROGRAMS), mode],
-                         cwd=cli.cwd, env=cli.env, capture_output=True, text=True, timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.splitlines()[-1])
+# --- clean --------------------------------------------------------------------------------
 
 
-def test_python_api_runs_a_job_to_the_end(ssh_nodes4, cli):
-    got = api(cli, ssh_nodes4.write_inventory(cli.home / "inv.yaml"), "finish")
-    assert "no-such-inventory.yaml" in got["bad"]
-    assert got["code"] == 0 and got["error"] is None, got
-    assert set(got["status"].values()) == {"exited 0"}, got["status"]
-    assert sorted(d["rank"] for _, d in records(got["logs"])) == [0, 1]
-    assert Path(got["path"]).name == got["run_id"]
-    assert node_leftovers(ssh_nodes4, 1, 2) == {}
+def make_old(path: Path, seconds: float) -> None:
+    when = time.time() - seconds
+    for p in sorted(path.rglob("*"), reverse=True) + [path]:
+        os.utime(p, (when, when), follow_symlinks=False)
 
 
-def test_python_api_down_stops_every_node(ssh_nodes4, cli):
-    got = api(cli, ssh_nodes4.write_inventory(cli.home / "inv.yaml"), "down")
-    assert set(got["status"].values()) == {"running"}, got
-    assert got["code"] == 143 and "interrupted (SIGTERM)" in got["error"], got
-    # nothing is left on either node: read from the nodes' namespaces, not from cluster
-    assert wait_until(lambda: node_leftovers(ssh_nodes4, 1, 2) == {}, 30) is not None, \
-        node_leftovers(ssh_nodes4, 1, 2)
+def test_clean_removes_old_runs_on_nodes_and_here_and_keeps_a_running_one(ssh_nodes4, cli):
+    inv = inventory(ssh_nodes4, cli)
+    done = cli.run("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--", "allreduce.py")
+    assert done.popen.returncode == 0, done.dump()
+    going = cli.run("up", "-i", inv, "--nodes", "2", "--detach", "--sync", str(PROGRAMS), "--",
+                    "allreduce.py", "--sleep", "300")
+    assert going.popen.returncode == 0, going.dump()
+    old, running = done.run_id(), going.run_id()
+    folders = {rid: [Path(ssh_nodes4.workdir(i)) / ".cluster" / rid for i in (1, 2)]
+               for rid in (old, running)}
+    logs = [f / f"node{i}" / "output.log" for i, f in zip((1, 2), folders[running])]
+    asleep = wait_until(lambda: all(l.is_file() and b'"sleeping"' in l.read_bytes() for l in logs),
+                        120, 0.2)
+    assert asleep is not None, "the detached run never reached its sleep"
+    # Both a month old, as far as any clock can tell: the running one is kept for running.
+    for rid in (old, running):
+        for folder in folders[rid]:
+            make_old(folder, 30 * DAY)
+        make_old(cli.cwd / "runs" / rid, 30 * DAY)
+    try:
+        dry = cli.run("clean", "-i", inv, "--dry-run", timeout=120)
+        assert dry.popen.returncode == 0, dry.dump()
+        assert f"node1: would remove .cluster/{old}" in dry.stdout, dry.dump()
+        assert all(f.is_dir() for f in folders[old]) and (cli.cwd / "runs" / old).is_dir()
+
+        proc = cli.run("clean", "-i", inv, timeout=120)
+        assert proc.popen.returncode == 0, proc.dump()
+        for node in ("node1", "node2"):
+            assert f"{node}: removed .cluster/{old}" in proc.stdout, proc.dump()
+            assert re.search(rf"{node}: kept \.cluster/{running}: running in {node}", proc.stdout), proc.dump()
+        assert f"local: removed runs/{old}" in proc.stdout
+        assert re.search(rf"local: kept runs/{running}: node1: running; node2: running", proc.stdout)
+        assert not any(f.exists() for f in folders[old]) and not (cli.cwd / "runs" / old).exists()
+        assert all(f.is_dir() for f in folders[running]) and (cli.cwd / "runs" / running).is_dir()
+        status = cli.run("status", running, timeout=60)
+        assert status.stdout.count("running") >= 2, "clean disturbed the running run"
+    finally:
+        cli.run("down", running, timeout=120)
+
+
+# --- top ----------------------------------------------------------------------------------
+
+
+def top_rows(proc) -> dict[str, list[str]]:
+    rows = {}
+    for line in proc.out:
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) >= 9 and cells[1].startswith("node"):
+            rows[cells[1]] = cells
+    return rows
+
+
+def test_top_shows_each_node_and_the_trainers_progress_while_it_runs(ssh_nodes4, cli):
+    inv = inventory(ssh_nodes4, cli)
+    up = cli.run("up", "-i", inv, "--nodes", "2", "--detach", "--", "cluster-train/train.py",
+                 "--epochs", "500", "--no-resume", "--out", "top-out", "--checkpoint-dir", "top-ckpt",
+                 timeout=300)
+    assert up.popen.returncode == 0, up.dump()
+    run_id = up.run_id()
+    files = [Path(ssh_nodes4.workdir(i)) / "top-out" / "metrics.jsonl" for i in (1, 2)]
+
+    def stepped() -> bool:
+        """Rank 0's node (whichever it is) has a step record."""
+        for f in files:
+            try:
+                if any(json.loads(l).get("type") == "step" for l in f.read_text().splitlines()
+                       if l.strip().endswith("}")):
+                    return True
+            except (OSError, ValueError):
+                pass
+        return False
+    try:
+        assert wait_until(stepped, 240, 0.5) is not None, "the trainer wrote no step record"
+        t0 = time.monotonic()
+        proc = cli.run("top", run_id, "--once", timeout=60)
+        seconds = time.monotonic() - t0
+        assert proc.popen.returncode == 0, proc.dump()
+        rows = top_rows(proc)
+        assert sorted(rows) == ["node1", "node2"], proc.dump()
+        rank0, rank1 = (rows[n] for n in sorted(rows, key=lambda n: int(rows[n][0])))
+        assert rank0[2] == rank1[2] == "running", proc.dump()
+        assert rank0[3] != "-" and rank0[4] == "-" and rank0[5] == "-", "CPU nodes show no GPU"
+        assert int(rank0[6]) > 0 and float(rank0[7]) > 0 and rank0[8] != "-", proc.dump()
+        assert rank1[6:9] == ["-", "-", "-"], "only rank 0's node has the trainer's metrics"
+        assert seconds < 30, f"one refresh took {seconds:.1f} s"
+    finally:
+        cli.run("down", run_id, timeout=120)

@@ -16,7 +16,7 @@ LAYERS = [
     ["cluster.__main__"],
     ["cluster.cli"],
     ["cluster.api"],
-    ["cluster.doctor"],
+    ["cluster.doctor", "cluster.nodes_exec", "cluster.clean", "cluster.top"],
     ["cluster.launch", "cluster.resolve"],
     ["cluster.prepare"],
     ["cluster.watch", "cluster.hang"],

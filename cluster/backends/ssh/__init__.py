@@ -108,7 +108,7 @@ class SshBackend(SupervisedBackend):
                     remote = f"{remote}/{sub}"
                 reports.append(sync_dir(transport, local, remote, self.sync_exclude))
             return reports
-        results = self.each_or_fail(plan.nodes, one)
+        results = self.each_or_fail(plan.nodes, one, phase="sync")
         self.synced = {n.host.name: r for n, r in results}
         skipped = sorted({link for _, reps in results for r in reps for link in r["skipped_links"]})
         if skipped:

@@ -1,0 +1,71 @@
+"""`cluster clean`: old run folders on the nodes and old run records here, never a running run."""
+from __future__ import annotations
+
+import click
+
+from .. import resolve
+from .main import CONTEXT, SafePath, main
+from ..console import Console
+from ..errors import PreflightError
+from ..runs import RunDir, runs_root
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("-i", "--inventory", "inventory_path", type=SafePath(dir_okay=False),
+              help="Also clean these hosts' <workdir>/.cluster folders (YAML inventory or hostfile).")
+@click.option("--nodes", type=int, help="Only the first N selected hosts.")
+@click.option("--hosts", help="Also clean these hosts (names or hostlists).")
+@click.option("--exclude", help="Leave out these hosts.")
+@click.option("--older-than", "older_than", default="7d", show_default=True, metavar="DURATION",
+              help="Only what was last active longer ago than this: 7d, 12h, 30m, 0 for all.")
+@click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
+@click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]))
+def clean(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
+          older_than: str, dry_run: bool, host_key_policy: str | None) -> None:
+    """Remove old run records in ./runs and, with -i or --hosts, old run folders on the nodes
+    (<workdir>/.cluster/<run-id>); a running run is never touched. Lists what goes and stays."""
+    from .. import clean as cl
+    seconds = cl.parse_duration(older_than)
+    console = Console()
+    decisions: list[cl.Decision] = []
+    failed: dict[str, str] = {}
+    if inventory_path or hosts:
+        inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, None, None, {})
+        inventory = resolve.settings(inventory, (), None, None, host_key_policy)
+        if inventory.backend == "slurm":
+            console.info("SLURM nodes keep no run folders of cluster's: their runs' files are "
+                         "in the records here")
+        else:
+            backend = resolve.backend(inventory.backend, inventory, sync=[])
+            try:
+                decisions, failed = cl.clean_nodes(inventory.hosts, backend, seconds, dry_run)
+            finally:
+                backend.close()
+    else:
+        console.info("nodes not swept: give -i INVENTORY (or --hosts) to clean their "
+                     "<workdir>/.cluster folders too")
+    decisions += cl.clean_records(runs_root(), seconds, dry_run, _recorded_status)
+    for d in decisions:
+        click.echo(d.line())
+    _summary(decisions, dry_run, console)
+    if failed:
+        raise PreflightError(f"{len(failed)} node(s) could not be cleaned",
+                             details="\n".join(f"  {n}: {why}" for n, why in failed.items()))
+
+
+def _recorded_status(run: RunDir) -> list:
+    backend = resolve.recorded_backend(run)
+    try:
+        return backend.status(run)
+    finally:
+        backend.close()
+
+
+def _summary(decisions: list, dry_run: bool, console: Console) -> None:
+    gone = [d for d in decisions if d.action != "kept"]
+    kept = len(decisions) - len(gone)
+    size = sum(d.size or 0 for d in gone)
+    from ..clean import human_bytes
+    verb = "would remove" if dry_run else "removed"
+    console.info(f"{verb} {len(gone)} run folder(s) ({human_bytes(size)}), kept {kept}"
+                 + ("; nothing was removed (--dry-run)" if dry_run else ""))

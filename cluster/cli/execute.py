@@ -1,0 +1,41 @@
+"""`cluster exec -- CMD [ARGS...]`: one command on every node at once, output prefixed by node."""
+from __future__ import annotations
+
+import click
+
+from .. import resolve
+from .main import CONTEXT, SafePath, main
+from ..console import Console
+from ..errors import InputError
+
+
+@main.command("exec", context_settings={**CONTEXT, "allow_interspersed_args": False})
+@click.option("-i", "--inventory", "inventory_path", type=SafePath(dir_okay=False),
+              help="Hosts: YAML inventory, MPI/DeepSpeed hostfile. None: this machine.")
+@click.option("--nodes", type=int, help="Only the first N selected hosts (or N simulated local nodes).")
+@click.option("--hosts", help="Only these hosts: names or hostlists.")
+@click.option("--exclude", help="Leave out these hosts.")
+@click.option("--local", "force_local", is_flag=True, help="Run on this machine.")
+@click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]))
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def exec_(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
+          force_local: bool, host_key_policy: str | None, command: tuple[str, ...]) -> None:
+    """Run CMD [ARGS...] on every node at once, each output line prefixed [node].
+
+    Each argument reaches the node as one argument, never through a shell: for shell code
+    use `cluster exec -- bash -c '...'`. Exit 0 when every node exited 0; 4 when one did
+    not, 3 when one could not be reached. Ctrl-C stops the command on every node.
+    """
+    from .. import nodes_exec
+    name = resolve.backend_name(None, force_local)
+    inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, name, None, {})
+    inventory = resolve.settings(inventory, (), None, None, host_key_policy)
+    if (name or inventory.backend) == "slurm":
+        raise InputError("cluster exec runs over SSH or on this machine; under SLURM, run "
+                         "`srun --nodes N --ntasks-per-node 1 CMD` inside an allocation, or "
+                         "`cluster exec --hosts <the allocated hosts> -- CMD` over SSH")
+    backend = resolve.backend(name or inventory.backend, inventory, sync=[])
+    try:
+        nodes_exec.run(inventory.hosts, backend, command, Console())
+    finally:
+        backend.close()

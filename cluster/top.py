@@ -1,0 +1,265 @@
+"""`cluster top`: a run's nodes at a glance, refreshed: state, uptime, each GPU's utilisation
+and memory, and the reference trainer's latest step, loss and images/s.
+
+Over SSH and locally, one round trip per node per refresh, every node at once: one shell line
+(probe_command) asks the node's supervisor for its status, nvidia-smi for its GPUs (when it has
+one: a CPU node shows "-"), and, on rank 0's node, `tail` for the last lines of the trainer's
+metrics.jsonl (under its recorded `--out`). The answers are parsed by pure functions into Rows,
+which render() turns into a table. Under SLURM the rows come from the scheduler (squeue) and the
+metrics from the job's output folder here (shared with the nodes); GPU figures are not read
+there (a job step of our own inside the user's allocation would compete with it).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .nodes import NodeStatus
+from .plan import shpath
+from .runs import RunDir
+
+GPU_QUERY = "index,utilization.gpu,memory.used,memory.total"
+GPU_MARK, METRICS_MARK = "@@cluster-gpu", "@@cluster-metrics"
+METRICS_LINES = 20
+# States after which a node shows nothing new: top stops refreshing when every node is in one.
+# An unreachable node is not among them (it may answer at the next refresh).
+ENDED = frozenset({"exited", "stopped", "gone", "lost", "unknown", "not submitted", "completed",
+                   "failed", "cancelled", "timeout", "node_fail", "out_of_memory", "boot_fail",
+                   "deadline", "revoked", "special_exit"})
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    util: float | None              # percent
+    used: float | None              # MiB
+    total: float | None             # MiB
+
+
+@dataclass(frozen=True)
+class Metrics:
+    step: int | None = None
+    loss: float | None = None
+    images_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    rank: int
+    node: str
+    state: str
+    uptime: float | None = None
+    gpus: tuple[Gpu, ...] | None = None       # None: no nvidia-smi there (or not asked)
+    metrics: Metrics | None = None            # rank 0's node, when the trainer wrote some
+    detail: str = ""
+
+
+# --- what to ask a node, and what its answer means (pure) ---------------------------------------
+
+
+def metrics_file(args: Sequence[str], workdir: str) -> str | None:
+    """The reference trainer's metrics.jsonl from the run's recorded script arguments: under
+    `--out DIR` (relative to the node's workdir, where the script ran); None without --out."""
+    out = None
+    for i, arg in enumerate(args):
+        if arg == "--out" and i + 1 < len(args):
+            out = args[i + 1]
+        elif arg.startswith("--out="):
+            out = arg.split("=", 1)[1]
+    if not out:
+        return None
+    path = out if out.startswith(("/", "~")) else f"{workdir.rstrip('/')}/{out}"
+    return f"{path.rstrip('/')}/metrics.jsonl"
+
+
+def probe_command(python: str, run_dir: str, metrics: str | None) -> str:
+    """One shell line for one node: the supervisor's status, the GPUs, the metrics' tail."""
+    gone = json.dumps({"state": "gone"})
+    status = (f"if [ -d {shpath(run_dir)} ]; then {shpath(python)} "
+              f"{shpath(run_dir.rstrip('/') + '/supervisor.py')} status {shpath(run_dir)}; "
+              f"else echo {shlex.quote(gone)}; fi")
+    gpus = (f"echo {GPU_MARK}; if command -v nvidia-smi >/dev/null 2>&1; then "
+            f"nvidia-smi --query-gpu={GPU_QUERY} --format=csv,noheader,nounits 2>/dev/null; fi")
+    parts = [status, gpus]
+    if metrics:
+        parts.append(f"echo {METRICS_MARK}; tail -n {METRICS_LINES} {shpath(metrics)} 2>/dev/null")
+    return "; ".join(parts) + "; true"
+
+
+def split_answer(text: str) -> tuple[str, list[str] | None, list[str] | None]:
+    """(status JSON line, GPU lines or None, metrics lines or None) of a node's answer."""
+    head, _, rest = text.partition(GPU_MARK)
+    gpu_text, found, metrics_text = rest.partition(METRICS_MARK)
+    gpu_lines = [l.strip() for l in gpu_text.splitlines() if l.strip()]
+    metrics = [l for l in metrics_text.splitlines() if l.strip()] if found else None
+    status = head.strip().splitlines()[-1] if head.strip() else ""
+    return status, (gpu_lines or None), metrics
+
+
+def parse_gpus(lines: Sequence[str] | None) -> tuple[Gpu, ...] | None:
+    """nvidia-smi's CSV (index, utilization %, memory used, total in MiB); '[N/A]' -> None."""
+    if not lines:
+        return None
+    gpus = []
+    for line in lines:
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) < 4 or not cells[0].isdigit():
+            continue
+        gpus.append(Gpu(int(cells[0]), _num(cells[1]), _num(cells[2]), _num(cells[3])))
+    return tuple(gpus) or None
+
+
+def _num(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_metrics(lines: Sequence[str] | None) -> Metrics | None:
+    """The newest step, loss and images/s in the trainer's last records (step records carry
+    `loss`, epoch summaries `train_loss`); a line cut by a write in progress is skipped."""
+    if not lines:
+        return None
+    step = loss = ips = None
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        if isinstance(rec.get("step"), int):
+            step = rec["step"]
+        value = rec.get("loss", rec.get("train_loss"))
+        if isinstance(value, (int, float)):
+            loss = float(value)
+        if isinstance(rec.get("images_per_s"), (int, float)):
+            ips = float(rec["images_per_s"])
+    if step is None and loss is None and ips is None:
+        return None
+    return Metrics(step, loss, ips)
+
+
+def row_from(rec: dict[str, Any], answer: Any) -> Row:
+    """One node's row from its answer (a transport Result) or the exception it raised."""
+    if isinstance(answer, Exception):
+        return Row(rec["rank"], rec["name"], "unreachable", detail=str(answer).splitlines()[0])
+    if answer.code is None:
+        return Row(rec["rank"], rec["name"], "unreachable", detail=answer.text()[-200:] or "no answer")
+    status_line, gpu_lines, metrics_lines = split_answer(answer.stdout.decode(errors="replace"))
+    try:
+        status = json.loads(status_line)
+    except ValueError:
+        status = {"state": "unknown", "reason": (status_line or answer.text())[-200:]}
+    detail = status.get("reason") or ""
+    if status.get("code") is not None and status.get("state") in ("exited", "stopped"):
+        detail = f"exit code {status['code']}" + (f"; {detail}" if detail else "")
+    return Row(rec["rank"], rec["name"], status.get("state", "unknown"), status.get("uptime"),
+               parse_gpus(gpu_lines), parse_metrics(metrics_lines), detail)
+
+
+# --- collecting -------------------------------------------------------------------------------
+
+
+def collect(run: RunDir, backend: Any) -> list[Row]:
+    """One refresh of a supervised run (local, SSH): every node at once, one round trip each."""
+    meta = run.meta()
+    hosts = {h.name: h for h in run.hosts()}
+    args = meta.get("args") or []
+    nodes = meta.get("nodes") or []
+
+    def ask(rec: dict[str, Any]) -> Any:
+        host = hosts[rec["name"]]
+        metrics = metrics_file(args, host.workdir) if rec["rank"] == 0 else None
+        command = probe_command(host.python, rec.get("dir") or rec["run_dir"], metrics)
+        return backend.transport(host).run(command, timeout=20)
+    return [row_from(rec, answer) for rec, answer in backend.each(nodes, ask)]
+
+
+def collect_slurm(run: RunDir, backend: Any) -> list[Row]:
+    """One refresh of a SLURM run: the job's state per node (squeue, else sacct), and rank 0's
+    metrics from the output folder here, which the nodes share."""
+    meta = run.meta()
+    statuses: list[NodeStatus] = backend.status(run)
+    path = metrics_file(meta.get("args") or [], meta.get("cwd") or ".")
+    metrics = parse_metrics(tail(Path(path), METRICS_LINES)) if path else None
+    return [Row(s.rank, s.name, s.state, s.uptime, None, metrics if s.rank == 0 else None,
+                s.detail) for s in statuses]
+
+
+def tail(path: Path, n: int) -> list[str] | None:
+    """The last n lines of a file (read from its end), or None when it is not there."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.seek(max(0, f.tell() - 65536))
+            data = f.read()
+    except OSError:
+        return None
+    lines = data.decode(errors="replace").splitlines()
+    return lines[1:][-n:] if size and len(lines) > 1 else lines[-n:]
+
+
+def ended(rows: Sequence[Row]) -> bool:
+    return bool(rows) and all(r.state in ENDED for r in rows)
+
+
+# --- showing ----------------------------------------------------------------------------------
+
+
+COLUMNS = ("rank", "node", "state", "uptime", "GPU %", "GPU mem", "step", "loss", "img/s",
+           "detail")
+NUMERIC = frozenset({"rank", "step", "loss", "img/s"})
+
+
+def cells(row: Row) -> list[str]:
+    """A row as table cells (pure); '-' where there is nothing to show."""
+    gpus = row.gpus
+    util = " ".join(_pct(g.util) for g in gpus) if gpus else "-"
+    memory = " ".join(_mem(g) for g in gpus) if gpus else "-"
+    m = row.metrics
+    return [str(row.rank), row.node, row.state, _uptime(row.uptime), util, memory,
+            "-" if not m or m.step is None else str(m.step),
+            "-" if not m or m.loss is None else f"{m.loss:.4f}",
+            "-" if not m or m.images_per_s is None else f"{m.images_per_s:,.0f}",
+            row.detail]
+
+
+def _pct(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0f}%"
+
+
+def _mem(g: Gpu) -> str:
+    if g.used is None or g.total is None:
+        return "?"
+    return f"{g.used / 1024:.1f}/{g.total / 1024:.0f}G"
+
+
+def _uptime(seconds: float | None) -> str:
+    if not seconds:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def render(rows: Sequence[Row], title: str) -> Any:
+    """A rich Table of the rows; the detail column only when a row has one."""
+    from rich.table import Table
+    table = Table(title=title, title_justify="left")
+    shown = [c for c in COLUMNS if c != "detail" or any(r.detail for r in rows)]
+    for col in shown:
+        table.add_column(col, justify="right" if col in NUMERIC else "left",
+                         no_wrap=col in ("node", "state", "uptime"))
+    for row in sorted(rows, key=lambda r: r.rank):
+        table.add_row(*cells(row)[:len(shown)])
+    return table
+
+
+def title(run_id: str, backend: str, when: float | None = None) -> str:
+    return f"run {run_id} ({backend})  {time.strftime('%H:%M:%S', time.localtime(when))}"

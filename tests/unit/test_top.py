@@ -1,0 +1,180 @@
+"""`cluster top`'s collection and rows, with fakes: a node's answer is what probe_command makes
+a real shell print (run here with a stand-in nvidia-smi on PATH), parsed by pure functions."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console as RichConsole
+
+from cluster.backends.supervised import SUPERVISOR, Result
+from cluster.errors import ClusterError
+from cluster.nodes import NodeStatus
+from cluster.runs import RunDir
+from cluster.spec import Host
+from cluster.top import (Gpu, Metrics, Row, cells, collect, collect_slurm, ended, metrics_file,
+                         parse_gpus, parse_metrics, probe_command, render, row_from, tail)
+
+SMI = """#!/bin/sh
+echo "0, 97, 40960, 81920"
+echo "1, [N/A], 1024, 81920"
+"""
+
+
+def node_dir(tmp_path: Path, state: dict) -> Path:
+    d = tmp_path / "node"
+    d.mkdir()
+    (d / "supervisor.py").write_text(SUPERVISOR.read_text())
+    (d / "workers.py").write_text(SUPERVISOR.with_name("workers.py").read_text())
+    for name, value in state.items():
+        (d / name).write_text(value)
+    return d
+
+
+def shell(command: str, path_dir: Path | None = None) -> Result:
+    env = dict(os.environ)
+    env["PATH"] = f"{path_dir}:/usr/bin:/bin" if path_dir else "/usr/bin:/bin"
+    p = subprocess.run(["/bin/sh", "-c", command], capture_output=True, env=env)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+def test_metrics_file_follows_the_recorded_out() -> None:
+    assert metrics_file(["--out", ".cluster/r/train", "--x"], "~/w") == "~/w/.cluster/r/train/metrics.jsonl"
+    assert metrics_file(["--out=/abs/out/"], "~/w") == "/abs/out/metrics.jsonl"
+    assert metrics_file(["--epochs", "1"], "~/w") is None
+
+
+def test_one_round_trip_reads_status_gpus_and_metrics(tmp_path: Path) -> None:
+    d = node_dir(tmp_path, {"exit": json.dumps({"code": 0, "stopped": False}),
+                            "started": "1.0", "pgid": "5"})
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"type": "run", "step": 0}\n'
+                       '{"type": "step", "step": 40, "loss": 0.5, "images_per_s": 1200.0}\n'
+                       '{"type": "step", "step": 50, "loss": 0.25, "images_per_s": 1300.5}\n'
+                       '{"type": "step", "st')                         # a write in progress
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    answer = shell(probe_command(sys.executable, str(d), str(metrics)), bin_dir)
+    row = row_from({"rank": 0, "name": "gpu1"}, answer)
+    assert row.state == "exited" and row.detail == "exit code 0"
+    assert row.gpus == (Gpu(0, 97.0, 40960.0, 81920.0), Gpu(1, None, 1024.0, 81920.0))
+    assert row.metrics == Metrics(50, 0.25, 1300.5)
+    assert cells(row)[4:9] == ["97% ?", "40.0/80G 1.0/80G", "50", "0.2500", "1,300"]
+
+
+def test_a_cpu_node_without_metrics_shows_dashes(tmp_path: Path) -> None:
+    d = node_dir(tmp_path, {})
+    answer = shell(probe_command(sys.executable, str(d), str(tmp_path / "none.jsonl")))
+    row = row_from({"rank": 0, "name": "cpu1"}, answer)
+    assert row.gpus is None and row.metrics is None
+    assert cells(row)[4:9] == ["-", "-", "-", "-", "-"]
+
+
+def test_a_removed_run_folder_reads_gone(tmp_path: Path) -> None:
+    answer = shell(probe_command(sys.executable, str(tmp_path / "removed"), None))
+    assert row_from({"rank": 1, "name": "n2"}, answer).state == "gone"
+
+
+def test_an_unreachable_node_is_a_row_too() -> None:
+    row = row_from({"rank": 2, "name": "n3"}, ClusterError("n3: connection refused\nmore"))
+    assert (row.state, row.detail) == ("unreachable", "n3: connection refused")
+    lost = row_from({"rank": 2, "name": "n3"}, Result(None, b"", b"timed out"))
+    assert lost.state == "unreachable"
+
+
+def test_parsers_skip_what_they_do_not_know() -> None:
+    assert parse_gpus(["No devices were found"]) is None
+    assert parse_metrics(["not json", "[1, 2]"]) is None
+    assert parse_metrics(['{"type": "epoch", "step": 22, "train_loss": 0.3, "images_per_s": null}']) \
+        == Metrics(22, 0.3, None)
+
+
+class FakeTransport:
+    def __init__(self, answer: Result) -> None:
+        self.answer = answer
+        self.commands: list[str] = []
+
+    def run(self, command: str, *, timeout: float | None = None, input: bytes = b"") -> Result:
+        self.commands.append(command)
+        return self.answer
+
+
+class FakeBackend:
+    """each() and transport() as SupervisedBackend has them."""
+
+    def __init__(self, answers: dict[str, Result]) -> None:
+        self.transports = {name: FakeTransport(a) for name, a in answers.items()}
+
+    def transport(self, host: Host) -> FakeTransport:
+        return self.transports[host.name]
+
+    def each(self, nodes, fn):  # type: ignore[no-untyped-def]
+        return [(n, fn(n)) for n in nodes]
+
+
+def recorded(tmp_path: Path, backend: str = "ssh", **meta) -> RunDir:
+    from cluster.spec import Inventory
+    run = RunDir.create("20260101-000000-abcd", tmp_path / "runs")
+    run.write_inventory(Inventory(hosts=(Host(name="n1", address="10.0.0.1", workdir="~/w"),
+                                         Host(name="n2", address="10.0.0.2", workdir="~/w"))))
+    run.write_meta({"backend": backend, "nodes": [
+        {"rank": 0, "name": "n1", "run_dir": "~/w/.cluster/r/n1", "dir": "/home/u/w/.cluster/r/n1"},
+        {"rank": 1, "name": "n2", "run_dir": "~/w/.cluster/r/n2"}], **meta})
+    return run
+
+
+def test_collect_asks_every_node_once_and_only_rank_0_for_metrics(tmp_path: Path) -> None:
+    running = json.dumps({"state": "running", "uptime": 75.0}).encode()
+    metrics = b'\n@@cluster-metrics\n{"step": 7, "loss": 1.5}\n'
+    fake = FakeBackend({"n1": Result(0, running + b"\n@@cluster-gpu" + metrics, b""),
+                        "n2": Result(0, running + b"\n@@cluster-gpu\n", b"")})
+    rows = collect(recorded(tmp_path, args=["--out", ".cluster/r/train"]), fake)
+    assert [(r.node, r.state, r.uptime) for r in rows] == [("n1", "running", 75.0), ("n2", "running", 75.0)]
+    assert rows[0].metrics == Metrics(7, 1.5, None) and rows[1].metrics is None
+    (c1,), (c2,) = fake.transports["n1"].commands, fake.transports["n2"].commands
+    assert "tail -n 20 \"$HOME\"/w/.cluster/r/train/metrics.jsonl" in c1 and "tail" not in c2
+    assert "/home/u/w/.cluster/r/n1/supervisor.py" in c1 and "\"$HOME\"/w/.cluster/r/n2" in c2
+    assert not ended(rows)
+    assert ended([Row(0, "n1", "exited"), Row(1, "n2", "stopped")])
+    assert not ended([Row(0, "n1", "exited"), Row(1, "n2", "unreachable")]), \
+        "an unreachable node may still be running"
+
+
+def test_collect_under_slurm_uses_the_scheduler_and_the_shared_output(tmp_path: Path) -> None:
+    out = tmp_path / "runs" / "x" / "train"
+    out.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 3, "loss": 2.0, "images_per_s": 10}\n')
+
+    class Slurm:
+        def status(self, run: RunDir) -> list[NodeStatus]:
+            return [NodeStatus(0, "c1", "running", detail="job 5 RUNNING"), NodeStatus(1, "c2", "running")]
+    run = recorded(tmp_path, backend="slurm", args=["--out", "runs/x/train"], cwd=str(tmp_path))
+    rows = collect_slurm(run, Slurm())
+    assert [(r.node, r.state, r.gpus) for r in rows] == [("c1", "running", None), ("c2", "running", None)]
+    assert rows[0].metrics == Metrics(3, 2.0, 10.0) and rows[1].metrics is None
+
+
+def test_tail_reads_the_last_lines_of_a_long_file(tmp_path: Path) -> None:
+    f = tmp_path / "m.jsonl"
+    f.write_text("".join(f'{{"step": {i}}}\n' for i in range(20000)))
+    assert tail(f, 2) == ['{"step": 19998}', '{"step": 19999}']
+    assert tail(tmp_path / "missing", 2) is None
+
+
+def test_render_shows_a_row_per_node_and_detail_only_when_there_is_one() -> None:
+    rows = [Row(1, "n2", "exited", detail="exit code 1"), Row(0, "n1", "running", 3725.0)]
+    text = io.StringIO()
+    RichConsole(file=text, width=200).print(render(rows, "run x"))
+    lines = text.getvalue().splitlines()
+    assert "detail" in lines[2]
+    body = [l for l in lines if "n1" in l or "n2" in l]
+    assert "1:02:05" in body[0] and "exit code 1" in body[1]
+    text = io.StringIO()
+    RichConsole(file=text, width=200).print(render([Row(0, "n1", "running")], "run x"))
+    assert "detail" not in text.getvalue()
