@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .nodes import NodeStatus
-from .plan import shpath
+from .plan import python_command, shpath
 from .runs import RunDir
 
 GPU_QUERY = "index,utilization.gpu,memory.used,memory.total"
@@ -77,10 +77,11 @@ def metrics_file(args: Sequence[str], workdir: str) -> str | None:
     return f"{path.rstrip('/')}/metrics.jsonl"
 
 
-def probe_command(python: str, run_dir: str, metrics: str | None) -> str:
-    """One shell line for one node: the supervisor's status, the GPUs, the metrics' tail."""
+def probe_command(exe: str, run_dir: str, metrics: str | None) -> str:
+    """One shell line for one node: the supervisor's status, the GPUs, the metrics' tail.
+    exe: the shell words that run the node's python (plan.python_command)."""
     gone = json.dumps({"state": "gone"})
-    status = (f"if [ -d {shpath(run_dir)} ]; then {shpath(python)} "
+    status = (f"if [ -d {shpath(run_dir)} ]; then {exe} "
               f"{shpath(run_dir.rstrip('/') + '/supervisor.py')} status {shpath(run_dir)}; "
               f"else echo {shlex.quote(gone)}; fi")
     gpus = (f"echo {GPU_MARK}; if command -v nvidia-smi >/dev/null 2>&1; then "
@@ -177,7 +178,8 @@ def collect(run: RunDir, backend: Any) -> list[Row]:
     def ask(rec: dict[str, Any]) -> Any:
         host = hosts[rec["name"]]
         metrics = metrics_file(args, host.workdir) if rec["rank"] == 0 else None
-        command = probe_command(host.python, rec.get("dir") or rec["run_dir"], metrics)
+        command = probe_command(python_command(host.python, host.setup),
+                                rec.get("dir") or rec["run_dir"], metrics)
         return backend.transport(host).run(command, timeout=20)
     return [row_from(rec, answer) for rec, answer in backend.each(nodes, ask)]
 
