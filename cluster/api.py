@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import launch, resolve
+from . import launch, resolve, tuning
 from .backends import Backend
 from .backends.slurm import cli_settings
 from .console import Console, NodeProgress
@@ -44,6 +44,7 @@ class Request:
     dry_run: bool = False
     detach: bool = False
     no_preflight: bool = False
+    no_tuning: bool = False                    # ignore `cluster doctor --tune-nccl`'s cache
     templates_dir: str | None = None
     nproc_per_node: int | None = None
     master_port: int | None = None
@@ -88,6 +89,8 @@ class Prepared:
                 job = dataclasses.replace(job, node_root=str((run.path / "nodes").resolve()))
             if created is not None:
                 created(run)
+            if self.inventory.tuning:
+                console.info(tuning.describe(self.inventory.tuning))
             if self.dry_run:
                 launch.dry_run(self.inventory, job, self.templates, run, self.backend, argv, console)
                 return 0
@@ -115,6 +118,8 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     name = name or inventory.backend
     if name == "slurm":
         inventory = _slurm(inventory, r)
+    elif not r.no_tuning:
+        inventory = tuning.applied(inventory, tuning.Cache(tuning.cache_path(environ)))
     launch.secret_values(inventory, environ)     # a missing secret stops here: nothing is created
     if (r.sync_dir or r.sync_exclude) and name != "ssh":
         raise InputError("--sync is for the ssh backend (local and SLURM nodes see this filesystem)")

@@ -8,7 +8,7 @@ break a job fail, the others warn; the fingerprint shows each value once with th
 have it. `--deep` runs a real collective across all nodes (cluster/remote/collective.py):
 the all_reduce sum, bus bandwidth per message size, and bandwidth between every pair of nodes,
 naming the slow one. `measure_collective` is the one function that runs such a collective with
-given environment variables, for a later NCCL tuning sweep to reuse.
+given environment variables; `--tune-nccl` (tune_nccl) runs it once per NCCL socket setting.
 """
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ from typing import Any
 
 import hostlist
 
+from . import tuning
 from .errors import ClusterError, PreflightError, RunFailed
 from .plan import Job, LaunchPlan, Templates, container_check, render, shquote
 from .preflight import FAIL, PASS, Finding, evaluate, fingerprint
-from .runs import new_run_id
+from .runs import RunDir, new_run_id
 from .spec import Inventory, container_name
 from .console import Console
 
@@ -34,6 +35,7 @@ SCHEMA = 1
 REMOTE = Path(__file__).resolve().parent / "remote"
 TOOLS_SUBDIR = ".cluster/tools"          # where --deep syncs the collective program, over SSH
 SLOW_LINK = 0.5                          # a pair below half the median bandwidth is slow
+DEEP_SIZES = (65536, 1 << 20, 16 << 20)  # --deep's message sizes, bytes
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Report:
     findings: list[Finding]
     fingerprint: dict[str, dict[str, list[str]]]
     deep: dict[str, Any] | None = None
+    tuning: dict[str, Any] | None = None      # --tune-nccl: the table and what was kept
     seconds: float = 0.0
 
     @property
@@ -54,7 +57,7 @@ class Report:
         return {"schema": SCHEMA, "ok": self.ok, "seconds": round(self.seconds, 3),
                 "nodes": self.nodes, "master": {"name": self.master, "port": self.port},
                 "checks": [dataclasses.asdict(f) for f in self.findings],
-                "fingerprint": self.fingerprint, "deep": self.deep}
+                "fingerprint": self.fingerprint, "deep": self.deep, "tuning": self.tuning}
 
 
 def diagnose(inventory: Inventory, backend: Any, templates: Templates, *,
@@ -166,6 +169,23 @@ def collective_env(sizes: Sequence[int], iters: int,
     return env
 
 
+def collective(inventory: Inventory, backend: Any,
+               templates: Templates) -> Callable[[Mapping[str, str], Sequence[int], int], dict[str, Any]]:
+    """measure(env, sizes, iters): one run of the collective on the inventory's nodes with env
+    added, started and recorded like any run (runs/<id>/), through cluster.launch."""
+    from . import launch
+    def measure(env: Mapping[str, str], sizes: Sequence[int] = DEEP_SIZES, iters: int = 5) -> dict[str, Any]:
+        job = collective_job(new_run_id(), over_ssh=backend.name == "ssh")
+        run = RunDir.create(job.run_id)
+        if backend.name == "local":
+            job = dataclasses.replace(job, node_root=str((run.path / "nodes").resolve()))
+        return measure_collective(
+            inventory, lambda inv, j, c: launch.up(inv, j, templates, backend, run,
+                                                   ["cluster", "doctor"], c),
+            job, collective_env(sizes, iters, extra=env))
+    return measure
+
+
 def measure_collective(inventory: Inventory, launch_job: Callable[[Inventory, Job, Console], int],
                        job: Job, env: Mapping[str, str]) -> dict[str, Any]:
     """Run the collective across the inventory's nodes with `env` added to every node's
@@ -181,6 +201,44 @@ def measure_collective(inventory: Inventory, launch_job: Callable[[Inventory, Jo
         if "@@doctor " in line:
             return json.loads(line.split("@@doctor ", 1)[1])
     raise RunFailed("the collective printed no result", details="\n".join(console.lines[-20:]))
+
+
+def tune_nccl(inventory: Inventory, measure: Callable[[Mapping[str, str]], dict[str, Any]],
+              cache: tuning.Cache, settings: Sequence[Mapping[str, str]] | None = None,
+              shown: Callable[[tuning.Row], None] | None = None) -> dict[str, Any]:
+    """Measure every NCCL socket setting (measure(env) runs the collective with env on every
+    node), keep the best for these nodes in the cache, and say what was kept. Raises
+    PreflightError when the collective did not run on NCCL (no GPUs): nothing to tune."""
+    def on_nccl(env: Mapping[str, str]) -> dict[str, Any]:
+        measured = measure(env)
+        if measured.get("backend") != "nccl":
+            raise PreflightError(
+                f"the collective ran on {measured.get('backend')}, not NCCL (no GPU on the "
+                f"nodes?): NCCL's socket settings change nothing there. Nothing was stored")
+        return measured
+    if len(inventory.hosts) < 2:
+        raise PreflightError("NCCL's sockets carry data between nodes: --tune-nccl needs 2 or "
+                             "more nodes (for one host forced onto sockets, use --local --nodes 2 "
+                             "with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 in the inventory's env)")
+    rows = tuning.sweep(on_nccl, settings if settings is not None else tuning.grid(), shown)
+    chosen = tuning.choose(rows)
+    entry = cache.store(inventory, chosen, rows)
+    return {"cache": str(cache.path), "chosen": entry["env"], "label": entry["label"],
+            "measured_at": entry["measured_at"], "table": entry["table"]}
+
+
+def tuning_lines(tuned: dict[str, Any]) -> list[str]:
+    sizes = sorted({int(s) for row in tuned["table"] for s in row["busbw_gbps"]})
+    head = f"  {'setting':<24}" + "".join(f"{s / 2**20:>10.0f} MiB" for s in sizes)
+    lines = ["", "NCCL socket settings, all_reduce bus bandwidth (GB/s):", head]
+    for row in tuned["table"]:
+        mark = "  <- kept" if row["env"] == tuned["chosen"] else ""
+        lines.append(f"  {row['label']:<24}" + "".join(
+            f"{row['busbw_gbps'].get(str(s), 0.0):>14.3f}" for s in sizes) + mark)
+    kept = " ".join(f"{k}={v}" for k, v in sorted(tuned["chosen"].items())) or "NCCL's defaults"
+    lines.append(f"kept {kept} for these nodes in {tuned['cache']}; `cluster up` on them applies "
+                 f"it (the inventory's env wins; --no-tuning ignores it)")
+    return lines
 
 
 class Capture(Console):
@@ -272,6 +330,8 @@ def render_text(report: Report) -> str:
         lines.append(f"{attr}: {text}")
     if report.deep:
         lines += deep_lines(report.deep)
+    if report.tuning:
+        lines += tuning_lines(report.tuning)
     lines.append("")
     lines.append(f"{'OK' if report.ok else 'FAILED'}: {sum(f.status == 'fail' for f in report.findings)} "
                  f"failure(s), {sum(f.status == 'warn' for f in report.findings)} warning(s) "

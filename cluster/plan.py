@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,7 @@ class LaunchPlan:
     args: tuple[str, ...]
     master_name: str = ""             # the inventory's first host: MASTER_ADDR, the store
     stop_grace: float = DEFAULT_STOP_GRACE
+    tuning: Mapping[str, Any] | None = field(default=None, compare=False)   # cluster.tuning
 
     @property
     def master(self) -> NodePlan:
@@ -129,7 +130,8 @@ class LaunchPlan:
                   "script": self.script, "args": list(self.args), "stop_grace": self.stop_grace,
                   "secret_env": sorted({s for n in self.nodes for s in n.secret_env}),
                   "nodes": [{"rank": n.rank, "name": n.host.name, "address": n.host.address,
-                             "run_dir": n.run_dir} for n in self.nodes]})
+                             "run_dir": n.run_dir} for n in self.nodes],
+                  **({"nccl_tuning": dict(self.tuning)} if self.tuning else {})})
 
 
 def derived_port(run_id: str, attempt: int = 0) -> int:
@@ -215,7 +217,8 @@ def render(inventory: Inventory, job: Job, templates: Templates,
                   for rank, host in enumerate(rank_order(inventory)))
     return LaunchPlan(run_id=job.run_id, nodes=nodes, master_addr=master.address,
                       master_port=port, rendezvous=master.rendezvous, script=job.script,
-                      args=job.args, master_name=master.name, stop_grace=inventory.stop_grace)
+                      args=job.args, master_name=master.name, stop_grace=inventory.stop_grace,
+                      tuning=inventory.tuning)
 
 
 def rank_order(inventory: Inventory) -> tuple[Host, ...]:

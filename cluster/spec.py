@@ -9,7 +9,7 @@ import dataclasses
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import hostlist
@@ -173,6 +173,8 @@ class Inventory:
     hang_timeout: float = 0.0      # no progress this long: stacks, then stop (0: off)
     text: str = ""                 # the file as read, recorded in the run directory
     hosts_given: bool = True       # False: SLURM chooses the nodes (one placeholder host)
+    # NCCL settings `cluster up` took from `cluster doctor --tune-nccl`'s cache (cluster.tuning)
+    tuning: Mapping[str, Any] | None = field(default=None, compare=False)
 
     @property
     def master(self) -> Host:

@@ -13,6 +13,13 @@ import pytest
 RELIABILITY: list[dict] = []
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory, monkeypatch):
+    """A cache folder of the suite's own: the user's ~/.cache (an NCCL tuning kept by
+    `cluster doctor --tune-nccl`) must not change what a test renders."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture
 def reliability(request):
     def record(**fields) -> None:

@@ -7,9 +7,9 @@ import click
 
 from .. import resolve
 from .main import CONTEXT, SafePath, main
-from ..errors import InputError
+from ..errors import InputError, PreflightError
+from ..preflight import FAIL, Finding
 from ..plan import Templates
-from ..runs import RunDir, new_run_id
 
 
 @main.command(context_settings=CONTEXT)
@@ -22,15 +22,17 @@ from ..runs import RunDir, new_run_id
 @click.option("--master-port", type=click.IntRange(1, 65535), help="The port to check (default: derived).")
 @click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]))
 @click.option("--deep", is_flag=True, help="Also run a collective across all nodes: sum, bandwidth, slow links.")
+@click.option("--tune-nccl", is_flag=True,
+              help="Measure NCCL's socket settings across the nodes and keep the best for `cluster up`.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (schema in the README).")
 def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
            force_local: bool, master_port: int | None, host_key_policy: str | None, deep: bool,
-           as_json: bool) -> None:
+           tune_nccl: bool, as_json: bool) -> None:
     """Check every node, and the network between them, before a run: exit 0 only when nothing fails."""
     import dataclasses
     import json as json_mod
     from .. import doctor as doc
-    from .. import launch
+    from .. import tuning
     backend_name = "local" if force_local else None
     inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, backend_name, None, {})
     inventory = resolve.settings(inventory, (), None, None, host_key_policy)
@@ -42,20 +44,25 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
         inventory = dataclasses.replace(inventory, hosts=tuple(
             h.replace(master_port=master_port) for h in inventory.hosts))
     templates = Templates()
-    sync = [(str(doc.REMOTE), doc.TOOLS_SUBDIR)] if deep and name == "ssh" else []
+    collective = deep or tune_nccl
+    sync = [(str(doc.REMOTE), doc.TOOLS_SUBDIR)] if collective and name == "ssh" else []
     backend = resolve.backend(name, inventory, sync=sync)
+    measure = doc.collective(inventory, backend, templates)
 
-    def run_deep() -> dict:
-        job = doc.collective_job(new_run_id(), over_ssh=name == "ssh")
-        run = RunDir.create(job.run_id)
-        if name == "local":
-            job = dataclasses.replace(job, node_root=str((run.path / "nodes").resolve()))
-        env = doc.collective_env([65536, 1 << 20, 16 << 20], iters=5)
-        return doc.measure_collective(
-            inventory, lambda inv, j, c: launch.up(inv, j, templates, backend, run,
-                                                   ["cluster", "doctor", "--deep"], c), job, env)
+    def shown(row: tuning.Row) -> None:
+        if not as_json:
+            click.echo(f"cluster: {tuning.label(row.env)}: " + ", ".join(
+                f"{gb:.3f} GB/s at {size / 2**20:.0f} MiB" for size, gb in sorted(row.busbw.items())),
+                err=True)
     try:
-        report = doc.diagnose(inventory, backend, templates, deep=deep, run_deep=run_deep)
+        report = doc.diagnose(inventory, backend, templates, deep=deep, run_deep=lambda: measure({}))
+        if tune_nccl and report.ok:
+            try:
+                report.tuning = doc.tune_nccl(
+                    inventory, lambda env: measure({**env, "CLUSTER_DOCTOR_PAIRS": "0"}, tuning.SIZES, 10),
+                    tuning.Cache(tuning.cache_path()), shown=shown)
+            except PreflightError as exc:
+                report.findings.append(Finding("all", "nccl tuning", FAIL, str(exc)))
     finally:
         backend.close()
     if as_json:

@@ -25,6 +25,8 @@ from ..console import Console
 @click.option("--no-preflight", is_flag=True,
               help="Skip the cross-node checks (same torch, every node reaching the master port) "
                    "and let each node choose its interface at start.")
+@click.option("--no-tuning", is_flag=True,
+              help="Ignore the NCCL socket settings `cluster doctor --tune-nccl` measured for these nodes.")
 @click.option("--templates", "templates_dir", type=SafePath(file_okay=False),
               help="A directory whose templates override the built-in ones by name.")
 @click.option("--nproc-per-node", type=int, help="Processes per node (overrides the inventory).")

@@ -7,9 +7,12 @@ NCCL on GPUs, gloo on CPUs. Rank 0 prints one line, '@@doctor ' and a JSON objec
     pairs         [{a, b, bytes, gbps}]: ping-pong between the first process of each two nodes,
                   every pair of nodes, in rounds where no node is in two pairs at once
 
+    nccl          the NCCL_* variables rank 0 ran with (what a tuning sweep set reached it)
+
 Settings from the environment (the launcher sets them):
     CLUSTER_DOCTOR_SIZES  message sizes in bytes, comma-separated
     CLUSTER_DOCTOR_ITERS  timed iterations per size (after two warm-ups)
+    CLUSTER_DOCTOR_PAIRS  0: skip the pairs (a tuning sweep needs only the all_reduce)
 """
 import json
 import os
@@ -34,7 +37,9 @@ def main():
     iters = int(os.environ.get("CLUSTER_DOCTOR_ITERS", "5"))
     result = {"backend": dist.get_backend(), "world_size": world, "sum_ok": check_sum(device, world),
               "allreduce": [allreduce_bw(size, iters, device, world) for size in sizes]}
-    result["pairs"] = pairs(sizes[-1], iters, device, local)
+    want_pairs = os.environ.get("CLUSTER_DOCTOR_PAIRS", "1") != "0"
+    result["pairs"] = pairs(sizes[-1], iters, device, local) if want_pairs else []
+    result["nccl"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
     if rank == 0:
         sys.stdout.write("@@doctor " + json.dumps(result) + "\n")
         sys.stdout.flush()

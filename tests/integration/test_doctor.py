@@ -196,8 +196,10 @@ def test_doctor_json_schema(ssh_nodes4, cli):
     doc = cli.run("doctor", "-i", inv, "--nodes", "2", "--json", timeout=120)
     assert doc.popen.returncode == 0, doc.dump()
     report = json.loads(doc.stdout)
-    assert set(report) == {"schema", "ok", "seconds", "nodes", "master", "checks", "fingerprint", "deep"}
+    assert set(report) == {"schema", "ok", "seconds", "nodes", "master", "checks", "fingerprint",
+                           "deep", "tuning"}
     assert report["schema"] == 1 and report["ok"] is True and report["deep"] is None
+    assert report["tuning"] is None
     assert report["nodes"] == ["node1", "node2"] and report["master"]["name"] == "node1"
     for c in report["checks"]:
         assert set(c) == {"node", "check", "status", "detail", "fix"}
@@ -209,3 +211,54 @@ def test_doctor_json_schema(ssh_nodes4, cli):
     assert ("node1", "master port") in checks
     assert set(report["fingerprint"]["torch"]) and all(
         sorted(nodes) == ["node1", "node2"] for nodes in report["fingerprint"]["python"].values())
+
+
+# The sweep of `cluster doctor --tune-nccl`, driven as the command drives it, on two real nodes.
+# gloo ignores NCCL's variables, so this checks the plumbing (each setting reaches the ranks of
+# every launch, each launch measures, nothing is left), not which setting is best.
+SWEEP = """
+import json, sys
+from cluster import doctor, resolve, tuning
+from cluster.plan import Templates
+inv = resolve.inventory(sys.argv[1], None, None, 2, None, None, {})
+inv = resolve.settings(inv, (), None, None, None)
+backend = resolve.backend("ssh", inv, sync=[(str(doctor.REMOTE), doctor.TOOLS_SUBDIR)])
+measure = doctor.collective(inv, backend, Templates())
+seen = []
+def one(env):
+    seen.append(measure({**env, "CLUSTER_DOCTOR_PAIRS": "0"}, (1 << 16, 1 << 20), 3))
+    return seen[-1]
+rows = tuning.sweep(one, tuning.grid((1, 2), (2,)))
+backend.close()
+print(json.dumps({"rows": [r.to_json() for r in rows], "seen": seen}))
+"""
+
+
+def test_the_tuning_sweep_carries_each_setting_to_every_launch(ssh_nodes4, cli):
+    inv = ssh_nodes4.write_inventory(cli.home / "inv.yaml")
+    done = subprocess.run([sys.executable, "-c", SWEEP, inv], cwd=cli.cwd, env=cli.env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["env"] for r in out["rows"]] == [
+        {}, {"NCCL_SOCKET_NTHREADS": "1", "NCCL_NSOCKS_PERTHREAD": "2"},
+        {"NCCL_SOCKET_NTHREADS": "2", "NCCL_NSOCKS_PERTHREAD": "2"}]
+    for row, seen in zip(out["rows"], out["seen"]):
+        got = {k: v for k, v in seen["nccl"].items() if k in row["env"] or k.startswith("NCCL_NSOCKS")
+               or k == "NCCL_SOCKET_NTHREADS"}
+        assert got == row["env"], (row, seen["nccl"])
+        assert seen["sum_ok"] is True and seen["world_size"] == 2 and seen["pairs"] == []
+        assert set(row["busbw_gbps"]) == {str(1 << 16), str(1 << 20)}
+        assert all(v > 0 for v in row["busbw_gbps"].values())
+    assert len(cli.run_ids()) == 3, "every setting is a launch of its own, recorded like a run"
+    assert wait_until(lambda: not node_leftovers(ssh_nodes4, 1, 2), 10) is not None
+
+
+def test_tune_nccl_on_cpu_nodes_says_why_and_stores_nothing(cli):
+    cache = Path(cli.env["XDG_CACHE_HOME"]) / "cluster" / "nccl-tuning.json"
+    doc = cli.run("doctor", "--local", "--nodes", "2", "--tune-nccl", "--json", timeout=180)
+    assert doc.popen.returncode == 3, doc.dump()
+    report = json.loads(doc.stdout)
+    [finding] = [c for c in report["checks"] if c["check"] == "nccl tuning"]
+    assert finding["status"] == "fail" and "ran on gloo, not NCCL" in finding["detail"]
+    assert report["tuning"] is None and not cache.exists()

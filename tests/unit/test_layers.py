@@ -17,7 +17,7 @@ LAYERS = [
     ["cluster.cli"],
     ["cluster.api"],
     ["cluster.doctor", "cluster.nodes_exec", "cluster.clean", "cluster.top"],
-    ["cluster.launch", "cluster.resolve"],
+    ["cluster.launch", "cluster.resolve", "cluster.tuning"],
     ["cluster.prepare"],
     ["cluster.watch", "cluster.hang"],
     ["cluster.backends"],
