@@ -123,6 +123,7 @@ def _record(run: RunDir, plan: Any, backend: Backend, procs: list[Any], result: 
     if result.hang is not None:
         save_hang(run, result.hang, console)
     history.append({"attempt": len(history), "nodes": plan.node_names or result.nodes,
+                    "master_port": getattr(plan, "master_port", None),
                     "ended": _ending(result), "joined": sorted(result.joined),
                     "seconds": round(time.monotonic() - result.started, 1)})
     run.update(exits={k: dataclasses.asdict(v) for k, v in result.exits.items()},

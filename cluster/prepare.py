@@ -61,8 +61,9 @@ def check(inventory: Inventory, job: Job, templates: Templates, backend: Backend
     rendered with each node's interface written in, recorded and pushed."""
     chosen = job.master_port or inventory.master.master_port
     for attempt in range(PORT_ATTEMPTS):
-        if not chosen:
-            job = dataclasses.replace(job, master_port=derived_port(job.run_id, attempt))
+        if not chosen:    # a port of its own for every restart too: the last one's may linger
+            job = dataclasses.replace(
+                job, master_port=derived_port(job.run_id, job.attempt * PORT_ATTEMPTS + attempt))
         plan = backend.plan(inventory, job, templates)
         run.record(plan, inventory, backend.name, argv)
         t0 = time.monotonic()
