@@ -9,6 +9,7 @@ Needs root, iproute2, openssh, iptables and the test venv (tests/run makes it). 
 
   cluster up     `cluster up` of a 2-node all_reduce: seconds until it exits (code 3, naming
                  node2 and the port)
+  cluster doctor the same inventory and port: seconds until it exits (code 3, naming node2)
   bare torchrun  the same torchrun command line on both nodes over ssh (c10d rendezvous):
                  seconds until each node's torchrun gives up, capped at --cap
 
@@ -60,6 +61,14 @@ def main() -> int:
         ours = time.monotonic() - t0
         named = "node2: reach master" in up.stderr
         print(f"cluster up      exit {up.returncode} after {ours:7.1f} s "
+              f"({'names node2 and the port' if named else 'DID NOT name node2'})", flush=True)
+
+        t0 = time.monotonic()
+        doc = subprocess.run([sys.executable, "-m", "cluster", "doctor", "-i", inv, "--master-port",
+                              str(args.port)], cwd=work, env=env, capture_output=True, text=True)
+        took = time.monotonic() - t0
+        named = "FAIL node2: reach master" in doc.stdout and str(args.port) in doc.stdout
+        print(f"cluster doctor  exit {doc.returncode} after {took:7.1f} s "
               f"({'names node2 and the port' if named else 'DID NOT name node2'})", flush=True)
 
         def torchrun(i: int) -> str:

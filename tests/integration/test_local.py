@@ -44,6 +44,23 @@ def run_processes(run_id: str) -> list[int]:
     return processes_with_env("CLUSTER_RUN_ID", run_id)
 
 
+def processes_under(folder: Path) -> list[str]:
+    """Every process (but this one) working in `folder` or naming it on its command line, read
+    from /proc: independent of the run-id scan cluster itself stops by."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(entry / "cwd")
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cwd == str(folder) or cwd.startswith(f"{folder}/") or str(folder) in cmd:
+            found.append(f"{entry.name} {cmd}")
+    return found
+
+
 def only_run(tmp_path: Path) -> Path:
     (run,) = list((tmp_path / "runs").iterdir())
     return run
@@ -83,13 +100,15 @@ def test_failing_rank_stops_the_other_node(tmp_path: Path) -> None:
     assert "stopping the other 1 node(s)" in res.stderr
     run_id = only_run(tmp_path).name
     assert run_processes(run_id) == []
+    assert processes_under(tmp_path) == []
 
 
 def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1")
     proc = subprocess.Popen([sys.executable, "-m", "cluster", "up", "--local", "--nodes", "2", "--",
                              str(ALLREDUCE), "--sleep", "120"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 90
     seen = ""
     while time.monotonic() < deadline and seen.count('"sleeping"') < 2:
@@ -100,11 +119,13 @@ def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
     assert seen.count('"sleeping"') == 2, seen
     run_id = only_run(tmp_path).name
     assert len(run_processes(run_id)) >= 4     # per node: bash->torchrun and a worker
+    assert len(processes_under(tmp_path)) >= 4, "the independent scan sees the run too"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert run_processes(run_id) == []
+    assert processes_under(tmp_path) == []
 
 
 def test_default_job_trains_for_real(tmp_path: Path) -> None:

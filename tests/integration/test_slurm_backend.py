@@ -96,6 +96,11 @@ def test_two_node_allreduce(slurm, workdir: Path, record_property) -> None:
     assert sorted(d["cluster_node_rank"] for d in got) == ["0", "1"]
     assert {d["gloo_ifname"] for d in got} == {"eth0"}        # detected per node
     assert re.search(r"^\[node1 0\] ", r.stdout, re.M) and re.search(r"^\[node2 1\] ", r.stdout, re.M)
+    # each line's label names the host the rank ran on and the group rank torch gave it
+    for m in re.finditer(r"^\[(\S+) (\d+)\] (\{.*\})$", r.stdout, re.M):
+        d = json.loads(m.group(3))
+        assert (m.group(1), int(m.group(2))) == (d["hostname"], d["rank"]), m.group(0)
+        assert d["cluster_node_rank"] == str(d["rank"])
     assert "COMPLETED" in r.stderr
     status = cluster(slurm, workdir, "status")
     assert status.returncode == 0 and status.stdout.count("completed") == 2, status.stdout

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 try:
-    from tests.integration.conftest import PROGRAMS, Cli, Proc, wait_until
+    from tests.integration.conftest import PROGRAMS, Cli, Proc, node_leftovers, wait_until
     from tests.integration.fixtures import processes_with_env
 except ImportError:  # run with tests/integration on sys.path
-    from conftest import PROGRAMS, Cli, Proc, wait_until  # type: ignore
+    from conftest import PROGRAMS, Cli, Proc, node_leftovers, wait_until  # type: ignore
     from fixtures import processes_with_env  # type: ignore
 
 pytestmark = [pytest.mark.integration]
@@ -40,7 +40,7 @@ def results(proc: Proc) -> list[dict]:
     for line in proc.out:
         _, _, text = line.partition("] ")
         if text.startswith("{") and '"sum"' in text:
-            out.append(json.loads(text))
+            out.append({**json.loads(text), "label": line[1:line.index("] ")]})
     return sorted(out, key=lambda r: r["rank"])
 
 
@@ -69,9 +69,14 @@ def test_allreduce(ssh_nodes4, cli, nodes, record_property):
     got = results(proc)
     want_sum = nodes * (nodes + 1) / 2
     assert [r["rank"] for r in got] == list(range(nodes)), proc.dump()
+    meta = json.loads((cli.cwd / "runs" / proc.run_id() / "run.json").read_text())
+    ranked = {n["rank"]: n["name"] for n in meta["nodes"]}
     for r in got:
         assert r["world_size"] == nodes and r["sum"] == want_sum
-        assert r["host"] == f"node{r['rank'] + 1}" == r["node"]
+        # the group rank torch gave this process ran on the host (its own hostname, not
+        # what cluster says) that cluster's record, label and CLUSTER_NODE name for it
+        assert r["host"] == r["node"] == ranked[r["rank"]], (r, ranked)
+        assert r["label"] == f"{r['host']} {r['rank']}"
     # synced into each node's workdir
     for i in range(1, nodes + 1):
         assert (Path(ssh_nodes4.workdir(i)) / "allreduce.py").is_file()
@@ -115,6 +120,8 @@ def test_worker_killed_stops_every_node(ssh_nodes4, cli, record_property):
     assert proc.wait(60) == 4, proc.dump()
     report(record_property, "kill9_to_cluster_exit_s", time.monotonic() - t0)
     assert "node [node2 1] failed first" in proc.stderr, proc.dump()
+    assert wait_until(lambda: not node_leftovers(ssh_nodes4, 1, 2, 3), 10) is not None, \
+        node_leftovers(ssh_nodes4, 1, 2, 3)
 
 
 # --- 3. Ctrl-C ------------------------------------------------------------------------------
@@ -130,6 +137,8 @@ def test_sigint_stops_every_node(ssh_nodes4, cli):
     os.kill(proc.popen.pid, signal.SIGINT)
     assert proc.wait(60) == 130, proc.dump()
     assert run_procs(run_id) == []
+    assert wait_until(lambda: not node_leftovers(ssh_nodes4, 1, 2), 10) is not None, \
+        node_leftovers(ssh_nodes4, 1, 2)
 
 
 # --- the controlling process dies: the supervisors see EOF and stop -------------------------
@@ -147,6 +156,8 @@ def test_sigkill_of_cluster_up_stops_remote(ssh_nodes4, cli, record_property):
     gone = wait_until(lambda: not run_procs(run_id), 20)
     assert gone is not None, f"left after SIGKILL of cluster up: {run_procs(run_id)}"
     report(record_property, "sigkill_up_to_remote_gone_s", time.monotonic() - t0)
+    assert wait_until(lambda: not node_leftovers(ssh_nodes4, 1, 2), 10) is not None, \
+        node_leftovers(ssh_nodes4, 1, 2)
 
 
 # --- 4. one unreachable node: nothing starts -------------------------------------------------
@@ -164,6 +175,8 @@ def test_unreachable_node_starts_nothing(ssh_nodes4, cli):
     assert "nothing was started" in proc.stderr
     run_id = cli.run_ids()[-1]
     assert run_procs(run_id) == []
+    assert wait_until(lambda: not node_leftovers(ssh_nodes4, 1, 2, 3), 10) is not None, \
+        node_leftovers(ssh_nodes4, 1, 2, 3)
     for i in (1, 2):
         assert not list(Path(ssh_nodes4.workdir(i)).glob(f".cluster/{run_id}/*/pgid"))
 
@@ -205,6 +218,8 @@ def test_detach_status_logs_down(ssh_nodes4, cli):
     down = cli.run("down", long_id, timeout=60)
     assert down.popen.returncode == 0, down.dump()
     assert run_procs(long_id) == []
+    assert wait_until(lambda: not node_leftovers(ssh_nodes4, 1, 2), 10) is not None, \
+        node_leftovers(ssh_nodes4, 1, 2)
     assert set(status_states(cli, long_id).values()) == {"stopped"}
 
 

@@ -129,10 +129,12 @@ def test_consensus_options() -> None:
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in text
     assert "srun --kill-on-bad-exit=1 --wait=60" in text
     step = step_text(text)
-    for part in ('--nnodes="$SLURM_NNODES"', "--nproc_per_node=8", "--rdzv_backend=c10d",
-                 '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv_id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"',
+    # static ranks: srun's node N is torch's node N (c10d would sort addresses as strings)
+    for part in ('--nnodes="$SLURM_NNODES"', "--nproc_per_node=8", '--node_rank="$SLURM_NODEID"',
+                 '--master_addr="$MASTER_ADDR"', '--master_port="$MASTER_PORT"',
                  "-m torch.distributed.run"):
         assert part in step
+    assert "--rdzv_backend" not in step and "--rdzv_endpoint" not in step
 
 
 def test_gres_style_and_fixed_interface() -> None:
@@ -311,7 +313,8 @@ def test_script_runs_one_step_per_node_with_its_own_node_id(name: str, tmp_path:
         assert r["env"]["MASTER_ADDR"] == "nodeA"
         assert r["env"]["CLUSTER_RUN_ID"] == RUN_ID
         assert r["argv"][:3] == ["-m", "torch.distributed.run", "--nnodes=2"]
-        assert "--rdzv_id=42-0" in r["argv"] and "--rdzv_endpoint=nodeA:" + r["env"]["MASTER_PORT"] in r["argv"]
+        assert "--master_addr=nodeA" in r["argv"] and "--master_port=" + r["env"]["MASTER_PORT"] in r["argv"]
+        assert f"--node_rank={r['env']['SLURM_NODEID']}" in r["argv"]
         _, _, j = CASES[name]
         assert r["argv"][-len(j.args) - 1:] == [j.script, *j.args]   # argv arrives intact
     if name == "nasty_env":

@@ -65,12 +65,15 @@ NPROC=${SLURM_GPUS_ON_NODE:-}
 [ "${NPROC:-0}" -gt 0 ] || NPROC=1
 PYTHON=$1
 shift
+# Static rendezvous: node N of the allocation is node N of the group, so srun's labels, the
+# logs and CLUSTER_NODE_RANK name the ranks torch gives (c10d would number the nodes by their
+# addresses sorted as strings: 10.0.0.11 before 10.0.0.9). SLURM starts every node or none.
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes="$SLURM_NNODES" \
   --nproc_per_node="$NPROC" \
-  --rdzv_backend=c10d \
-  --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
-  --rdzv_id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \
+  --node_rank="$SLURM_NODEID" \
+  --master_addr="$MASTER_ADDR" \
+  --master_port="$MASTER_PORT" \
   ${NODE_ADDR:+--local_addr="$NODE_ADDR"} \
   "$@"
 CLUSTER_STEP_END
