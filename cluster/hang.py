@@ -118,9 +118,15 @@ def _ranges(ranks: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+def last_lines(tails: dict[str, list[str]]) -> str:
+    """What each node printed last before the watchdog fired, a section per node."""
+    return "\n".join(f"== {label}: its last {len(lines)} line(s)\n" + "".join(f"{t}\n" for t in lines)
+                     for label, lines in sorted(tails.items()))
+
+
 def save(run: Any, hang: Any, console: Any) -> None:
-    """The evidence under runs/<id>/hang/ (private): one file per rank and the summary, which
-    is printed too."""
+    """The evidence under runs/<id>/hang/ (private): one file per rank, each node's last log
+    lines, and the summary, which is printed too."""
 
     folder = run.path / "hang"
     make_private_dir(folder)
@@ -130,6 +136,7 @@ def save(run: Any, hang: Any, console: Any) -> None:
             write_private(folder / f"{node}-rank{rec['rank']}.txt",
                           f"# {rec.get('how')} stack of rank {rec['rank']} (pid {rec.get('pid')}) "
                           f"on {node}\n{rec.get('text', '')}")
+    write_private(folder / "last-lines.txt", last_lines(getattr(hang, "last_lines", {}) or {}))
     lines = summary(hang.stacks)
     write_private(folder / "summary.txt", "\n".join(lines) + "\n")
     console.info(f"where every rank was after {hang.seconds:.0f} s without progress "

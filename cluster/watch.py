@@ -42,6 +42,7 @@ class Hang:
     """What the watchdog found: no progress on any node for `seconds`, and each worker's stack."""
     seconds: float
     stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)   # label -> records
+    last_lines: dict[str, list[str]] = field(default_factory=dict)    # label -> before the dumps
 
 
 @dataclass
@@ -144,6 +145,8 @@ class Watcher:
         self.console.info(f"no progress on any node for {quiet:.0f} s (--hang-timeout): "
                           f"collecting every worker's stack before stopping")
         targets = [p for p in self.procs if p.node.label in pending]
+        with self.lock:
+            last = {k: list(v) for k, v in self.tails.items()}
         self.muted.update(pending)               # the dumps go to the logs and to hang/
         for p in targets:
             try:
@@ -157,7 +160,8 @@ class Watcher:
                     break
             time.sleep(0.1)
         with self.lock:
-            return Hang(seconds=quiet, stacks={k: list(v) for k, v in self.stacks.items()})
+            return Hang(seconds=quiet, stacks={k: list(v) for k, v in self.stacks.items()},
+                        last_lines=last)
 
     def _control(self, label: str, record: dict[str, Any]) -> None:
         with self.lock:

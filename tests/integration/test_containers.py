@@ -318,7 +318,7 @@ def test_hang_watchdog_collects_every_stack_inside_containers(box_nodes, cli, bo
     run_id = cli.run_ids()[-1]
     hang = cli.cwd / "runs" / run_id / "hang"
     dumps = sorted(p.name for p in hang.iterdir())
-    assert dumps == ["node1-rank0.txt", "node1-rank1.txt", "node2-rank2.txt", "node2-rank3.txt",
+    assert dumps == ["last-lines.txt", "node1-rank0.txt", "node1-rank1.txt", "node2-rank2.txt", "node2-rank3.txt",
                      "summary.txt"], dumps
     summary = (hang / "summary.txt").read_text()
     assert "odd one(s) out: rank 1 (node1): main in allreduce.py" in summary, summary

@@ -342,7 +342,13 @@ def test_hang_watchdog_names_the_stuck_rank(ssh_nodes4, cli, reliability):
     assert "ranks 0,2 (node[1,3]): all_reduce in allreduce.py" in summary, summary
     assert "odd one(s) out: rank 1 (node2): main in allreduce.py" in summary, summary
     dumps = sorted(p.name for p in (cli.cwd / "runs" / run_id / "hang").iterdir())
-    assert dumps == ["node1-rank0.txt", "node2-rank1.txt", "node3-rank2.txt", "summary.txt"]
+    assert dumps == ["last-lines.txt", "node1-rank0.txt", "node2-rank1.txt", "node3-rank2.txt",
+                     "summary.txt"]
+    last = (cli.cwd / "runs" / run_id / "hang" / "last-lines.txt").read_text()
+    for head in ("== node1 0:", "== node2 1:", "== node3 2:"):
+        assert head in last, last
+    assert '"rank": 1' in last.split("== node2 1:")[1].split("==")[0], last
+    assert "Traceback" not in last, "the lines before the hang, not the stop's"
     assert "hung: no progress on any node for" in proc.stderr
     assert clean(ssh_nodes4, (1, 2, 3)) is not None
     reliability(order=11, fault="one rank stuck outside the collective the others wait in",
