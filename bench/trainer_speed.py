@@ -22,6 +22,7 @@ against that repeat's baseline row, then the median over repeats is printed.
 Groups (each row's ratio is against the baseline named):
   resnet50  plain loop (baseline); trainer; trainer before (--before PATH, an older train.py)
   torchrun  the trainers under `torchrun --nproc_per_node 1` (vs the plain loop)
+  cluster   the trainer through `cluster up --local` on this machine (vs the plain loop)
   compile   plain loop with torch.compile (baseline); trainer --compile (TORCH_LOGS=recompiles
             counts recompilations); the ratio trainer --compile / trainer (eager) is printed too
   cifar10   trainer on synthetic 32x32 data, ResNet-18, batch 256 (baseline); the same on
@@ -54,7 +55,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train" / "train.py"
-FINAL = re.compile(r"^FINAL (\{.*\})$", re.M)
+FINAL = re.compile(r"^(?:\[[^\]]*\] )?FINAL (\{.*\})$", re.M)   # [node rank] under cluster up
 LR = 0.1  # the trainer's lr for batch 128: 0.2 * 128 / 256
 
 
@@ -292,12 +293,16 @@ def cases(a: argparse.Namespace) -> list[Case]:
     torchrun = py + ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     trainers = [("", TRAIN)] + ([(" before", Path(a.before).resolve())] if a.before else [])
     out: list[Case] = []
-    if {"resnet50", "torchrun", "compile"} & set(a.groups):
+    if {"resnet50", "torchrun", "cluster", "compile"} & set(a.groups):
         out.append(Case(PLAIN, me + ["--plain-worker", *common]))
         out += [Case(TRAINER + tag, py + trainer_args(a, path, []), PLAIN) for tag, path in trainers]
     if "torchrun" in a.groups:
         out += [Case(f"{TRAINER}{tag} under torchrun, 1 process", torchrun + trainer_args(a, path, []),
                      PLAIN) for tag, path in trainers]
+    if "cluster" in a.groups:
+        out.append(Case(f"{TRAINER} through cluster up --local",
+                        py + ["-m", "cluster", "up", "--local", "--", *trainer_args(a, TRAIN, [])], PLAIN,
+                        {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}))
     if "compile" in a.groups:
         out.append(Case(PLAIN_COMPILED, me + ["--plain-worker", "--compile", *common]))
         out.append(Case("trainer --compile", py + trainer_args(a, TRAIN, ["--compile"]), PLAIN_COMPILED,
@@ -415,7 +420,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=80)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--groups", default="resnet50", help="comma-separated: resnet50,torchrun,compile,cifar10")
+    p.add_argument("--groups", default="resnet50", help="comma-separated: resnet50,torchrun,cluster,compile,cifar10")
     p.add_argument("--before", default=None, help="another train.py to measure beside this one")
     p.add_argument("--cifar10", default=None, metavar="DIR", help="CIFAR-10 for the cifar10 group")
     p.add_argument("--make-cifar10", default=None, metavar="DIR",
