@@ -283,6 +283,10 @@ def test_a_killed_rank_restarts_the_job_which_resumes_and_completes(ssh_nodes4, 
     assert [a["ended"].split(":")[0] for a in meta["attempts"]] == ["node [node2 1] failed", "finished"]
     first, second = (a["master_port"] for a in meta["attempts"])
     assert first and second and first != second, "every attempt gets a rendezvous port of its own"
+    status = cli.run("status", run_id, timeout=60)
+    assert status.popen.returncode == 0, status.dump()
+    assert "attempt 1 (node1, node2): node [node2 1] failed" in status.stdout, status.stdout
+    assert "attempt 2 (node1, node2): finished" in status.stdout, status.stdout
     assert clean(ssh_nodes4, (1, 2)) is not None
     reliability(order=8, fault="a rank killed mid-training, --max-restarts 1",
                 does="2-node reference trainer, 3 epochs, checkpoint every 10 steps; SIGKILL of "

@@ -1,0 +1,63 @@
+"""When a failed job starts again, and on which nodes: launch._retry and _without_lost on
+plain data (the whole flow runs on real nodes in tests/integration/test_faults.py)."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from cluster.inventory import parse_yaml
+from cluster.launch import Options, _retry, _without_lost
+from cluster.nodes import NodeExit
+from cluster.watch import WatchResult
+
+PLAN = SimpleNamespace(nodes=[SimpleNamespace(label="a 0"), SimpleNamespace(label="b 1"),
+                              SimpleNamespace(label="c 2")])
+
+
+def failed(joined=("a 0", "b 1", "c 2"), seconds_ago=100.0, **exits) -> WatchResult:
+    r = WatchResult(exits={"a 0": NodeExit(code=0), "b 1": NodeExit(code=1), "c 2": NodeExit(code=0),
+                           **{k.replace("_", " "): v for k, v in exits.items()}},
+                    joined=set(joined), started=time.monotonic() - seconds_ago)
+    r.first_failure = ("b 1", r.exits["b 1"])
+    return r
+
+
+def test_a_failure_after_every_node_joined_restarts_while_the_budget_lasts() -> None:
+    why = _retry(failed(), PLAN, Options(restarts=2), history=[{}])
+    assert why is not None and "fresh rendezvous" in why and "(2 restart(s) left)" in why
+    assert _retry(failed(), PLAN, Options(restarts=2), history=[{}, {}, {}]) is None
+    assert _retry(failed(), PLAN, Options(restarts=0), history=[{}]) is None
+
+
+def test_a_failure_before_every_node_joined_is_configuration_and_says_so() -> None:
+    result = failed(joined=("a 0",))
+    assert _retry(result, PLAN, Options(restarts=3), history=[{}]) is None
+    assert result.not_retried == "it failed before [b 1], [c 2] had joined the rendezvous"
+
+
+def test_restart_after_widens_the_window_of_configuration_failures() -> None:
+    early = failed(seconds_ago=5)
+    assert _retry(early, PLAN, Options(restarts=3, restart_after=60), history=[{}]) is None
+    assert early.not_retried == "it failed in its first 60 s (--restart-after)"
+    assert _retry(failed(seconds_ago=90), PLAN, Options(restarts=3, restart_after=60), history=[{}])
+
+
+def test_a_lost_node_counts_as_joined_when_the_others_did() -> None:
+    lost = failed(joined=("a 0", "b 1"), c_2=NodeExit(lost=True, reason="keepalive"))
+    assert _retry(lost, PLAN, Options(restarts=1), history=[{}]) is not None
+
+
+def test_an_interrupted_or_finished_job_never_restarts() -> None:
+    stopped = failed()
+    stopped.interrupted = True
+    assert _retry(stopped, PLAN, Options(restarts=5), history=[{}]) is None
+    done = WatchResult(exits={"a 0": NodeExit(code=0)}, started=time.monotonic())
+    assert _retry(done, PLAN, Options(restarts=5), history=[{}]) is None
+
+
+def test_lost_nodes_are_left_out_only_while_min_nodes_remain() -> None:
+    inv = parse_yaml("hosts: [a, b, c]\n", "inv.yaml")
+    result = failed(c_2=NodeExit(lost=True))
+    assert [h.name for h in _without_lost(inv, result, Options(min_nodes=2)).hosts] == ["a", "b"]
+    assert [h.name for h in _without_lost(inv, result, Options(min_nodes=3)).hosts] == ["a", "b", "c"]
+    assert [h.name for h in _without_lost(inv, result, Options()).hosts] == ["a", "b", "c"]
