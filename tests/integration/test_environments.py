@@ -57,7 +57,8 @@ def test_setup_sources_a_venv_auto_takes_its_python_and_values_are_forwarded(ssh
                             "FROM_FILE": 'a "b" c', "VIRTUAL_ENV": str(venv)}
     for i in (1, 2):                          # torchrun took the option: its log directory
         assert (Path(ssh_nodes4.workdir(i)) / "torchrun-logs").is_dir()
-    assert node_leftovers(ssh_nodes4, 1, 2) == {}
+    assert wait_until(lambda: node_leftovers(ssh_nodes4, 1, 2) == {}, 10) is not None, \
+        node_leftovers(ssh_nodes4, 1, 2)      # a session may take a moment to close
 
 
 def test_a_failing_setup_line_is_named_and_nothing_starts(ssh_nodes4, cli):
@@ -66,7 +67,8 @@ def test_a_failing_setup_line_is_named_and_nothing_starts(ssh_nodes4, cli):
     assert proc.popen.returncode == 3, proc.dump()
     assert "setup line 2 failed (exit 127): module load cuda/99" in proc.stderr, proc.dump()
     assert records(proc.stdout) == []
-    assert node_leftovers(ssh_nodes4, 1, 2) == {}
+    assert wait_until(lambda: node_leftovers(ssh_nodes4, 1, 2) == {}, 10) is not None, \
+        node_leftovers(ssh_nodes4, 1, 2)      # a session may take a moment to close
 
 
 def test_a_forwarded_name_missing_from_the_shell_stops_before_any_node(ssh_nodes4, cli):
@@ -124,7 +126,8 @@ def test_python_api_runs_a_job_to_the_end(ssh_nodes4, cli):
     assert set(got["status"].values()) == {"exited 0"}, got["status"]
     assert sorted(d["rank"] for _, d in records(got["logs"])) == [0, 1]
     assert Path(got["path"]).name == got["run_id"]
-    assert node_leftovers(ssh_nodes4, 1, 2) == {}
+    assert wait_until(lambda: node_leftovers(ssh_nodes4, 1, 2) == {}, 10) is not None, \
+        node_leftovers(ssh_nodes4, 1, 2)      # a session may take a moment to close
 
 
 def test_python_api_down_stops_every_node(ssh_nodes4, cli):

@@ -223,6 +223,22 @@ def test_detach_status_logs_down(ssh_nodes4, cli):
     assert set(status_states(cli, long_id).values()) == {"stopped"}
 
 
+def test_logs_follow_every_node_at_once_over_ssh(ssh_nodes4, cli):
+    """`cluster logs -f` over SSH interleaves nodes as their lines arrive: node2's line,
+    printed between node1's two lines, is shown between them."""
+    (cli.cwd / "tpl").mkdir()
+    (cli.cwd / "tpl" / "node.sh.j2").write_text(
+        "{% if rank == 0 %}echo a0; sleep 4; echo a1\n"
+        "{% else %}sleep 2; echo b0\n{% endif %}")
+    up = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "2", "--detach",
+                 "--no-preflight", "--templates", "tpl", "--", "unused")
+    assert up.popen.returncode == 0, up.dump()
+    logs = cli.run("logs", "-f", up.run_id(), timeout=60)
+    assert logs.popen.returncode == 0, logs.dump()
+    shown = [line for line in logs.out if line.startswith("[")]
+    assert shown == ["[node1 0] a0", "[node2 1] b0", "[node1 0] a1"], logs.dump()
+
+
 # --- 6. two runs on the same nodes: down A leaves B alone -----------------------------------
 
 
