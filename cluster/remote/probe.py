@@ -103,10 +103,22 @@ def make_dir(d, private):
     try:
         os.makedirs(path, exist_ok=True)
         if private:
-            os.chmod(path, 0o700)
+            for folder in private_folders(path):
+                if os.stat(folder).st_uid == os.getuid():     # a shared .cluster stays as it is
+                    os.chmod(folder, 0o700)
     except OSError as exc:
         return {"error": "cannot create %s: %s" % (path, exc.strerror)}
     return path
+
+
+def private_folders(path):
+    """The run's folder and those above it up to the workdir's .cluster (makedirs leaves the
+    ones it made on the way at the umask's mode): <workdir>/.cluster/<run>/<node>."""
+    parts = path.split(os.sep)
+    if ".cluster" not in parts:
+        return [path]
+    top = len(parts) - 1 - parts[::-1].index(".cluster")
+    return [os.sep.join(parts[:i + 1]) or os.sep for i in range(top, len(parts))]
 
 
 def torch_facts():

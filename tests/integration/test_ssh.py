@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -77,9 +78,14 @@ def test_allreduce(ssh_nodes4, cli, nodes, record_property):
         # what cluster says) that cluster's record, label and CLUSTER_NODE name for it
         assert r["host"] == r["node"] == ranked[r["rank"]], (r, ranked)
         assert r["label"] == f"{r['host']} {r['rank']}"
-    # synced into each node's workdir
+    # synced into each node's workdir; the run's own folder there is private (its scripts hold
+    # env values)
     for i in range(1, nodes + 1):
         assert (Path(ssh_nodes4.workdir(i)) / "allreduce.py").is_file()
+        run_dir = Path(ssh_nodes4.workdir(i)) / ".cluster" / proc.run_id()
+        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700, oct(run_dir.stat().st_mode)
+        for sub in run_dir.iterdir():
+            assert stat.S_IMODE(sub.stat().st_mode) & 0o077 == 0, (sub, oct(sub.stat().st_mode))
 
 
 def test_default_trainer_with_ssh_config(ssh_nodes4, cli, record_property):

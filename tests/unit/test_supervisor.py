@@ -323,3 +323,23 @@ def test_stop_on_its_own_channel_answers_with_what_was_left(tmp_path: Path) -> N
     exit_info = json.loads((d / "exit").read_text())
     assert exit_info["stopped"] is True and exit_info["reason"] == "stopped by the launcher"
     p.stdin.close()
+
+
+def test_a_nodes_run_folder_is_private_up_to_the_workdirs_cluster_folder(tmp_path: Path) -> None:
+    """<workdir>/.cluster/<run>/<node> holds scripts with env values: every folder cluster
+    makes on the way is 0700 whatever the umask, and nothing above .cluster is touched."""
+    import importlib.util
+    import stat
+    spec = importlib.util.spec_from_file_location("probe", SUPERVISOR.parent / "probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    workdir = tmp_path / "work"
+    old = os.umask(0o022)
+    try:
+        made = probe.make_dir(str(workdir / ".cluster" / "run1" / "node1"), private=True)
+    finally:
+        os.umask(old)
+    assert made == str(workdir / ".cluster" / "run1" / "node1")
+    for folder in (workdir / ".cluster", workdir / ".cluster" / "run1", Path(made)):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    assert stat.S_IMODE(workdir.stat().st_mode) == 0o755
