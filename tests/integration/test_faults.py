@@ -224,18 +224,24 @@ def test_remote_disk_full_at_sync(ssh_nodes4, cli, reliability, tmp_path):
     subprocess.run([*inside, "mount", "-t", "tmpfs", "-o", "size=64k,mode=0777", "tmpfs", str(work2)],
                    check=True)
     try:
+        # an older weights.bin from an earlier sync: a failed upload must leave it whole
+        subprocess.run([*inside, "sh", "-c", f"printf old > {work2}/weights.bin"], check=True)
         big = tmp_path / "prog"
         big.mkdir()
         (big / "allreduce.py").write_text((PROGRAMS / "allreduce.py").read_text())
         (big / "weights.bin").write_bytes(os.urandom(256 * 1024))
         proc = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "2", "--sync", str(big),
                        "--", "allreduce.py", timeout=120)
+        left = subprocess.run([*inside, "sh", "-c", f"cat {work2}/weights.bin; echo; ls -A {work2}"],
+                              capture_output=True, text=True, check=True).stdout.split()
     finally:
         subprocess.run([*inside, "umount", str(work2)], check=False)
     assert proc.popen.returncode == 3, proc.dump()
     assert "node2 1: sync: cannot copy" in proc.stderr and "weights.bin" in proc.stderr, proc.dump()
     assert re.search(r"only \d+ of 262144 bytes arrived \(is the disk full there\?\)", proc.stderr)
     assert "nothing was started" in proc.stderr
+    assert left[0] == "old", left                         # the old file, whole
+    assert not [n for n in left[1:] if "cluster-tmp" in n], left   # no temporary left behind
     assert not any(run_processes_in(ssh_nodes4, i) for i in (1, 2))
     reliability(order=7, fault="the remote disk is full at sync", does="node2's workdir is a 64 KiB tmpfs; --sync of 256 KiB",
                 outcome="the check names node2 and the file; nothing starts", exit=3)
