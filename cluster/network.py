@@ -9,7 +9,8 @@ Three sources for the interface, first match wins:
   '=eth0,eth1') goes to NCCL only, since Gloo takes one name (Gloo's is then chosen at run time);
 - the interface the node itself reported at the check (`resolved`): written into the script
   as an exact name ('=eth0' for NCCL, whose plain values are prefixes);
-- otherwise the script chooses at run time, on the node (a dry run, --no-preflight, SLURM).
+- otherwise the script chooses at run time, on the node (a dry run, --no-preflight, SLURM),
+  exact for NCCL there too.
 """
 from __future__ import annotations
 

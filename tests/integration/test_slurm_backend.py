@@ -95,6 +95,7 @@ def test_two_node_allreduce(slurm, workdir: Path, record_property) -> None:
     assert sorted(d["slurm_nodeid"] for d in got) == ["0", "1"]
     assert sorted(d["cluster_node_rank"] for d in got) == ["0", "1"]
     assert {d["gloo_ifname"] for d in got} == {"eth0"}        # detected per node
+    assert {d["nccl_ifname"] for d in got} == {"=eth0"}       # NCCL's exact match, not a prefix
     assert re.search(r"^\[node1 0\] ", r.stdout, re.M) and re.search(r"^\[node2 1\] ", r.stdout, re.M)
     # each line's label names the host the rank ran on and the group rank torch gave it
     for m in re.finditer(r"^\[(\S+) (\d+)\] (\{.*\})$", r.stdout, re.M):

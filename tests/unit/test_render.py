@@ -160,3 +160,31 @@ def test_a_container_runs_torchrun_even_with_python_auto_and_setup() -> None:
     assert "module load cuda" in script
     assert script.index("module load cuda") < script.index('podman "${CLUSTER_RUN[@]}" x:1')
     assert "/opt/py -c \"$CLUSTER_ENTRY\"" in script and 'exec "$PYTHON"' not in script
+
+
+FAKE_IP = """#!/bin/sh
+# ip -o -4 addr show / ip -o route get ADDR, as a node with a decoy that sorts first
+case "$*" in
+  *"addr show"*) printf '%s\\n' '1: lo    inet 127.0.0.1/8 scope host lo' \\
+      '2: docker0    inet 172.17.0.1/16 scope global docker0' \\
+      '3: eth10    inet 10.1.0.5/24 scope global eth10' \\
+      '4: eth1    inet 10.0.0.2/24 scope global eth1' ;;
+  *"route get"*) echo "$4 dev eth1 src 10.0.0.2 uid 0" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("own", ["10.0.0.2", "10.9.9.9"])   # its own address, else the route
+def test_the_run_time_choice_is_the_nodes_interface_and_exact_for_nccl(
+        own: str, tmp_path: Path) -> None:
+    from cluster.network import NetworkPolicy
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("ip", FAKE_IP), ("getent", "#!/bin/sh\nexit 2\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    net = NetworkPolicy(nccl=None, gloo=None, detect_nccl=True, detect_gloo=True, ib=None)
+    snippet = Templates().render("network.sh.j2", net=net, own_addr=own, master_addr="10.0.0.1")
+    out = subprocess.run(["bash", "-c", snippet + 'echo "$NCCL_SOCKET_IFNAME|$GLOO_SOCKET_IFNAME"'],
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, capture_output=True, text=True)
+    assert out.stdout.strip() == "=eth1|eth1", out.stderr

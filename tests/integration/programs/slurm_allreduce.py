@@ -32,6 +32,7 @@ def main() -> int:
                       "slurm_nodeid": os.environ.get("SLURM_NODEID"),
                       "cluster_node_rank": os.environ.get("CLUSTER_NODE_RANK"),
                       "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+                      "nccl_ifname": os.environ.get("NCCL_SOCKET_IFNAME"),
                       "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
                       "python": sys.executable, "from_setup": os.environ.get("FROM_SETUP"),
                       "env_hash": hashlib.sha256(os.environ[args.env_hash].encode()).hexdigest()

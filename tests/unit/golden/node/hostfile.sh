@@ -30,7 +30,7 @@ cluster_ifname() {
 IFNAME=""
 cluster_ifname gpu01 gpu01
 if [ -n "$IFNAME" ] && [ "$IFNAME" != lo ]; then
-  export NCCL_SOCKET_IFNAME="$IFNAME"
+  export NCCL_SOCKET_IFNAME="=$IFNAME"
   export GLOO_SOCKET_IFNAME="$IFNAME"
 else
   echo "cluster: no interface found for this node's address; NCCL and Gloo will choose one" >&2
@@ -85,7 +85,7 @@ cluster_ifname() {
 IFNAME=""
 cluster_ifname gpu02 gpu01
 if [ -n "$IFNAME" ] && [ "$IFNAME" != lo ]; then
-  export NCCL_SOCKET_IFNAME="$IFNAME"
+  export NCCL_SOCKET_IFNAME="=$IFNAME"
   export GLOO_SOCKET_IFNAME="$IFNAME"
 else
   echo "cluster: no interface found for this node's address; NCCL and Gloo will choose one" >&2
@@ -140,7 +140,7 @@ cluster_ifname() {
 IFNAME=""
 cluster_ifname worker-3 gpu01
 if [ -n "$IFNAME" ] && [ "$IFNAME" != lo ]; then
-  export NCCL_SOCKET_IFNAME="$IFNAME"
+  export NCCL_SOCKET_IFNAME="=$IFNAME"
   export GLOO_SOCKET_IFNAME="$IFNAME"
 else
   echo "cluster: no interface found for this node's address; NCCL and Gloo will choose one" >&2

@@ -65,7 +65,7 @@ cluster_ifname() {
 IFNAME=""
 cluster_ifname "$NODE_ADDR" "$MASTER_ADDR"
 if [ -n "$IFNAME" ] && [ "$IFNAME" != lo ]; then
-  export NCCL_SOCKET_IFNAME="$IFNAME"
+  export NCCL_SOCKET_IFNAME="=$IFNAME"
   export GLOO_SOCKET_IFNAME="$IFNAME"
 else
   echo "cluster: no interface found for this node's address; NCCL and Gloo will choose one" >&2
