@@ -3,8 +3,13 @@ plain data (the whole flow runs on real nodes in tests/integration/test_faults.p
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+from cluster import api
+from cluster.errors import InputError
 from cluster.inventory import parse_yaml
 from cluster.launch import Options, _retry, _without_lost
 from cluster.nodes import NodeExit
@@ -61,3 +66,32 @@ def test_lost_nodes_are_left_out_only_while_min_nodes_remain() -> None:
     assert [h.name for h in _without_lost(inv, result, Options(min_nodes=2)).hosts] == ["a", "b"]
     assert [h.name for h in _without_lost(inv, result, Options(min_nodes=3)).hosts] == ["a", "b", "c"]
     assert [h.name for h in _without_lost(inv, result, Options()).hosts] == ["a", "b", "c"]
+
+
+def prepared_options(inv: Path, **request) -> Options:
+    prepared = api.prepare(api.Request(inventory_path=str(inv), command=("t.py",), **request),
+                           {"PATH": "/usr/bin:/bin"})
+    prepared.backend.close()
+    return prepared.options
+
+
+def test_the_inventorys_restarts_and_hang_timeout_reach_the_launch_and_options_win(
+        tmp_path: Path) -> None:
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("restarts: 2\nhang_timeout: 45\nhosts: [{name: a, address: 10.0.0.1}, "
+                   "{name: b, address: 10.0.0.2}]\n")
+    options = prepared_options(inv)
+    assert (options.restarts, options.hang_timeout) == (2, 45.0)
+    options = prepared_options(inv, max_restarts=0, hang_timeout=0.0)
+    assert (options.restarts, options.hang_timeout) == (0, 0.0)
+    inv.write_text("hosts: [{name: a, address: 10.0.0.1}]\n")
+    assert (prepared_options(inv).restarts, prepared_options(inv).hang_timeout) == (0, 0.0)
+
+
+@pytest.mark.parametrize("key, request_", [("restarts: 1\n", {}), ("hang_timeout: 30\n", {}),
+                                           ("", {"max_restarts": 1}), ("", {"min_nodes": 1})])
+def test_slurm_refuses_what_it_does_itself(tmp_path: Path, key: str, request_: dict) -> None:
+    inv = tmp_path / "slurm.yaml"
+    inv.write_text("backend: slurm\n" + key + "hosts: [{name: a, address: 10.0.0.1}]\n")
+    with pytest.raises(InputError, match="requeue"):
+        prepared_options(inv, **request_)
