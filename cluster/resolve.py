@@ -153,7 +153,10 @@ def command(command: tuple[str, ...], backend: str,
     """The script and its arguments; with none given, the reference trainer. For SSH the
     trainer's directory is synced to the nodes, so the path is relative to the workdir."""
     train_dir = default_train_dir()
-    if command:
+    # `cluster up -- --epochs 3`: no script can start with '-', so these are the reference
+    # trainer's own options, after its defaults (argparse takes the last, so yours win).
+    extra = command if command and command[0].startswith("-") else ()
+    if command and not extra:
         # `-- cluster-train/train.py ARGS` over SSH: the built-in trainer with your arguments.
         synced = str(train_dir) if backend == "ssh" and command[0].startswith("cluster-train/") else None
         return command[0], tuple(command[1:]), synced
@@ -161,13 +164,13 @@ def command(command: tuple[str, ...], backend: str,
     # job, and the next `cluster up`, resumes from the newest one.
     if backend == "ssh":
         return "cluster-train/train.py", ("--out", f".cluster/{run_id}/train", "--checkpoint-dir",
-                                          CHECKPOINTS), str(train_dir)
+                                          CHECKPOINTS, *extra), str(train_dir)
     if backend == "slurm":
         return str(train_dir / "train.py"), ("--out", f"runs/{run_id}/train", "--checkpoint-dir",
-                                             str(Path(CHECKPOINTS).resolve())), None
+                                             str(Path(CHECKPOINTS).resolve()), *extra), None
     out = (Path(os.environ.get("CLUSTER_RUNS_DIR", "runs")) / run_id / "train").resolve()
     return str(train_dir / "train.py"), ("--out", str(out), "--checkpoint-dir",
-                                         str(Path(CHECKPOINTS).resolve())), None
+                                         str(Path(CHECKPOINTS).resolve()), *extra), None
 
 
 def backend_name(chosen: str | None, force_local: bool) -> str | None:

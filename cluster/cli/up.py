@@ -65,6 +65,7 @@ from ..console import Console
 @click.option("--max-requeues", type=click.IntRange(0), help="SLURM: requeue at most this often.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def up(env_pairs: tuple[str, ...], env_files: tuple[str, ...], **opts: Any) -> None:
-    """Start SCRIPT [ARGS...] with torchrun on every node (default: train/train.py)."""
+    """Start SCRIPT [ARGS...] with torchrun on every node (default: train/train.py; `-- --epochs 3`
+    passes options to it)."""
     request = api.Request(env=resolve.parse_env(env_pairs, env_files), **opts)
     api.prepare(request).run(Console(), argv())

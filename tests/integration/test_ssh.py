@@ -89,21 +89,22 @@ def test_allreduce(ssh_nodes4, cli, nodes, record_property):
 
 
 def test_default_trainer_with_ssh_config(ssh_nodes4, cli, record_property):
-    """The built-in trainer is synced to <workdir>/cluster-train. User, key and
-    known_hosts come from ~/.ssh/config alone (the inventory names none)."""
+    """The built-in trainer is synced to <workdir>/cluster-train and takes the options after
+    `--`. User, key and known_hosts come from ~/.ssh/config alone (the inventory names none)."""
     shutil.copy(ssh_nodes4.ssh_config_path, cli.home / ".ssh" / "config")
     (cli.home / ".ssh" / "known_hosts").unlink()
     inv = inventory(ssh_nodes4, cli, user=None, identity_file=None, port=None)
     t0 = time.monotonic()
-    proc = cli.run("up", "-i", inv, "--nodes", "2", "--", "cluster-train/train.py",
+    proc = cli.run("up", "-i", inv, "--nodes", "2", "--",
                    "--epochs", "1", "--no-resume", "--out", "out", timeout=300)
     report(record_property, "trainer_2_nodes_s", time.monotonic() - t0)
     assert proc.popen.returncode == 0, proc.dump()
     final = [line for line in proc.out if "FINAL" in line]
     assert final, proc.dump()
     info = json.loads(final[-1].split("FINAL", 1)[1])
-    assert info.get("world_size") == 2, final[-1]
+    assert info.get("world_size") == 2 and info.get("epochs") == 1, final[-1]
     assert (Path(ssh_nodes4.workdir(2)) / "cluster-train" / "train.py").is_file()
+    assert (Path(ssh_nodes4.workdir(1)) / "out" / "metrics.jsonl").is_file()   # --out was ours
 
 
 # --- 2. kill -9 of one worker: fail fast, nothing left --------------------------------------

@@ -83,6 +83,19 @@ def test_local_dry_run_simulated_nodes(in_tmp: Path, capsys, monkeypatch) -> Non
     assert "train/train.py" in out
 
 
+@pytest.mark.parametrize("where", [["--local"], ["-i", str(REPO / "inventory" / "example.yaml")]])
+def test_options_after_the_dashes_go_to_the_reference_trainer(in_tmp: Path, capsys, where,
+                                                                monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert run_cli(["up", *where, "--dry-run", "--", "--epochs", "3", "--out", "mine"]) == 0
+    out = capsys.readouterr().out.replace(" \\\n  ", " ")     # one argument per line
+    assert "train/train.py" in out and "--epochs 3 --out mine" in out
+    meta = RunDir.find(None, in_tmp / "runs").meta()
+    assert meta["script"].endswith("train/train.py")
+    assert meta["args"][-4:] == ["--epochs", "3", "--out", "mine"]
+    assert "--checkpoint-dir" in meta["args"][:-4]        # our defaults first: the user's win
+
+
 def test_templates_override(in_tmp: Path, capsys) -> None:
     (in_tmp / "tpl").mkdir()
     (in_tmp / "tpl" / "node.sh.j2").write_text("#!/bin/bash\necho custom {{ rank }}\n")
