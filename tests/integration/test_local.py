@@ -21,11 +21,13 @@ pytestmark = pytest.mark.skipif(
     reason="torch is not installed for this python")
 
 
-def cluster(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def cluster(tmp_path: Path, *args: str, timeout: float = 180,
+            umask: int | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1")
     env.pop("CLUSTER_RUNS_DIR", None)
     return subprocess.run([sys.executable, "-m", "cluster", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=None if umask is None else (lambda: os.umask(umask)))
 
 
 def reports(stdout: str) -> list[tuple[str, dict]]:
@@ -79,7 +81,7 @@ def test_localhost_runs_two_gloo_processes(tmp_path: Path) -> None:
 
 
 def test_simulated_nodes(tmp_path: Path) -> None:
-    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", str(ALLREDUCE))
+    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", str(ALLREDUCE), umask=0o022)
     assert res.returncode == 0, res.stderr
     got = reports(res.stdout)
     assert sorted(d["rank"] for _, d in got) == [0, 1]
@@ -88,6 +90,10 @@ def test_simulated_nodes(tmp_path: Path) -> None:
     assert {(label, d["node"]) for label, d in got} == {("local0 0", "local0"), ("local1 1", "local1")}
     scripts = sorted(p.name for p in (only_run(tmp_path) / "scripts").iterdir())
     assert scripts == ["0-local0.sh", "1-local1.sh"]
+    # under umask 022, every folder of the run is 0700 and no file is readable by others
+    for p in [tmp_path / "runs", *(tmp_path / "runs").rglob("*")]:
+        mode = p.stat().st_mode & 0o777
+        assert mode == 0o700 if p.is_dir() else mode & 0o077 == 0, f"{p} is {oct(mode)}"
 
 
 def test_failing_rank_stops_the_other_node(tmp_path: Path) -> None:
