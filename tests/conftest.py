@@ -21,6 +21,17 @@ def own_cache(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt during the test, whatever this process inherited (a
+    suite started with `... &` from a script has SIGINT ignored, and then Python's
+    _thread.interrupt_main() does nothing)."""
+    import signal
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+@pytest.fixture
 def reliability(request):
     def record(**fields) -> None:
         RELIABILITY.append({"test": request.node.nodeid, **fields})

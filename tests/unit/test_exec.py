@@ -128,7 +128,8 @@ def test_what_the_command_left_running_ends_with_it(backend, tmp_path) -> None:
     assert "stopped 1 process(es) the command left running" in err.getvalue()
 
 
-def test_ctrl_c_stops_the_command_on_every_node_and_leaves_nothing(backend, tmp_path) -> None:
+def test_ctrl_c_stops_the_command_on_every_node_and_leaves_nothing(backend, tmp_path,
+                                                                   ctrl_c_raises) -> None:
     con, out, _ = console()
     # A background child, one in a session of its own, and the foreground one.
     script = "sleep 3611 & setsid sleep 3612 & echo started; sleep 3613"

@@ -242,7 +242,7 @@ def test_failed_job_raises_run_failed_naming_state_exit_code_and_tail(tmp_path: 
     assert "[node2 1] rank 1: failing on purpose" in text
 
 
-def test_ctrl_c_while_following_cancels_the_job(tmp_path: Path) -> None:
+def test_ctrl_c_while_following_cancels_the_job(tmp_path: Path, ctrl_c_raises) -> None:
     import _thread
     calls = {"n": 0}
 
