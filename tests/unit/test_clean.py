@@ -99,6 +99,8 @@ def test_nodes_keep_what_runs_and_remove_what_ended(tmp_path: Path, backend) -> 
         orphan.kill()
         os.killpg(sup.pid, signal.SIGKILL)
         sup.wait()
+        # the run's script is in a session of its own: it outlives a supervisor killed hard
+        os.killpg(int((running / "pgid").read_text()), signal.SIGKILL)
     assert got["20250101-000000-aaaa"][0] == "removed"
     assert got["20250101-000000-bbbb"][0] == "kept" and "running in n1" in got["20250101-000000-bbbb"][1]
     assert got["20250101-000000-cccc"] == ("kept", f"processes of the run still alive in n1: {orphan.pid}")
