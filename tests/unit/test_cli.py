@@ -93,7 +93,11 @@ def test_options_after_the_dashes_go_to_the_reference_trainer(in_tmp: Path, caps
     meta = RunDir.find(None, in_tmp / "runs").meta()
     assert meta["script"].endswith("train/train.py")
     assert meta["args"][-4:] == ["--epochs", "3", "--out", "mine"]
-    assert "--checkpoint-dir" in meta["args"][:-4]        # our defaults first: the user's win
+    defaults = meta["args"][:-4]                           # ours first: the user's win
+    # checkpoints outlive the run (not under runs/<id>), so every attempt and the next
+    # `cluster up` resume from the newest
+    ckpt = defaults[defaults.index("--checkpoint-dir") + 1]
+    assert Path(ckpt).name == "checkpoints" and "runs" not in Path(ckpt).parts
 
 
 def test_templates_override(in_tmp: Path, capsys) -> None:
