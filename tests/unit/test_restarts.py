@@ -13,7 +13,7 @@ from cluster.errors import InputError
 from cluster.inventory import parse_yaml
 from cluster.launch import Options, _retry, _without_lost
 from cluster.nodes import NodeExit
-from cluster.watch import WatchResult
+from cluster.watch import Hang, WatchResult
 
 PLAN = SimpleNamespace(nodes=[SimpleNamespace(label="a 0"), SimpleNamespace(label="b 1"),
                               SimpleNamespace(label="c 2")])
@@ -45,6 +45,15 @@ def test_restart_after_widens_the_window_of_configuration_failures() -> None:
     assert _retry(early, PLAN, Options(restarts=3, restart_after=60), history=[{}]) is None
     assert early.not_retried == "it failed in its first 60 s (--restart-after)"
     assert _retry(failed(seconds_ago=90), PLAN, Options(restarts=3, restart_after=60), history=[{}])
+
+
+def test_a_hang_after_every_node_joined_restarts_too() -> None:
+    hung = WatchResult(exits={n.label: NodeExit(signal=15) for n in PLAN.nodes},
+                       joined={n.label for n in PLAN.nodes}, started=time.monotonic() - 200)
+    hung.hang = Hang(seconds=120)
+    why = _retry(hung, PLAN, Options(restarts=1), history=[{}])
+    assert why is not None and why.startswith("hang: no progress for 120 s; restarting")
+    assert _retry(hung, PLAN, Options(restarts=0), history=[{}]) is None
 
 
 def test_a_lost_node_counts_as_joined_when_the_others_did() -> None:
