@@ -26,10 +26,12 @@ class FakeNode:
             time.sleep(self.delay)
 
     def wait(self) -> NodeExit:
+        self.ended_at = time.monotonic()
         return self.exit or NodeExit(code=143, signal=15)
 
     def stop(self) -> dict:
         self.stop_calls += 1
+        self.stopped_at = time.monotonic()
         self.stopped.set()
         return {"signalled": [1], "killed": [], "left": []}
 
@@ -64,6 +66,41 @@ def test_first_failure_stops_the_others_at_once(tmp_path: Path) -> None:
     tail = res.tails["b 1"]                  # the last 20 lines, for the final error's evidence
     assert tail[-1] == "line 29" and tail[0] == "line 10" and "line 9" not in tail
     assert set(res.exits) == {"a 0", "b 1", "c 2"}
+
+
+CHILD_FAILED = [b"[rank1]: RuntimeError: boom\n", b"Traceback (most recent call last):\n",
+                b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n",
+                b"============================================================\n"]
+
+
+def test_torchruns_own_failure_line_stops_the_others_before_its_exit() -> None:
+    """torchrun's interpreter takes half a second to end after it reports a failed worker:
+    the other nodes are stopped from the line, and the failure is still this node's exit."""
+    c, _, err = console()
+    failing = FakeNode("b 1", CHILD_FAILED, NodeExit(code=1), delay=1.0)
+    others = [FakeNode("a 0", [], None), FakeNode("c 2", [], None)]
+    res = Watcher([others[0], failing, others[1]], c, {}).run()
+    assert all(n.stop_calls == 1 for n in others) and failing.stop_calls == 0
+    assert all(n.stopped_at < failing.ended_at - 0.5 for n in others)
+    assert res.first_failure == ("b 1", NodeExit(code=1))
+    assert set(res.exits) == {"a 0", "b 1", "c 2"} and not res.ok
+    assert "node [b 1] failed first: its torchrun reported a failed worker" in err.getvalue()
+
+
+def test_a_node_that_reports_failure_but_never_ends_is_stopped_after_settle() -> None:
+    c, _, _ = console()
+    stuck = FakeNode("b 1", CHILD_FAILED, None)           # runs on until stopped
+    other = FakeNode("a 0", [], None)
+    res = Watcher([other, stuck], c, {}, settle=0.5).run()
+    assert other.stop_calls == 1 and stuck.stop_calls == 1
+    assert res.first_failure[0] == "b 1" and not res.ok
+
+
+def test_the_line_on_a_single_node_waits_for_its_exit() -> None:
+    c, _, _ = console()
+    only = FakeNode("a 0", CHILD_FAILED, NodeExit(code=1), delay=0.2)
+    res = Watcher([only], c, {}).run()
+    assert only.stop_calls == 0 and res.first_failure == ("a 0", NodeExit(code=1))
 
 
 def test_lost_connection_is_a_failure() -> None:
