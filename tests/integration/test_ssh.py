@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -227,7 +228,9 @@ def test_detach_status_logs_down(ssh_nodes4, cli):
     assert run_procs(long_id) == []
     assert wait_until(lambda: not node_leftovers(ssh_nodes4, 1, 2), 10) is not None, \
         node_leftovers(ssh_nodes4, 1, 2)
-    assert set(status_states(cli, long_id).values()) == {"stopped"}
+    # torchrun's own exit code when it ended within its short grace, none when it was killed
+    assert all(re.fullmatch(r"stopped( 1)?", v) for v in status_states(cli, long_id).values()), \
+        status_states(cli, long_id)
 
 
 def test_logs_follow_every_node_at_once_over_ssh(ssh_nodes4, cli):

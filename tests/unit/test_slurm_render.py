@@ -132,7 +132,7 @@ def test_consensus_options() -> None:
     # static ranks: srun's node N is torch's node N (c10d would sort addresses as strings)
     for part in ('--nnodes="$SLURM_NNODES"', "--nproc_per_node=8", '--node_rank="$SLURM_NODEID"',
                  '--master_addr="$MASTER_ADDR"', '--master_port="$MASTER_PORT"',
-                 "-m torch.distributed.run"):
+                 '-c "$CLUSTER_TORCHRUN"', 'runpy.run_module("torch.distributed.run"'):
         assert part in step
     assert "--rdzv_backend" not in step and "--rdzv_endpoint" not in step
 
@@ -312,7 +312,8 @@ def test_script_runs_one_step_per_node_with_its_own_node_id(name: str, tmp_path:
     for r in reports:
         assert r["env"]["MASTER_ADDR"] == "nodeA"
         assert r["env"]["CLUSTER_RUN_ID"] == RUN_ID
-        assert r["argv"][:3] == ["-m", "torch.distributed.run", "--nnodes=2"]
+        assert r["argv"][0] == "-c" and r["argv"][2] == "--nnodes=2"      # torchrun, by runpy
+        assert 'runpy.run_module("torch.distributed.run", run_name="__main__"' in r["argv"][1]
         assert "--master_addr=nodeA" in r["argv"] and "--master_port=" + r["env"]["MASTER_PORT"] in r["argv"]
         assert f"--node_rank={r['env']['SLURM_NODEID']}" in r["argv"]
         _, _, j = CASES[name]
@@ -341,7 +342,7 @@ def test_setup_runs_in_the_step_on_every_node_and_auto_takes_its_python(tmp_path
     assert out.returncode == 0, out.stderr
     for i in (0, 1):
         said = (tmp_path / f"node{i}.out").read_text()
-        assert f"SETUP_RAN=on {i}, args: -m torch.distributed.run" in said     # per node, in the step
+        assert f"SETUP_RAN=on {i}, args: -c import gc, runpy" in said          # per node, in the step
         assert "--monitor-interval=1 --log-dir a b/$(x) train.py" in said          # each arg as one
 
 
