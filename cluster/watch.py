@@ -159,19 +159,26 @@ class Watcher:
     def _exit_of(self, label: str, pending: set[str], result: WatchResult) -> NodeExit | None:
         """This node's exit, recording the others' as they come, within `settle`."""
         deadline = time.monotonic() + self.settle
-        while time.monotonic() < deadline:
-            try:
-                proc, ex = self.events.get(timeout=max(0.05, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            except KeyboardInterrupt:
-                continue
-            if ex is None:
-                continue
+        while (got := self._next_exit(deadline)) is not None:
+            proc, ex = got
             if proc.node.label == label:
                 return ex
             pending.discard(proc.node.label)
             result.exits.setdefault(proc.node.label, ex)
+        return None
+
+    def _next_exit(self, deadline: float) -> tuple[Watched, NodeExit] | None:
+        """The next node to end before `deadline` (a torchrun's failure report is not an end);
+        Ctrl-C while nodes are being stopped changes nothing."""
+        while time.monotonic() < deadline:
+            try:
+                proc, ex = self.events.get(timeout=max(0.05, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            except KeyboardInterrupt:
+                continue
+            if ex is not None:
+                return proc, ex
         return None
 
     def _next_event(self) -> tuple[Watched, NodeExit | None] | None:
@@ -228,15 +235,8 @@ class Watcher:
 
     def _collect(self, pending: set[str], result: WatchResult) -> None:
         deadline = time.monotonic() + self.settle
-        while pending and time.monotonic() < deadline:
-            try:
-                proc, ex = self.events.get(timeout=max(0.05, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            except KeyboardInterrupt:
-                continue
-            if ex is None:
-                continue
+        while pending and (got := self._next_exit(deadline)) is not None:
+            proc, ex = got
             pending.discard(proc.node.label)
             result.exits.setdefault(proc.node.label, ex)
         for label in pending:
