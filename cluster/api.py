@@ -86,7 +86,7 @@ class Prepared:
             run = RunDir.create(self.job.run_id)
             job = self.job
             if self.backend_name == "local":
-                job = dataclasses.replace(job, node_root=str((run.path / "nodes").resolve()))
+                job = dataclasses.replace(job, node_root=run.node_root())
             if created is not None:
                 created(run)
             if self.inventory.tuning:

@@ -178,7 +178,7 @@ def collective(inventory: Inventory, backend: Any,
         job = collective_job(new_run_id(), over_ssh=backend.name == "ssh")
         run = RunDir.create(job.run_id)
         if backend.name == "local":
-            job = dataclasses.replace(job, node_root=str((run.path / "nodes").resolve()))
+            job = dataclasses.replace(job, node_root=run.node_root())
         return measure_collective(
             inventory, lambda inv, j, c: launch.up(inv, j, templates, backend, run,
                                                    ["cluster", "doctor"], c),

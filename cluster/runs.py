@@ -117,6 +117,12 @@ class RunDir:
         meta.update(extra or {})
         self.write_meta(meta)
 
+    def node_root(self) -> str:
+        """Where simulated nodes on this machine keep their run folders: runs/<id>/nodes,
+        private like the rest of the run (each node's own folder is made by its supervisor)."""
+        make_private_dir(self.path / "nodes")
+        return str((self.path / "nodes").resolve())
+
     def script_path(self, name: str) -> Path:
         return self.path / "scripts" / name
 

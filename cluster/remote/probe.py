@@ -113,12 +113,10 @@ def make_dir(d, private):
 
 def private_folders(path):
     """The run's folder and those above it up to the workdir's .cluster (makedirs leaves the
-    ones it made on the way at the umask's mode): <workdir>/.cluster/<run>/<node>; on this
-    machine, runs/<run>/nodes/<node> (the run's own folder is private already)."""
+    ones it made on the way at the umask's mode): <workdir>/.cluster/<run>/<node>."""
     parts = path.split(os.sep)
     if ".cluster" not in parts:
-        parent = os.path.dirname(path)
-        return [parent, path] if os.path.basename(parent) == "nodes" else [path]
+        return [path]
     top = len(parts) - 1 - parts[::-1].index(".cluster")
     return [os.sep.join(parts[:i + 1]) or os.sep for i in range(top, len(parts))]
 

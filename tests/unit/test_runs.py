@@ -39,6 +39,17 @@ def test_run_directory_is_private_whatever_the_umask(in_tmp: Path, capsys, umask
     assert {p.name for p in run.iterdir()} >= {"run.json", "env.json", "inventory.yaml", "scripts", "logs"}
 
 
+def test_the_simulated_nodes_folder_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    run = RunDir.create("20261201-100000-aaaa", tmp_path)
+    old = os.umask(0o022)
+    try:
+        root = run.node_root()
+    finally:
+        os.umask(old)
+    assert root == str((run.path / "nodes").resolve())
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+
+
 def test_newest_run_is_by_creation_not_by_last_change(tmp_path: Path) -> None:
     old = RunDir.create("20261201-100000-aaaa", tmp_path)
     old.write_meta({"run_id": old.run_id, "created": time.time() - 60, "nodes": []})

@@ -343,12 +343,3 @@ def test_a_nodes_run_folder_is_private_up_to_the_workdirs_cluster_folder(tmp_pat
     for folder in (workdir / ".cluster", workdir / ".cluster" / "run1", Path(made)):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
     assert stat.S_IMODE(workdir.stat().st_mode) == 0o755
-    local = tmp_path / "runs" / "run1"                  # a local run: runs/<run>/nodes/<node>
-    local.mkdir(parents=True, mode=0o700)
-    old = os.umask(0o022)
-    try:
-        made = probe.make_dir(str(local / "nodes" / "node1"), private=True)
-    finally:
-        os.umask(old)
-    for folder in (local / "nodes", Path(made)):
-        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
