@@ -125,7 +125,7 @@ class Watcher:
                 result.exits[proc.node.label] = ex
                 if not ex.ok and result.first_failure is None:
                     result.first_failure = (proc.node.label, ex)
-                    self._report_failure(proc.node.label, ex)
+                    self._report_failure(proc.node.label, ex.describe(), len(self.procs) - 1)
                     result.stops = self.stop_all(pending)
                     break
         except KeyboardInterrupt as exc:
@@ -144,8 +144,7 @@ class Watcher:
         others = pending - {label}
         if result.first_failure is not None or label not in pending or not others:
             return False
-        self.console.info(f"node [{label}] failed first: its torchrun reported a failed worker")
-        self.console.info(f"stopping the other {len(others)} node(s)")
+        self._report_failure(label, "its torchrun reported a failed worker", len(others))
         result.stops = self.stop_all(others)
         ex = self._exit_of(label, pending, result)
         if ex is None:
@@ -263,10 +262,9 @@ class Watcher:
                 self.console.info(f"[{label}] stop failed: {rep['error']}")
         return out
 
-    def _report_failure(self, label: str, ex: NodeExit) -> None:
+    def _report_failure(self, label: str, what: str, others: int) -> None:
         """Said at once; its last lines come with the final error (cluster.launch)."""
-        self.console.info(f"node [{label}] failed first: {ex.describe()}")
-        others = len(self.procs) - 1
+        self.console.info(f"node [{label}] failed first: {what}")
         if others:
             self.console.info(f"stopping the other {others} node(s)")
 
