@@ -42,7 +42,6 @@ if compgen -G '/sys/class/infiniband/*' >/dev/null; then export NCCL_IB_DISABLE=
 export MASTER_ADDR=10.0.0.11
 export MASTER_PORT=29841
 
-
 # torchrun, as `python -m torch.distributed.run` runs it, with one difference: what is alive
 # at its end is frozen for the garbage collector first, so its interpreter's shutdown does not
 # scan torch's objects again (0.2 s instead of 0.7 s on each node, at every end and every stop).
@@ -160,7 +159,6 @@ if compgen -G '/sys/class/infiniband/*' >/dev/null; then export NCCL_IB_DISABLE=
 
 export MASTER_ADDR=10.0.0.11
 export MASTER_PORT=29841
-
 
 # torchrun, as `python -m torch.distributed.run` runs it, with one difference: what is alive
 # at its end is frozen for the garbage collector first, so its interpreter's shutdown does not
