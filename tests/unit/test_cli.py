@@ -133,6 +133,21 @@ def test_bad_options_exit_2(in_tmp: Path, capsys, args: list[str], words: str) -
     assert run_cli(args) == 2
     assert words in capsys.readouterr().err
     assert not (in_tmp / "runs").exists(), "bad input must not create a run"
+
+
+@pytest.mark.parametrize("name,hint,unrelated", [
+    ("MASTER_ADDR", "from the rendezvous: the address of the node torch numbers 0 (to choose that "
+                    "node, list it first in the inventory with `rendezvous: static`", "port"),
+    ("MASTER_PORT", "from the rendezvous (choose the rendezvous port with master_port / "
+                    "--master-port)", "address"),
+    ("CLUSTER_NODE", "names starting with CLUSTER_ are reserved", "port"),
+])
+def test_a_reserved_name_says_what_sets_it_and_what_to_do_instead(
+        in_tmp: Path, capsys, name: str, hint: str, unrelated: str) -> None:
+    assert run_cli(["up", "--env", f"{name}=1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"--env: {name} is set by cluster itself" in err and hint in err, err
+    assert unrelated not in err, f"a hint about something else: {err}"
     assert not (in_tmp / "slurm-logs").exists()
 
 
