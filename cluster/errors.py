@@ -3,6 +3,7 @@
     ClusterError                 1  anything else that went wrong
     ├── InputError               2  bad command line, template or inventory; nothing ran
     │   └── InventoryError       2  names file, line and key
+    │       └── InventoryProblems   every problem of one load, in file order, then the count
     ├── PreflightError           3  a node failed the checks before start; nothing started
     │   └── backends.ssh.SshError   unreachable, authentication, unknown, changed or revoked host key
     ├── RunFailed                4  a node exited non-zero or was killed; the others were stopped
@@ -15,8 +16,9 @@ module that calls them, so callers only ever catch ClusterError.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 class ClusterError(Exception):
@@ -48,6 +50,44 @@ class InventoryError(InputError):
             text += f" ({hint})"
         super().__init__(text)
         self.source, self.line, self.key, self.problem = source, line, key, problem
+
+
+class InventoryProblems(InventoryError):
+    """Several problems of one file, each on a line of its own in file order, then how many:
+    the user fixes them all after one run instead of one per run."""
+
+    def __init__(self, problems: list[InventoryError]) -> None:
+        ordered = sorted(problems, key=lambda p: (p.line is None, p.line or 0))
+        first = ordered[0]
+        where = first.source or "<inventory>"
+        text = "\n".join(p.message for p in ordered) + f"\n{len(ordered)} problems in {where}"
+        ClusterError.__init__(self, text)
+        self.source, self.line, self.key, self.problem = first.source, first.line, first.key, first.problem
+        self.problems = ordered
+
+
+class Problems:
+    """What one load has found so far. Each independent part of a file is checked inside
+    `noted()`, so a problem there is kept and the load goes on to the next part."""
+
+    def __init__(self) -> None:
+        self.found: list[InventoryError] = []
+
+    @contextlib.contextmanager
+    def noted(self) -> Iterator[None]:
+        try:
+            yield
+        except InventoryError as exc:
+            for problem in getattr(exc, "problems", None) or [exc]:
+                if problem not in self.found:       # check() raises what was noted already
+                    self.found.append(problem)
+
+    def check(self) -> None:
+        """Raise what was found: one problem as it is, several as InventoryProblems."""
+        if len(self.found) == 1:
+            raise self.found[0]
+        if self.found:
+            raise InventoryProblems(self.found)
 
 
 class PreflightError(ClusterError):

@@ -9,14 +9,14 @@ import dataclasses
 import fnmatch
 import ipaddress
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import hostlist
 import yaml
 
-from .errors import InputError, InventoryError, did_you_mean
+from .errors import InputError, InventoryError, Problems, did_you_mean
 from .spec import (CONTAINER_RUNTIMES, DEFAULT_STOP_GRACE, ENV_KEY, HOSTNAME, Container, Host,
                    Inventory, Mount, Network, SlurmSettings, SshSettings, control_char, dump,
                    expand_names, host_from_dict, reserved_env, setup_block, slurm_from_dict,
@@ -111,34 +111,38 @@ def _looks_like_yaml(path: Path, text: str) -> bool:
 
 
 def parse_hostfile(text: str, source: str) -> Inventory:
-    """`worker-1 slots=4` (DeepSpeed, Open MPI) or `worker-1:4` (MPICH); `#` starts a comment."""
+    """`worker-1 slots=4` (DeepSpeed, Open MPI) or `worker-1:4` (MPICH); `#` starts a comment.
+    Every line is checked: all the problems are reported together."""
     hosts: list[Host] = []
+    problems = Problems()
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        words = line.split()
-        name, slots = words[0], None
-        if ":" in name:
-            name, _, count = name.partition(":")
-            slots = _slot_count(count, source, lineno)
-        for word in words[1:]:
-            key, eq, value = word.partition("=")
-            if key == "slots" and eq:
-                slots = _slot_count(value, source, lineno)
-            elif key in ("max_slots", "max-slots") and eq:
-                continue
-            else:
-                raise InventoryError(source, lineno, key, f"unknown hostfile field {word!r}",
-                                     hint="expected 'NAME slots=N'")
-        for n in _expand(name, source, lineno, "name"):
-            hosts.append(Host(name=n, address=n, line=lineno,
-                              nproc_per_node=slots if slots is not None else "auto",
-                              gpus=slots))
-    if not hosts:
+        if line:
+            with problems.noted():
+                hosts.extend(_hostfile_line(line, source, lineno))
+    if not hosts and not problems.found:
         raise InventoryError(source, None, None, "no hosts found")
-    _check_unique(tuple(hosts), source)
+    with problems.noted():
+        _check_unique(tuple(hosts), source)
+    problems.check()
     return Inventory(hosts=tuple(hosts), source=source, text=text)
+
+
+def _hostfile_line(line: str, source: str, lineno: int) -> list[Host]:
+    words = line.split()
+    name, slots = words[0], None
+    if ":" in name:
+        name, _, count = name.partition(":")
+        slots = _slot_count(count, source, lineno)
+    for word in words[1:]:
+        key, eq, value = word.partition("=")
+        if key == "slots" and eq:
+            slots = _slot_count(value, source, lineno)
+        elif key not in ("max_slots", "max-slots") or not eq:
+            raise InventoryError(source, lineno, key, f"unknown hostfile field {word!r}",
+                                 hint="expected 'NAME slots=N'")
+    return [Host(name=n, address=n, line=lineno, nproc_per_node=slots if slots is not None else "auto",
+                 gpus=slots) for n in _expand(name, source, lineno, "name")]
 
 
 def _slot_count(value: str, source: str, lineno: int) -> int:
@@ -160,10 +164,11 @@ def _expand(expr: str, source: str, lineno: int | None, key: str) -> list[str]:
 
 
 class _Located:
-    """A YAML node turned into Python values, remembering the line of every key and item."""
+    """A YAML node turned into Python values, remembering the line of every key and item.
+    A key that is not a string, or that is there twice, is noted and left out."""
 
-    def __init__(self, source: str) -> None:
-        self.source = source
+    def __init__(self, source: str, problems: Problems) -> None:
+        self.source, self.problems = source, problems
         self._loader = yaml.SafeLoader("")
 
     def value(self, node: yaml.Node) -> Any:
@@ -173,10 +178,11 @@ class _Located:
             for knode, vnode in node.value:
                 key = self._loader.construct_object(knode, deep=True)
                 line = knode.start_mark.line + 1
-                if not isinstance(key, str):
-                    raise InventoryError(self.source, line, str(key), "keys must be strings")
-                if key in out:
-                    raise InventoryError(self.source, line, key, "duplicate key")
+                problem = ("keys must be strings" if not isinstance(key, str) else
+                           "duplicate key" if key in out else None)
+                if problem:
+                    self.problems.found.append(InventoryError(self.source, line, str(key), problem))
+                    continue
                 out[key] = self.value(vnode)
                 lines[key] = line
             return _Map(out, lines, node.start_mark.line + 1)
@@ -207,25 +213,50 @@ def parse_yaml(text: str, source: str) -> Inventory:
                              f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
     if root is None:
         raise InventoryError(source, None, None, "the file is empty")
-    data = _Located(source).value(root)
-    return _Parser(source).inventory(data, text)
+    problems = Problems()
+    data = _Located(source, problems).value(root)
+    parsed: list[Inventory] = []
+    with problems.noted():     # a problem the rest of the file depends on ends the load early
+        parsed.append(_Parser(source, problems).inventory(data, text))
+    problems.check()
+    return parsed[0]
 
 
 class _Parser:
-    def __init__(self, source: str) -> None:
-        self.source = source
+    """Each key is checked on its own: a problem is noted (self.problems) and the next key
+    checked, so one load reports every problem. Checks that combine keys run only on a file
+    with no problem so far, so that one mistake is not reported twice."""
+
+    def __init__(self, source: str, problems: Problems) -> None:
+        self.source, self.problems = source, problems
 
     def fail(self, where: Any, key: str | None, problem: str, hint: str = "") -> InventoryError:
         line = where.lines.get(key, where.line) if isinstance(where, _Map) and key else getattr(where, "line", None)
         return InventoryError(self.source, line, key, problem, hint=hint)
 
     def known_keys(self, m: Any, allowed: Sequence[str], prefix: str = "") -> None:
+        """Each key that is not allowed here is noted (the others are read on their own)."""
         for key in m:
             if key in JOB_WIDE and key not in allowed:
-                raise self.fail(m, key, f"'{key}' is the same for every node of a job",
-                                "set it under 'defaults', not on one host")
-            if key not in allowed:
-                raise self.fail(m, key, f"unknown key '{prefix}{key}'", did_you_mean(key, allowed))
+                self.problems.found.append(self.fail(m, key, f"'{key}' is the same for every node of a job",
+                                                     "set it under 'defaults', not on one host"))
+            elif key not in allowed:
+                self.problems.found.append(self.fail(m, key, f"unknown key '{prefix}{key}'",
+                                                     did_you_mean(key, allowed)))
+
+    def read(self, m: _Map, readers: Mapping[str, Callable[[str], Any]]) -> dict[str, Any]:
+        """Each key of m that has a reader, read on its own: one that fails is noted and left
+        out, and the next one is read."""
+        out: dict[str, Any] = {}
+        for key in m:
+            if key in readers:
+                with self.problems.noted():
+                    out[key] = readers[key](key)
+        return out
+
+    def clean(self) -> bool:
+        """No problem so far: checks that combine keys may run."""
+        return not self.problems.found
 
     def mapping(self, value: Any, where: Any, key: str) -> _Map:
         if not isinstance(value, _Map):
@@ -236,97 +267,103 @@ class _Parser:
         if not isinstance(data, _Map):
             raise InventoryError(self.source, 1, None, "an inventory is a mapping with 'hosts'")
         self.known_keys(data, TOP_KEYS)
-        backend = self.choice(data, "backend", BACKENDS) if "backend" in data else "ssh"
-        defaults = self.mapping(data["defaults"], data, "defaults") if "defaults" in data else _Map({}, {}, 1)
+        keys_known = self.clean()
+        top = self.read(data, {
+            "backend": lambda k: self.choice(data, k, BACKENDS),
+            "defaults": lambda k: self.mapping(data[k], data, k),
+            "ssh": lambda k: self.ssh(self.mapping(data[k], data, k)),
+            "slurm": lambda k: self.slurm(self.mapping(data[k], data, k)),
+            "stop_grace": lambda k: self.seconds(data, k),
+            "restarts": lambda k: self.integer(data, k, minimum=0),
+            "hang_timeout": lambda k: self.seconds(data, k)})
+        defaults = top.get("defaults", _Map({}, {}, 1))
         self.known_keys(defaults, HOST_SETTINGS, "defaults.")
-        base = self.settings(defaults, Host(name="-", address="-"))
-        if backend == "slurm" and not data.get("hosts"):
+        base = self.settings(defaults, Host(name="-", address="-"), HOST_SETTINGS)
+        hosts: tuple[Host, ...] = ()
+        given = True
+        if top.get("backend") == "slurm" and not data.get("hosts"):
             # SLURM chooses the nodes: one placeholder host carries the defaults.
-            hosts: tuple[Host, ...] = (base.replace(name="slurm", address="slurm"),)
-            given = False
+            hosts, given = (base.replace(name="slurm", address="slurm"),), False
         elif "hosts" not in data:
-            raise InventoryError(self.source, data.line, "hosts", "missing required key 'hosts'")
+            # Not after a misspelt key (it may be 'hosts') or a bad backend (slurm needs none).
+            if keys_known and ("backend" in top or "backend" not in data):
+                self.problems.found.append(InventoryError(self.source, data.line, "hosts",
+                                                          "missing required key 'hosts'"))
         else:
-            hosts = self.hosts(data["hosts"], data, base)
-            given = True
-        ssh = self.ssh(self.mapping(data["ssh"], data, "ssh")) if "ssh" in data else SshSettings()
-        slurm = self.slurm(self.mapping(data["slurm"], data, "slurm")) if "slurm" in data else SlurmSettings()
-        grace = self.seconds(data, "stop_grace") if "stop_grace" in data else DEFAULT_STOP_GRACE
-        restarts = self.integer(data, "restarts", minimum=0) if "restarts" in data else 0
-        hang = self.seconds(data, "hang_timeout") if "hang_timeout" in data else 0.0
-        return Inventory(hosts=hosts, source=self.source, backend=backend, ssh=ssh, slurm=slurm,
-                         stop_grace=grace, restarts=restarts, hang_timeout=hang, text=text,
-                         hosts_given=given)
+            with self.problems.noted():
+                hosts = self.hosts(data["hosts"], data, base)
+        self.problems.check()
+        return Inventory(hosts=hosts, source=self.source, backend=top.get("backend", "ssh"),
+                         ssh=top.get("ssh", SshSettings()), slurm=top.get("slurm", SlurmSettings()),
+                         stop_grace=top.get("stop_grace", DEFAULT_STOP_GRACE),
+                         restarts=top.get("restarts", 0), hang_timeout=top.get("hang_timeout", 0.0),
+                         text=text, hosts_given=given)
 
     def hosts(self, value: Any, where: _Map, base: Host) -> tuple[Host, ...]:
         if not isinstance(value, _List) or not value:
             raise self.fail(where, "hosts", "must be a non-empty list of hosts")
         out: list[Host] = []
         for item, line in zip(value, value.lines):
-            if isinstance(item, str):
-                item = _Map({"name": item}, {"name": line}, line)
-            if not isinstance(item, _Map):
-                raise InventoryError(self.source, line, "hosts", "each host is a name or a mapping")
-            self.known_keys(item, HOST_KEYS)
-            if "name" not in item:
-                raise self.fail(item, None, "host needs a 'name'", "e.g. {name: gpu-a, address: 10.0.0.11}")
-            host = self.settings(item, base)
-            names = _expand(self.string(item, "name"), self.source, item.lines["name"], "name")
-            if len(names) > 1 and "address" in item:
-                raise self.fail(item, "address", "a host list expands to several hosts; they cannot share one address")
-            address = self.address(item) if "address" in item else None
-            for n in names:
-                out.append(host.replace(name=n, address=address or n, line=item.line))
+            with self.problems.noted():
+                out.extend(self.host(item, line, base))
         _check_unique(tuple(out), self.source)
         return tuple(out)
 
-    def settings(self, m: _Map, base: Host) -> Host:
+    def host(self, item: Any, line: int, base: Host) -> list[Host]:
+        """One item of `hosts`: a hostlist name makes several hosts."""
+        if isinstance(item, str):
+            item = _Map({"name": item}, {"name": line}, line)
+        if not isinstance(item, _Map):
+            raise InventoryError(self.source, line, "hosts", "each host is a name or a mapping")
+        self.known_keys(item, HOST_KEYS)
+        if "name" not in item:
+            raise self.fail(item, None, "host needs a 'name'", "e.g. {name: gpu-a, address: 10.0.0.11}")
+        host = self.settings(item, base, HOST_KEYS)
+        names: list[str] = []
+        with self.problems.noted():
+            names = _expand(self.string(item, "name"), self.source, item.lines["name"], "name")
+        address = None
+        if "address" in item:
+            with self.problems.noted():
+                if len(names) > 1:
+                    raise self.fail(item, "address", "a host list expands to several hosts; "
+                                    "they cannot share one address")
+                address = self.address(item)
+        return [host.replace(name=n, address=address or n, line=item.line) for n in names]
+
+    def settings(self, m: _Map, base: Host, allowed: Sequence[str]) -> Host:
         """The host-level keys of one mapping (defaults or a host) applied over `base`."""
-        changes: dict[str, Any] = {}
-        if "user" in m:
-            changes["user"] = self.string(m, "user")
-        if "port" in m:
-            changes["port"] = self.port(m, "port")
-        if "master_port" in m:
-            changes["master_port"] = self.port(m, "master_port")
-        for key in ("identity_file", "workdir", "python"):
-            if key in m:
-                changes[key] = self.string(m, key)
-        if "nproc_per_node" in m:
-            changes["nproc_per_node"] = self.nproc(m)
-        if "rendezvous" in m:
-            changes["rendezvous"] = self.choice(m, "rendezvous", ("c10d", "static"))
-        if "gpus" in m:
-            changes["gpus"] = self.integer(m, "gpus", minimum=0)
-        if "network" in m:
-            changes["network"] = self.network(self.mapping(m["network"], m, "network"), base.network)
-        if "container" in m:
-            changes["container"] = self.container(self.mapping(m["container"], m, "container"),
-                                                  base.container)
-        if "env" in m:
-            merged = dict(base.env)
-            merged.update(self.env(self.mapping(m["env"], m, "env")))
-            changes["env"] = tuple(merged.items())
-        if "secret_env" in m:
-            names = dict.fromkeys(base.secret_env)
-            names.update(dict.fromkeys(self.secret_names(m)))
-            changes["secret_env"] = tuple(names)
-        if "env_forward" in m:                  # added to the defaults' names, like env
-            changes["env_forward"] = tuple(dict.fromkeys(base.env_forward + tuple(self.forward_names(m))))
-        if "setup" in m:
-            changes["setup"] = self.setup(m)        # a host's own setup replaces the defaults'
-        if "torchrun_args" in m:
-            changes["torchrun_args"] = self.torchrun_args(m)
-        if changes.get("python", base.python) == "auto" and not changes.get("setup", base.setup):
+        string, port = (lambda k: self.string(m, k)), (lambda k: self.port(m, k))
+        readers: dict[str, Callable[[str], Any]] = {
+            "user": string, "port": port, "master_port": port, "identity_file": string,
+            "workdir": string, "python": string, "nproc_per_node": lambda k: self.nproc(m),
+            "rendezvous": lambda k: self.choice(m, k, ("c10d", "static")),
+            "gpus": lambda k: self.integer(m, k, minimum=0),
+            "network": lambda k: self.network(self.mapping(m[k], m, k), base.network),
+            "container": lambda k: self.container(self.mapping(m[k], m, k), base.container),
+            "env": lambda k: tuple({**dict(base.env), **self.env(self.mapping(m[k], m, k))}.items()),
+            "secret_env": lambda k: tuple(dict.fromkeys(base.secret_env + tuple(self.secret_names(m)))),
+            # added to the defaults' names, like env
+            "env_forward": lambda k: tuple(dict.fromkeys(base.env_forward + tuple(self.forward_names(m)))),
+            "setup": lambda k: self.setup(m),       # a host's own setup replaces the defaults'
+            "torchrun_args": lambda k: self.torchrun_args(m)}
+        changes = self.read(m, {k: read for k, read in readers.items() if k in allowed})
+        host = base.replace(**changes)
+        if self.clean():
+            with self.problems.noted():
+                self.settings_agree(m, host)
+        return host
+
+    def settings_agree(self, m: _Map, host: Host) -> None:
+        """Checks that combine keys (of this mapping and the defaults under it)."""
+        if host.python == "auto" and not host.setup:
             raise self.fail(m, "python", "'auto' takes the python that 'setup' leaves on PATH, "
                             "and there is no setup", "add setup lines, or name the interpreter")
-        host = base.replace(**changes)
         both = sorted(set(host.secret_env) & set(dict(host.env)))
         if both:
             key = "secret_env" if "secret_env" in m else "env"
             raise self.fail(m, key, f"{', '.join(both)} is in both 'env' and 'secret_env'",
                             "a secret's value comes from the launching shell; remove it from 'env'")
-        return host
 
     def strings(self, m: _Map, key: str, example: str) -> list[tuple[str, int]]:
         """A list of strings (each checked for control characters), with each item's line."""
@@ -487,53 +524,50 @@ class _Parser:
     def env(self, m: _Map) -> dict[str, str]:
         out: dict[str, str] = {}
         for key, value in m.items():
-            if not ENV_KEY.match(key):
-                raise self.fail(m, key, f"environment variable name {key!r} is not a valid identifier",
-                                "letters, digits and '_', not starting with a digit")
-            why = reserved_env(key)
-            if why:
-                raise self.fail(m, key, why)
-            if value is None or isinstance(value, (_Map, _List)):
-                raise self.fail(m, key, "environment values must be strings or numbers")
-            if isinstance(value, bool):
-                value = "1" if value else "0"
-            out[key] = str(value)
+            with self.problems.noted():
+                out[key] = self.env_value(m, key, value)
         return out
+
+    def env_value(self, m: _Map, key: str, value: Any) -> str:
+        if not ENV_KEY.match(key):
+            raise self.fail(m, key, f"environment variable name {key!r} is not a valid identifier",
+                            "letters, digits and '_', not starting with a digit")
+        why = reserved_env(key)
+        if why:
+            raise self.fail(m, key, why)
+        if value is None or isinstance(value, (_Map, _List)):
+            raise self.fail(m, key, "environment values must be strings or numbers")
+        if isinstance(value, bool):
+            value = "1" if value else "0"
+        return str(value)
 
     def ssh(self, m: _Map) -> SshSettings:
         self.known_keys(m, SSH_KEYS, "ssh.")
-        changes: dict[str, Any] = {}
-        if "host_key_policy" in m:
-            changes["host_key_policy"] = self.choice(m, "host_key_policy", HOST_KEY_POLICIES)
-        if "connect_timeout" in m:
-            changes["connect_timeout"] = self.seconds(m, "connect_timeout")
-        if "config" in m:
-            changes["config"] = self.string(m, "config")
-        if "keepalive" in m:
-            changes["keepalive"] = self.seconds(m, "keepalive")
-        return SshSettings(**changes)
+        return SshSettings(**self.read(m, {
+            "host_key_policy": lambda k: self.choice(m, k, HOST_KEY_POLICIES),
+            "connect_timeout": lambda k: self.seconds(m, k), "config": lambda k: self.string(m, k),
+            "keepalive": lambda k: self.seconds(m, k)}))
 
     def slurm(self, m: _Map) -> SlurmSettings:
         self.known_keys(m, SLURM_KEYS, "slurm.")
-        changes: dict[str, Any] = {}
-        for key in ("partition", "account", "time", "signal", "output_dir", "job_name", "constraint"):
-            if key in m:
-                changes[key] = self.string(m, key)
-        for key in ("nodes", "gpus_per_node", "cpus_per_task"):
-            if key in m:
-                changes[key] = self.integer(m, key, minimum=1)
-        if "max_requeues" in m:
-            changes["max_requeues"] = self.integer(m, "max_requeues", minimum=0)
-        if "gpu_style" in m:
-            changes["gpu_style"] = self.choice(m, "gpu_style", ("gpus", "gres"))
-        if "extra" in m:
-            changes["extra"] = self.slurm_extra(m)
-        if "signal" in changes and not re.match(r"^(B:)?[A-Z0-9]+(@\d+)?$", changes["signal"]):
-            raise self.fail(m, "signal", f"{changes['signal']!r} is not a SLURM --signal value",
+        readers: dict[str, Callable[[str], Any]] = {
+            key: (lambda k: self.string(m, k)) for key in
+            ("partition", "account", "time", "output_dir", "job_name", "constraint")}
+        readers.update({key: (lambda k: self.integer(m, k, minimum=1))
+                        for key in ("nodes", "gpus_per_node", "cpus_per_task")})
+        readers.update(max_requeues=lambda k: self.integer(m, k, minimum=0),
+                       gpu_style=lambda k: self.choice(m, k, ("gpus", "gres")),
+                       extra=lambda k: self.slurm_extra(m), signal=lambda k: self.slurm_signal(m))
+        return SlurmSettings(**self.read(m, readers))
+
+    def slurm_signal(self, m: _Map) -> str:
+        signal = self.string(m, "signal")
+        if not re.match(r"^(B:)?[A-Z0-9]+(@\d+)?$", signal):
+            raise self.fail(m, "signal", f"{signal!r} is not a SLURM --signal value",
                             "e.g. USR2@90 or B:USR2@90")
-        if changes.get("signal", "").removeprefix("B:").split("@")[0] in ("USR1", "SIGUSR1"):
+        if signal.removeprefix("B:").split("@")[0] in ("USR1", "SIGUSR1"):
             raise self.fail(m, "signal", "USR1 is used by NCCL; pick another signal", "e.g. USR2@90")
-        return SlurmSettings(**changes)
+        return signal
 
     # -- scalars --
 
@@ -623,17 +657,20 @@ def _short_reserved(word: str) -> str | None:
 
 
 def _check_unique(hosts: tuple[Host, ...], source: str | None) -> None:
+    """Every host named twice, or at an address another host has, reported together."""
+    problems = Problems()
     seen_names: dict[str, Host] = {}
     seen_addrs: dict[str, Host] = {}
     for h in hosts:
         if h.name in seen_names:
-            raise InventoryError(source, h.line, "name",
-                                 f"duplicate host name {h.name!r} (first defined on line {seen_names[h.name].line})")
-        if h.address in seen_addrs:
-            raise InventoryError(source, h.line, "address",
-                                 f"duplicate address {h.address!r} (also host {seen_addrs[h.address].name!r})")
-        seen_names[h.name] = h
-        seen_addrs[h.address] = h
+            problems.found.append(InventoryError(source, h.line, "name", f"duplicate host name "
+                                                 f"{h.name!r} (first defined on line {seen_names[h.name].line})"))
+        elif h.address in seen_addrs:
+            problems.found.append(InventoryError(source, h.line, "address", f"duplicate address "
+                                                 f"{h.address!r} (also host {seen_addrs[h.address].name!r})"))
+        seen_names.setdefault(h.name, h)
+        seen_addrs.setdefault(h.address, h)
+    problems.check()
 
 
 __all__ = ["Host", "Inventory", "Network", "SlurmSettings", "SshSettings", "load", "parse_yaml",

@@ -85,7 +85,7 @@ class LaunchPlan:
     rendezvous: str
     script: str
     args: tuple[str, ...]
-    master_name: str = ""             # the inventory's first host: MASTER_ADDR, the store
+    master_name: str = ""             # the inventory's first host: the rendezvous endpoint
     stop_grace: float = DEFAULT_STOP_GRACE
     tuning: Mapping[str, Any] | None = field(default=None, compare=False)   # cluster.tuning
 

@@ -96,8 +96,7 @@ class RunDir:
         matches = [p for p in runs if p.name.startswith(run)]
         if len(matches) == 1:
             return cls(matches[0])
-        known = ", ".join(p.name for p in runs[-5:])
-        raise InputError(f"no single run matches {run!r} in {root}/ (newest: {known})")
+        raise InputError(f"no single run matches {run!r} in {root}/ ({_choices(matches or runs)})")
 
     # -- writing --
 
@@ -162,6 +161,17 @@ class RunDir:
             ssh=spec.ssh_from_dict(data.get("ssh") or {}),
             slurm=spec.slurm_from_dict(data.get("slurm") or {}),
             stop_grace=float(data.get("stop_grace") or spec.DEFAULT_STOP_GRACE))
+
+
+SHOWN_RUNS = 5          # run ids a RUN that matches none, or several, lists
+
+
+def _choices(runs: list[Path]) -> str:
+    """The runs to choose from, newest first, the first few of them and how many more."""
+    newest = sorted(runs, key=_created, reverse=True)
+    more = len(newest) - SHOWN_RUNS
+    return (f"{len(newest)} run(s), newest first: " + ", ".join(p.name for p in newest[:SHOWN_RUNS])
+            + (f" and {more} more" if more > 0 else ""))
 
 
 def _created(path: Path) -> tuple[float, str]:

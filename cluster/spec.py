@@ -55,9 +55,15 @@ def setup_block(lines: tuple[str, ...] | list[str], *, to_stderr: bool = False) 
 def reserved_env(name: str) -> str | None:
     """Why an environment name may not be set by the user, or None."""
     if name.startswith(RESERVED_ENV_PREFIX):
-        return f"{name} is set by cluster itself (names starting with {RESERVED_ENV_PREFIX} are reserved)"
+        return (f"{name} is set by cluster itself (names starting with {RESERVED_ENV_PREFIX} are "
+                f"reserved: they carry the run's identity; choose another name)")
+    if name == "MASTER_ADDR":
+        return (f"{name} is set by cluster itself, from the rendezvous: the address of the node "
+                f"torch numbers 0 (to choose that node, list it first in the inventory with "
+                f"`rendezvous: static`; under c10d it is the host whose address sorts first)")
     if name in RESERVED_ENV:
-        return f"{name} is set by cluster itself (choose the port with master_port / --master-port)"
+        return (f"{name} is set by cluster itself, from the rendezvous (choose the rendezvous "
+                f"port with master_port / --master-port)")
     return None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -218,6 +219,7 @@ def ended(rows: Sequence[Row]) -> bool:
 COLUMNS = ("rank", "node", "state", "uptime", "GPU %", "GPU mem", "step", "loss", "img/s",
            "detail")
 NUMERIC = frozenset({"rank", "step", "loss", "img/s"})
+UNBOUNDED = 100_000      # the width a table is measured in when nothing bounds it
 
 
 def cells(row: Row) -> list[str]:
@@ -261,6 +263,19 @@ def render(rows: Sequence[Row], title: str) -> Any:
     for row in sorted(rows, key=lambda r: r.rank):
         table.add_row(*cells(row)[:len(shown)])
     return table
+
+
+def fit(console: Any, table: Any) -> None:
+    """Draw at the terminal's real width (rich reads it at every refresh, so a resize is
+    followed; TERM=dumb, where rich assumes 80, reads it here); anywhere else (a pipe, a file,
+    a CI log) as wide as the table needs, never cut at 80 columns."""
+    if console.is_terminal and not console.is_dumb_terminal:
+        return
+    if console.is_terminal:
+        console.size = tuple(shutil.get_terminal_size())
+        return
+    from rich.measure import Measurement
+    console.width = Measurement.get(console, console.options.update_width(UNBOUNDED), table).maximum
 
 
 def title(run_id: str, backend: str, when: float | None = None) -> str:

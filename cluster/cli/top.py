@@ -32,6 +32,7 @@ def top(run: str | None, interval: float, once: bool) -> None:
     out = RichConsole()
     try:
         rows, shown = table()
+        tp.fit(out, shown)
         if once or tp.ended(rows):
             out.print(shown)
             return
@@ -39,6 +40,7 @@ def top(run: str | None, interval: float, once: bool) -> None:
             while not tp.ended(rows):
                 time.sleep(interval)
                 rows, shown = table()
+                tp.fit(out, shown)
                 live.update(shown, refresh=True)
         out.print(f"run {rd.run_id} has ended", highlight=False)
     except KeyboardInterrupt:

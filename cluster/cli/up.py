@@ -9,9 +9,44 @@ import click
 from .main import CONTEXT, SafePath, argv, main
 from .. import api, resolve
 from ..console import Console
+from ..errors import InputError
 
 
-@main.command(context_settings={**CONTEXT, "allow_interspersed_args": False})
+class UpCommand(click.Command):
+    """`cluster up`, whose options end at the script: every word after it is the script's.
+    A cluster option among those words was most likely meant for cluster (`cluster up -i inv.yaml
+    train.py --dry-run`): --dry-run is refused (the job would start for real), others warned
+    about. Not when an explicit `--` came before the script, or before those words."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        given = list(args)                       # the parser consumes the list it is given
+        rest = super().parse_args(ctx, args)
+        command = tuple(ctx.params.get("command") or ())
+        after_dashes = len(given) > len(command) and given[-len(command) - 1] == "--"
+        if command and not after_dashes and not ctx.resilient_parsing:
+            check_script_args(command[0], command[1:], self.own_options())
+        return rest
+
+    def own_options(self) -> set[str]:
+        return {o for p in self.params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts} \
+            | set(CONTEXT["help_option_names"])
+
+
+def check_script_args(script: str, args: tuple[str, ...], own: set[str]) -> None:
+    words = args[:args.index("--")] if "--" in args else args
+    mine = [w for w in words if w.split("=", 1)[0] in own]
+    if any(w.split("=", 1)[0] == "--dry-run" for w in mine):
+        raise InputError(f"--dry-run after the script goes to the script ({script}), and the job "
+                         f"would start for real; put cluster's options before the script, or use "
+                         f"-- if the script takes --dry-run itself (cluster up [OPTIONS] -- "
+                         f"{script} --dry-run)")
+    if mine:
+        click.echo(f"cluster: warning: {' '.join(mine)} after the script go to the script "
+                   f"({script}), not to cluster; put cluster's options before the script (or "
+                   f"use -- before the script to say they are its own)", err=True)
+
+
+@main.command(cls=UpCommand, context_settings={**CONTEXT, "allow_interspersed_args": False})
 @click.option("-i", "--inventory", "inventory_path", type=SafePath(dir_okay=False),
               help="Hosts: YAML inventory, MPI/DeepSpeed hostfile. None: this machine.")
 @click.option("--nodes", type=int, help="Use the first N selected hosts (or N simulated local nodes).")

@@ -175,3 +175,26 @@ def test_c10d_labels_agree_with_torchs_ranks_on_ten_nodes(ssh_nodes10, tmp_path,
         assert "1-node10.log" in logs and "9-node9.log" in logs
     finally:
         cli.cleanup()
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_master_addr_is_the_rank_0_nodes_not_always_the_first_hosts(ssh_nodes4, cli, rendezvous):
+    """node2 listed first. static: node2 is rank 0 and every worker's MASTER_ADDR. c10d: torch
+    numbers the nodes by their addresses as text, so node1 is rank 0 and the workers' MASTER_ADDR
+    is node1's (the rendezvous store stays on node2, the first host, at master_port), with a
+    MASTER_PORT torch chose there."""
+    first, other = ssh_nodes4.network.node(2), ssh_nodes4.network.node(1)
+    inv = ssh_nodes4.write_inventory(cli.home / "inv.yaml", nodes=[2, 1], rendezvous=rendezvous)
+    proc = cli.run("up", "-i", inv, *SYNC, "allreduce.py", "--show-env", "MASTER_ADDR,MASTER_PORT")
+    assert proc.popen.returncode == 0, proc.dump()
+    got = lines(proc)
+    assert sorted(d["rank"] for _, _, d in got) == [0, 1], proc.dump()
+    rank0 = first if rendezvous == "static" else other
+    assert [node for node, label, _ in got if label == 0] == [rank0.name], proc.dump()
+    meta = json.loads((cli.cwd / "runs" / proc.run_id() / "run.json").read_text())
+    assert meta["master_addr"] == first.address                 # the store: the first host
+    for _, _, d in got:
+        assert d["env"]["MASTER_ADDR"] == rank0.address, d
+    ports = {d["env"]["MASTER_PORT"] for _, _, d in got}
+    assert len(ports) == 1, ports
+    assert (ports == {str(meta["master_port"])}) == (rendezvous == "static"), (ports, meta["master_port"])

@@ -133,6 +133,21 @@ def test_bad_options_exit_2(in_tmp: Path, capsys, args: list[str], words: str) -
     assert run_cli(args) == 2
     assert words in capsys.readouterr().err
     assert not (in_tmp / "runs").exists(), "bad input must not create a run"
+
+
+@pytest.mark.parametrize("name,hint,unrelated", [
+    ("MASTER_ADDR", "from the rendezvous: the address of the node torch numbers 0 (to choose that "
+                    "node, list it first in the inventory with `rendezvous: static`", "port"),
+    ("MASTER_PORT", "from the rendezvous (choose the rendezvous port with master_port / "
+                    "--master-port)", "address"),
+    ("CLUSTER_NODE", "names starting with CLUSTER_ are reserved", "port"),
+])
+def test_a_reserved_name_says_what_sets_it_and_what_to_do_instead(
+        in_tmp: Path, capsys, name: str, hint: str, unrelated: str) -> None:
+    assert run_cli(["up", "--env", f"{name}=1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"--env: {name} is set by cluster itself" in err and hint in err, err
+    assert unrelated not in err, f"a hint about something else: {err}"
     assert not (in_tmp / "slurm-logs").exists()
 
 
@@ -182,3 +197,36 @@ def test_slurm_inventory_hosts_become_the_nodelist(in_tmp: Path, capsys) -> None
                     "--", "t.py"]) == 0
     opts = sbatch_options(capsys.readouterr().out)
     assert "--nodelist=gpu[01,03]" in opts and "--nodes=2" in opts and "--partition=p" in opts
+
+
+def test_dry_run_after_the_script_is_refused_not_a_real_launch(in_tmp: Path, capsys) -> None:
+    """`cluster up -i inv.yaml train.py --dry-run`, the -- forgotten: --dry-run would go to the
+    script and the job would start for real."""
+    assert run_cli(["up", "--local", "t.py", "--epochs", "1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cluster: error: --dry-run after the script goes to the script (t.py)")
+    assert "put cluster's options before the script, or use -- " in err
+    assert not (in_tmp / "runs").exists(), "nothing may start"
+
+
+def test_cluster_options_after_the_script_are_warned_about_and_passed_on(in_tmp: Path, capsys) -> None:
+    assert run_cli(["up", "--local", "--dry-run", "t.py", "--detach", "--epochs", "2",
+                    "--nodes=2", "-i", "x.yaml"]) == 0
+    err = capsys.readouterr().err
+    assert ("cluster: warning: --detach --nodes=2 -i after the script go to the script (t.py), "
+            "not to cluster") in err
+    assert RunDir.find(None, in_tmp / "runs").meta()["args"] == [
+        "--detach", "--epochs", "2", "--nodes=2", "-i", "x.yaml"]
+
+
+@pytest.mark.parametrize("args", [
+    ["--", "t.py", "--dry-run", "--detach", "-i", "x"],     # -- before the script: all its own
+    ["t.py", "--", "--dry-run", "--detach"],                # -- before those words
+    ["t.py", "--epochs", "2", "--lr=0.1", "--nproc", "4"],  # nothing of cluster's
+    ["--", "--nodes", "3"],                                 # the default script's options
+])
+def test_script_arguments_after_an_explicit_dashdash_are_the_scripts(in_tmp: Path, capsys,
+                                                                     args: list[str]) -> None:
+    assert run_cli(["up", "--local", "--dry-run", *args]) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err and "error" not in err, err

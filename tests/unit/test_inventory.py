@@ -149,6 +149,60 @@ def test_rejections_name_file_line_and_key(tmp_path: Path, text: str, line: int,
     if key:
         assert f": {key}:" in msg, msg
     assert words in msg
+    assert "problems in" not in msg, f"one mistake reported more than once: {msg}"
+
+
+THREE = ("defaults:\n"
+         "  usr: bob\n"                          # 2: unknown key
+         "hosts:\n"
+         "  - {name: a, port: 70000}\n"          # 4: port out of range
+         "  - b\n"
+         "ssh: {keepalive: -1}\n")               # 6: read before the hosts, listed after them
+
+
+def test_every_problem_of_a_file_is_reported_in_file_order_then_the_count(tmp_path: Path) -> None:
+    path = write(tmp_path, THREE)
+    with pytest.raises(InventoryError) as info:
+        inventory.load(path)
+    assert str(info.value) == (
+        f"{path}:2: usr: unknown key 'defaults.usr' (did you mean 'user'?)\n"
+        f"{path}:4: port: must be a port number from 1 to 65535, got 70000\n"
+        f"{path}:6: keepalive: must be a positive number of seconds, got -1\n"
+        f"3 problems in {path}")
+    assert [(p.line, p.key) for p in info.value.problems] == [(2, "usr"), (4, "port"), (6, "keepalive")]
+
+
+def test_cli_reports_every_problem_exits_2_and_runs_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, THREE)
+    assert run_cli(["up", "-i", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cluster: error: {path}:2: usr: ")
+    assert f"\n{path}:4: port: " in err and f"\n{path}:6: keepalive: " in err
+    assert err.endswith(f"\n3 problems in {path}\n")
+    assert not (tmp_path / "runs").exists(), "bad input must not create a run"
+
+
+def test_problems_in_hosts_env_and_duplicates_are_all_reported() -> None:
+    text = ("hosts:\n"
+            "  - {name: a, adress: 10.0.0.1}\n"               # 2
+            "  - name: b\n"
+            "    env: {1BAD: x, CLUSTER_X: y, GOOD: z}\n"     # 4, 4
+            "  - {name: 'bad host'}\n"                        # 5
+            "  - a\n"                                         # 6: a again
+            "slurm: {signal: USR1, nodes: 0}\n")              # 7, 7
+    with pytest.raises(InventoryError) as info:
+        inventory.parse_yaml(text, "inv.yaml")
+    assert [(p.line, p.key) for p in info.value.problems] == [
+        (2, "adress"), (4, "1BAD"), (4, "CLUSTER_X"), (5, "name"), (6, "name"), (7, "signal"),
+        (7, "nodes")]
+    assert str(info.value).endswith("\n7 problems in inv.yaml")
+
+
+def test_a_misspelt_hosts_key_is_one_problem_not_two() -> None:
+    with pytest.raises(InventoryError) as info:
+        inventory.parse_yaml("hostz: [a]\nstop_grace: 0\n", "inv.yaml")
+    assert [(p.line, p.key) for p in info.value.problems] == [(1, "hostz"), (2, "stop_grace")]
 
 
 @pytest.mark.parametrize("text,line,key,words", BAD[:6])
@@ -198,6 +252,17 @@ def test_timing_settings() -> None:
     assert inv.stop_grace == 90.0 and inv.ssh.keepalive == 300.0
     default = inventory.parse_yaml("hosts: [a]\n", "x.yaml")
     assert default.stop_grace == 30.0 and default.ssh.keepalive == 60.0
+
+
+def test_hostfile_reports_every_bad_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "a slots=x\nb\nc cpus=2\nb\n", "hostfile")
+    with pytest.raises(InventoryError) as info:
+        inventory.load(path)
+    assert str(info.value).splitlines() == [
+        f"{path}:1: slots: must be a whole number >= 1, got 'x'",
+        f"{path}:3: cpus: unknown hostfile field 'cpus=2' (expected 'NAME slots=N')",
+        f"{path}:4: name: duplicate host name 'b' (first defined on line 2)",
+        f"3 problems in {path}"]
 
 
 def test_hostfile_rejections(tmp_path: Path) -> None:

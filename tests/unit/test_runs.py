@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import run_cli
+from cluster.errors import InputError
 from cluster.runs import RunDir
 
 
@@ -68,6 +69,24 @@ def test_newest_falls_back_to_the_time_in_the_run_id(tmp_path: Path) -> None:
         d.mkdir()
         (d / "run.json").write_text(json.dumps({"run_id": name}))
     assert RunDir.find(None, tmp_path).path.name == "20261201-100100-bbbb"
+
+
+def test_a_run_that_matches_none_or_several_lists_the_newest_first(in_tmp: Path, capsys) -> None:
+    root = in_tmp / "runs"
+    now = time.time()
+    for i, name in enumerate(["20261201-1200-c", "20261201-1000-a", "20261202-0900-x",
+                              "20261201-1100-b", "20261201-1300-d", "20261201-1400-e",
+                              "20261201-1500-f"]):
+        run = RunDir.create(name, root)        # creation order, not name order, decides
+        run.write_meta({"run_id": name, "created": now - 100 + i, "nodes": []})
+    with pytest.raises(InputError) as info:
+        RunDir.find("20261201", root)
+    assert str(info.value).endswith("(6 run(s), newest first: 20261201-1500-f, 20261201-1400-e, "
+                                    "20261201-1300-d, 20261201-1100-b, 20261201-1000-a and 1 more)")
+    assert run_cli(["status", "nothing-like-it"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith(
+        "(7 run(s), newest first: 20261201-1500-f, 20261201-1400-e, 20261201-1300-d, "
+        "20261201-1100-b, 20261202-0900-x and 2 more)")
 
 
 def test_unusable_runs_directory_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:

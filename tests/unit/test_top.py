@@ -178,3 +178,40 @@ def test_render_shows_a_row_per_node_and_detail_only_when_there_is_one() -> None
     text = io.StringIO()
     RichConsole(file=text, width=200).print(render([Row(0, "n1", "running")], "run x"))
     assert "detail" not in text.getvalue()
+
+
+LONG_NAME = ".".join(["n" + "x" * 59] * 4)          # 243 characters: a host name may be 253
+
+
+def test_top_once_into_a_pipe_is_as_wide_as_the_table_not_80_columns(tmp_path: Path, monkeypatch,
+                                                                     capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    from cluster.cli import run_cli
+    from cluster.spec import Inventory
+    run = RunDir.create("20260101-000000-abcd", tmp_path / "runs")
+    run.write_inventory(Inventory(hosts=(Host(name=LONG_NAME, address="127.0.0.1",
+                                              workdir=str(tmp_path)),), backend="local"))
+    run.write_meta({"backend": "local", "nodes": [
+        {"rank": 0, "name": LONG_NAME, "run_dir": str(tmp_path / "removed")}]})
+    assert run_cli(["top", "--once"]) == 0
+    out = capsys.readouterr().out
+    row = next((line for line in out.splitlines() if "gone" in line), None)
+    assert row is not None and LONG_NAME in row, out
+    assert row and row.rstrip().endswith("-       │    - │    - │     - │"), row
+
+
+def test_fit_keeps_a_terminals_own_width_and_reads_a_dumb_ones(monkeypatch) -> None:
+    from cluster.top import fit
+    table = render([Row(0, LONG_NAME, "running")], "run x")
+    term = RichConsole(file=io.StringIO(), force_terminal=True, _environ={"TERM": "xterm", "COLUMNS": "120"})
+    fit(term, table)
+    assert term.width == 120                       # rich follows the terminal, resizes included
+    monkeypatch.setenv("COLUMNS", "150")           # what shutil.get_terminal_size reads first
+    dumb = RichConsole(file=io.StringIO(), force_terminal=True, _environ={"TERM": "dumb"})
+    assert dumb.width == 80
+    fit(dumb, table)
+    assert dumb.width == 150
+    pipe = RichConsole(file=io.StringIO(), _environ={})
+    fit(pipe, table)
+    assert pipe.width > len(LONG_NAME)
