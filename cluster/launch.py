@@ -27,6 +27,12 @@ def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
     plan = backend.plan(inventory, job, templates)
     run.record(plan, inventory, backend.name, argv, {"dry_run": True})
     console.raw(str(plan))
+    preview = getattr(backend, "preview", None)     # an optional capability (backends/__init__)
+    if preview is not None:
+        text, notes = preview(plan)
+        console.raw(text)
+        for note in notes:
+            console.info(note)
     console.info(f"dry run {plan.run_id}: {plan.dry_run_note(run.path)}")
     return plan
 
