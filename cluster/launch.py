@@ -93,6 +93,8 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, r
     options.min_nodes remain."""
     secrets = secret_values(inventory, environ)
     ensure_open_files(len(inventory.hosts))
+    if hasattr(backend, "note"):        # what the backend tells the user goes where the run's does
+        backend.note = console.info
     history: list[dict[str, Any]] = []
     while True:
         job = dataclasses.replace(job, attempt=len(history))

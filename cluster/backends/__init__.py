@@ -97,3 +97,5 @@ class Backend(Protocol):
     #     contacting a node (ssh: the files --sync would send).
     # pull(run, paths, into, node=None) -> {node: PullResult | ClusterError}: `cluster pull`,
     #     each node's files under its workdir copied into into/<node>/ (backends/pull.py).
+    # note: a callable(str) the launch flow points at the run's console, for what the backend
+    #     has to tell the user (ssh: --sync's summary line).

@@ -79,6 +79,7 @@ class SshBackend(SupervisedBackend):
             raise ClusterError(f"unknown host key policy {self.policy!r} "
                                f"(valid: strict, accept-new, off)")
         self.warn = warn or _stderr_warn
+        self.note = self.warn         # --sync's line; launch.up points it at the run's console
         self.sync: list[tuple[str, str]] = [(s, ".") if isinstance(s, str) else (s[0], s[1])
                                             for s in sync]
         self.sync_exclude = list(sync_exclude)
@@ -115,7 +116,7 @@ class SshBackend(SupervisedBackend):
         results = self.each_or_fail(plan.nodes, one, phase="sync")
         self.synced = {n.host.name: r for n, r in results}
         for i, (local, sub) in enumerate(self.sync):
-            self.warn(summary(local, sub, {n.host.name: reps[i] for n, reps in results},
+            self.note(summary(local, sub, {n.host.name: reps[i] for n, reps in results},
                               self.sync_delete))
         skipped = sorted({link for _, reps in results for r in reps for link in r["skipped_links"]})
         if skipped:
