@@ -44,12 +44,15 @@ def check_path(path: str) -> str:
 def split_args(args: Sequence[str], root: Path | None = None) -> tuple[str | None, list[str]]:
     """[RUN] PATH [PATH...]: the first of two or more arguments is the RUN when it names a
     run in the runs folder (its id or the start of one) or begins as a run id does."""
-    if len(args) < 2:
-        return None, list(args)
     first = args[0]
     root = root or runs_root()
     named = root.is_dir() and any(p.name.startswith(first) and (p / "run.json").is_file()
                                   for p in root.iterdir())
+    if len(args) < 2:
+        if named and RUN_LIKE.match(first):
+            raise InputError(f"Missing argument PATH: {first!r} is a run; name what to pull "
+                             f"from it (cluster pull RUN PATH [PATH...])")
+        return None, list(args)
     if named or RUN_LIKE.match(first):
         return first, list(args[1:])
     return None, list(args)

@@ -76,6 +76,8 @@ def test_which_argument_is_the_run(tmp_path: Path) -> None:
     assert split_args(["20270101-00", "out"], root) == ("20270101-00", ["out"]), \
         "shaped like a run id: RunDir.find then says no run matches"
     assert split_args(["ckpt", "out"], root) == (None, ["ckpt", "out"])
+    with pytest.raises(InputError, match="Missing argument PATH: '20260101-000000-aaaa' is a run"):
+        split_args(["20260101-000000-aaaa"], root)
 
 
 # --- one node --------------------------------------------------------------------------------
