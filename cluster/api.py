@@ -58,6 +58,7 @@ class Request:
     keepalive: float | None = None
     sync_dir: str | None = None
     sync_exclude: tuple[str, ...] = ()
+    sync_delete: bool = False
     host_key_policy: str | None = None
     partition: str | None = None
     time_limit: str | None = None
@@ -121,14 +122,17 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     elif not r.no_tuning:
         inventory = tuning.applied(inventory, tuning.Cache(tuning.cache_path(environ)))
     launch.secret_values(inventory, environ)     # a missing secret stops here: nothing is created
-    if (r.sync_dir or r.sync_exclude) and name != "ssh":
+    if (r.sync_dir or r.sync_exclude or r.sync_delete) and name != "ssh":
         raise InputError("--sync is for the ssh backend (local and SLURM nodes see this filesystem)")
+    if r.sync_delete and not r.sync_dir:
+        raise InputError("--sync-delete goes with --sync DIR (it removes what DIR no longer has)")
     run_id = new_run_id()
     script, args, code_dir = resolve.command(r.command, name, run_id)
     job = Job(run_id=run_id, script=script, args=args, master_port=r.master_port)
     # --sync DIR lands in each node's workdir; the built-in trainer in <workdir>/cluster-train.
     sync = [(d, sub) for d, sub in ((r.sync_dir, "."), (code_dir, "cluster-train")) if d]
-    backend = resolve.backend(name, inventory, sync=sync, sync_exclude=r.sync_exclude)
+    backend = resolve.backend(name, inventory, sync=sync, sync_exclude=r.sync_exclude,
+                              sync_delete=r.sync_delete)
     try:
         backend.plan(inventory, job, templates)  # bad input fails here, before anything is written
     except BaseException:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends.supervised import SupervisedBackend
+from .console import human_bytes
 from .errors import InputError
 from .nodes import NodeStatus
 from .runs import RunDir
@@ -61,15 +62,6 @@ class Decision:
         if extra:
             text += f" ({', '.join(extra)})"
         return text + (f": {self.why}" if self.why else "")
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GB"
 
 
 def ago(seconds: float | None) -> str:

@@ -14,6 +14,16 @@ COLORS = ("36", "33", "35", "32", "34", "31", "96", "93", "95", "92", "94", "91"
 TAIL_LINES = 20
 
 
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KB' (powers of 1024)."""
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"
+
+
 class Console:
     """Prefixed, optionally coloured lines from many threads, never interleaved mid-line."""
 

@@ -27,6 +27,12 @@ def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
     plan = backend.plan(inventory, job, templates)
     run.record(plan, inventory, backend.name, argv, {"dry_run": True})
     console.raw(str(plan))
+    preview = getattr(backend, "preview", None)     # an optional capability (backends/__init__)
+    if preview is not None:
+        text, notes = preview(plan)
+        console.raw(text)
+        for note in notes:
+            console.info(note)
     console.info(f"dry run {plan.run_id}: {plan.dry_run_note(run.path)}")
     return plan
 
@@ -87,6 +93,8 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, r
     options.min_nodes remain."""
     secrets = secret_values(inventory, environ)
     ensure_open_files(len(inventory.hosts))
+    if hasattr(backend, "note"):        # what the backend tells the user goes where the run's does
+        backend.note = console.info
     history: list[dict[str, Any]] = []
     while True:
         job = dataclasses.replace(job, attempt=len(history))

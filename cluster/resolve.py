@@ -182,7 +182,7 @@ def backend_name(chosen: str | None, force_local: bool) -> str | None:
 
 
 def backend(name: str, inventory: inv_mod.Inventory, sync: list[tuple[str, str]],
-            sync_exclude: tuple[str, ...] = ()):
+            sync_exclude: tuple[str, ...] = (), sync_delete: bool = False):
     if name == "local":
         from .backends.local import LocalBackend
         return LocalBackend()
@@ -190,7 +190,7 @@ def backend(name: str, inventory: inv_mod.Inventory, sync: list[tuple[str, str]]
         from .backends.slurm import SlurmBackend
         return SlurmBackend(cwd=os.getcwd())
     from .backends.ssh import SshBackend
-    return SshBackend(inventory.ssh, sync=sync, sync_exclude=sync_exclude)
+    return SshBackend(inventory.ssh, sync=sync, sync_exclude=sync_exclude, sync_delete=sync_delete)
 
 
 def recorded_backend(run: RunDir):

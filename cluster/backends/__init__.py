@@ -89,3 +89,13 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release connections."""
+
+    # Optional capabilities: a backend that has one defines the method; callers look for it
+    # (getattr) instead of asking for the backend's name.
+    #
+    # preview(plan) -> (text, notes): what a dry run shows besides the plan, computed without
+    #     contacting a node (ssh: the files --sync would send).
+    # pull(run, paths, into, node=None) -> {node: PullResult | ClusterError}: `cluster pull`,
+    #     each node's files under its workdir copied into into/<node>/ (backends/pull.py).
+    # note: a callable(str) the launch flow points at the run's console, for what the backend
+    #     has to tell the user (ssh: --sync's summary line).

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import ClusterError, InputError
 from ..spec import Host, Inventory, Network
@@ -134,8 +135,24 @@ class LocalTransport:
         os.utime(tmp, (mtime, mtime))
         tmp.replace(target)
 
+    def download(self, path: str, into: BinaryIO) -> int:
+        """Copy a file into an open local file (as SshTransport.download does)."""
+        try:
+            with open(os.path.expanduser(path), "rb") as src:
+                return _copy(src, into)
+        except OSError as exc:
+            raise ClusterError(f"cannot copy {path}: {exc.strerror}") from None
+
     def close(self) -> None:
         pass
+
+
+def _copy(src: BinaryIO, dst: BinaryIO) -> int:
+    size = 0
+    while chunk := src.read(1 << 20):
+        dst.write(chunk)
+        size += len(chunk)
+    return size
 
 
 class LocalBackend(SupervisedBackend):

@@ -423,5 +423,15 @@ class SlurmBackend:
                                      f"{self.stop_timeout:.0f} s"}}
         return {label: {"signalled": [job_id], "state": self.finished(job_id).state}}
 
+    def pull(self, run: RunDir, paths: Sequence[str], into: Path,
+             node: str | None = None) -> dict[str, Any]:
+        """`cluster pull` has nothing to copy: the job ran in its submit directory (--chdir),
+        which the nodes reach as this machine does."""
+        cwd = run.meta().get("cwd") or "its submit directory"
+        raise InputError(f"run {run.run_id} ran under SLURM in {cwd} (the job's --chdir), which "
+                         f"its nodes share with this machine: what they wrote there is already "
+                         f"here (e.g. {cwd}/{paths[0] if paths else 'PATH'}). A file a node "
+                         f"kept on its own disk is reachable only from a job step (srun, sgather)")
+
     def close(self) -> None:
         """Nothing held: every command is one subprocess."""

@@ -11,7 +11,7 @@ import json
 import queue
 import shlex
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -686,6 +686,17 @@ class SupervisedBackend:
                 running -= 1
             else:
                 yield item
+
+    def pull(self, run: Any, paths: Sequence[str], into: Path,
+             node: str | None = None) -> dict[str, Any]:
+        """`cluster pull`: PATHs under each recorded node's workdir copied into into/<node>/,
+        every node at once; per node its PullResult or its error."""
+        from .pull import fetch
+        hosts = {h.name: h for h in run.hosts()}
+        chosen = [hosts[rec["name"]] for rec in run.meta()["nodes"] if node in (None, rec["name"])]
+        results = self.each(chosen, lambda h: fetch(self.transport(h), h.workdir, paths,
+                                                    into / h.name))
+        return {h.name: r for h, r in results}
 
     def _recorded_safe(self, run: Any) -> list[tuple[dict[str, Any], SupervisedNode | None, str]]:
         hosts = {h.name: h for h in run.hosts()}

@@ -8,9 +8,10 @@
     cluster exec    one command on every node at once, output prefixed by node
     cluster clean   old run folders on the nodes and old run records here, never a running run
     cluster top     a run's nodes, refreshed: state, uptime, GPUs, the trainer's step and loss
+    cluster pull    files from every node of a run into runs/<id>/pulled/<node>/
     cluster completion  the shell completion script (bash, zsh, fish)
 """
-from . import clean, completion, doctor, execute, runs, top, up  # noqa: F401  (each registers its verb on `main`)
+from . import clean, completion, doctor, execute, pull, runs, top, up  # noqa: F401  (each registers its verb on `main`)
 from .main import entry, install_stop_handlers, main, run_cli
 
 __all__ = ["entry", "install_stop_handlers", "main", "run_cli"]

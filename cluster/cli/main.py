@@ -1,7 +1,7 @@
 """The `cluster` command's group and entry point: our error handling (a message on stderr, an
 exit code per error class) and the stop signals (SIGINT, SIGTERM, SIGHUP) every verb honours.
 
-Each verb is a module of its own (up.py, doctor.py, runs.py, execute.py, clean.py, top.py,
+Each verb is a module of its own (up.py, doctor.py, runs.py, execute.py, clean.py, top.py, pull.py,
 completion.py); cluster.resolve turns options into an inventory and a backend, cluster.api
 runs `up`. The verbs parse options and call the library, nothing more.
 """

@@ -92,6 +92,9 @@ def check_script_args(script: str, args: tuple[str, ...], own: set[str]) -> None
 @click.option("--sync-exclude", multiple=True, metavar="PATTERN",
               help="Leave out of --sync what matches (gitignore syntax, repeatable); "
                    "DIR/.clusterignore, else DIR/.gitignore, is honoured too.")
+@click.option("--sync-delete", is_flag=True,
+              help="With --sync: remove from each node the files an earlier sync put there "
+                   "that DIR no longer has (never excluded paths, never what the job wrote).")
 @click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]),
               help="SSH host keys: strict (default) needs known_hosts to match.")
 @click.option("--partition", help="SLURM partition.")

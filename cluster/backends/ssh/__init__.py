@@ -36,7 +36,7 @@ from ...errors import ClusterError
 from ...plan import LaunchPlan, NodePlan
 from ...spec import Host, SshSettings
 from ..supervised import SupervisedBackend
-from ..sync import local_files, sync_dir
+from ..sync import local_files, preview, summary, sync_dir
 from .errors import (Attempt, AuthFailed, HostKeyChanged, HostKeyRevoked, HostKeyUnknown,
                      SshError, Unreachable, translate)
 from .hostkeys import (AcceptNewPolicy, ChangedKey, KnownHosts, OffPolicy, RevokedKey,
@@ -64,22 +64,26 @@ class SshBackend(SupervisedBackend):
     sync: directories copied to every node in the check phase. A plain path lands in the
     node's workdir; a (path, subdir) pair in <workdir>/<subdir> (the built-in trainer goes to
     <workdir>/cluster-train, which is where `cluster up` with no script points torchrun).
+    sync_delete: also remove from each node what an earlier sync put there and the directory
+    no longer has (cluster/backends/sync.py says what is never touched).
     """
 
     name = "ssh"
 
     def __init__(self, settings: SshSettings | None = None, *, host_key_policy: str | None = None,
                  sync: Iterable[str | tuple[str, str]] = (), sync_exclude: Iterable[str] = (),
-                 warn: Callable[[str], None] | None = None, max_workers: int = 64) -> None:
+                 sync_delete: bool = False, warn: Callable[[str], None] | None = None, max_workers: int = 64) -> None:
         self.settings = settings or SshSettings()
         self.policy = host_key_policy or self.settings.host_key_policy
         if self.policy not in ("strict", "accept-new", "off"):
             raise ClusterError(f"unknown host key policy {self.policy!r} "
                                f"(valid: strict, accept-new, off)")
         self.warn = warn or _stderr_warn
+        self.note = self.warn         # --sync's line; launch.up points it at the run's console
         self.sync: list[tuple[str, str]] = [(s, ".") if isinstance(s, str) else (s[0], s[1])
                                             for s in sync]
         self.sync_exclude = list(sync_exclude)
+        self.sync_delete = sync_delete
         self.config = fabric_config(self.settings.config)
         self.gateways = Gateways()            # jump hosts, one connection each for all nodes
         self.synced: dict[str, list[dict[str, Any]]] = {}
@@ -106,11 +110,23 @@ class SshBackend(SupervisedBackend):
                 remote = node.host.workdir.rstrip("/") or "/"
                 if sub not in ("", "."):
                     remote = f"{remote}/{sub}"
-                reports.append(sync_dir(transport, local, remote, self.sync_exclude))
+                reports.append(sync_dir(transport, local, remote, self.sync_exclude,
+                                        delete=self.sync_delete))
             return reports
         results = self.each_or_fail(plan.nodes, one, phase="sync")
         self.synced = {n.host.name: r for n, r in results}
+        for i, (local, sub) in enumerate(self.sync):
+            self.note(summary(local, sub, {n.host.name: reps[i] for n, reps in results},
+                              self.sync_delete))
         skipped = sorted({link for _, reps in results for r in reps for link in r["skipped_links"]})
         if skipped:
             self.warn(f"sync: skipped {len(skipped)} symbolic link(s) leading out of the synced "
                       f"directory: {', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
+
+    def preview(self, plan: LaunchPlan) -> tuple[str, list[str]]:
+        """What a dry run shows besides the scripts: every file each sync would send, read
+        from this machine alone (text for the plan's output, and a line each)."""
+        nodes = [n.host.name for n in plan.nodes]
+        shown = [preview(local, sub, self.sync_exclude, nodes, self.sync_delete)
+                 for local, sub in self.sync]
+        return "".join(text for text, _ in shown), [line for _, line in shown]

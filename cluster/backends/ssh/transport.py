@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import paramiko
 from fabric import Config, Connection
@@ -346,6 +346,14 @@ class SshTransport:
                     yield chunk
         self._write(chunks(), local.stat().st_size, path, mode, mtime,
                     f"sync: cannot copy {local} to {self.label}:{path}")
+
+    def download(self, path: str, into: BinaryIO) -> int:
+        """Copy a file of the node into an open local file (for `cluster pull`), over the
+        SFTP session --sync uses; returns the bytes that came."""
+        try:
+            return self.sftp().getfo(sftp_path(path), into)
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            raise ClusterError(f"cannot copy {self.label}:{path}: {exc}") from None
 
     def _write(self, chunks: Iterator[bytes], size: int, path: str, mode: int,
                mtime: int | None, what: str) -> None:
