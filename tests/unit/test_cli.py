@@ -138,6 +138,8 @@ def test_templates_override(in_tmp: Path, capsys) -> None:
     (["up", "--hosts", "a", "--python", "auto", "--dry-run"], "'auto' takes the python that 'setup'"),
     (["doctor", "--hosts", "a", "--python", "py\rthon"], "Invalid value for '--python': control character"),
     (["doctor", "--hosts", "a", "--user", "x\ny"], "Invalid value for '--user': control character"),
+    (["exec", "--hosts", "a", "--user", "x\ny", "--", "true"], "Invalid value for '--user': control character"),
+    (["clean", "--hosts", "a", "--python", "p\x00"], "Invalid value for '--python': control character"),
 ])
 def test_bad_options_exit_2(in_tmp: Path, capsys, args: list[str], words: str) -> None:
     assert run_cli(args) == 2
