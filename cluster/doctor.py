@@ -338,6 +338,10 @@ PHASES = {
 UNCOUNTED = {"reach", "collective"}
 
 
+class NodeCounts(NodeProgress):
+    VERBS = {**NodeProgress.VERBS, "probe": "probed", "inside": "looked inside"}
+
+
 class PhaseLines:
     """Doctor's progress on stderr, as backend.progress(phase, done, total): a line as each
     phase begins (a log shows where the time went), and on a terminal a live count of the
@@ -348,7 +352,7 @@ class PhaseLines:
                  counter: Callable[[str, int, int], None] | None = None) -> None:
         self.stream = stream
         terminal = stream.isatty() if terminal is None else terminal
-        self.counter = counter or NodeProgress(stream, min_nodes=1, enabled=terminal)
+        self.counter = counter or NodeCounts(stream, min_nodes=1, enabled=terminal)
         self.lock = threading.Lock()
         self.phase: str | None = None
 
