@@ -73,8 +73,9 @@ def diagnose(inventory: Inventory, backend: Any, templates: Templates, *,
     for name, inside in look_inside(backend, plan, templates, facts).items():
         facts[name]["inside"] = inside
     reach = None
-    # A master port in use fails its own check; a connection test there proves nothing.
-    if (facts.get(plan.master.host.name) or {}).get("port_free", True):
+    # Not with the master unreached, nor with its port in use (that fails its own check; a
+    # connection test to another program's listener proves nothing).
+    if facts.get(plan.master.host.name, {}).get("port_free", False):
         begin(backend, "reach", len(facts))
         try:
             reach = backend.reach(plan)
