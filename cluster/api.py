@@ -39,6 +39,10 @@ class Request:
     nodes: int | None = None
     hosts: str | None = None
     exclude: str | None = None
+    python: str | None = None                  # over every host's (resolve.host_settings)
+    user: str | None = None
+    port: int | None = None                    # SSH
+    identity_file: str | None = None
     backend: str | None = None
     force_local: bool = False
     dry_run: bool = False
@@ -116,6 +120,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     inventory = resolve.inventory(r.inventory_path, r.hosts, r.exclude, r.nodes, name,
                                   r.nproc_per_node, dict(r.env), environ)
     inventory = resolve.settings(inventory, secrets, r.stop_grace, r.keepalive, r.host_key_policy)
+    inventory = resolve.host_settings(inventory, r.python, r.user, r.port, r.identity_file)
     name = name or inventory.backend
     if name == "slurm":
         inventory = _slurm(inventory, r)

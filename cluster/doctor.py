@@ -15,21 +15,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import hostlist
 
 from . import tuning
 from .errors import ClusterError, PreflightError, RunFailed
 from .plan import Job, LaunchPlan, Templates, container_check, render, shquote
-from .preflight import FAIL, PASS, Finding, evaluate, fingerprint
-from .runs import RunDir, new_run_id
+from .preflight import FAIL, PASS, Clock, Finding, clock_offset, evaluate, fingerprint
+from .runs import DOCTOR_PREFIX, RunDir, new_run_id
 from .spec import Inventory, container_name
-from .console import Console
+from .console import Console, NodeProgress
 
 SCHEMA = 1
 REMOTE = Path(__file__).resolve().parent / "remote"
@@ -63,38 +64,63 @@ class Report:
 def diagnose(inventory: Inventory, backend: Any, templates: Templates, *,
              deep: bool = False, run_deep: Callable[[], dict[str, Any]] | None = None) -> Report:
     """Probe every node (never raising for one node's failure: it becomes a finding), check
-    that every node reaches the master port, judge; with deep, run the collective too."""
+    that every node reaches the master port, judge; with deep, run the collective too. Each
+    phase is announced to backend.progress (PhaseLines), if it has one."""
     t0 = time.monotonic()
-    plan = render(inventory, Job(run_id=f"doctor-{new_run_id()}", script="-"), templates)
+    plan = render(inventory, Job(run_id=f"{DOCTOR_PREFIX}{new_run_id()}", script="-"), templates)
+    begin(backend, "probe", len(plan.nodes))
     facts, clock, findings = survey(backend, plan)
     for name, inside in look_inside(backend, plan, templates, facts).items():
         facts[name]["inside"] = inside
     reach = None
-    if plan.master.host.name in facts:
+    # Not with the master unreached, nor with its port in use (that fails its own check; a
+    # connection test to another program's listener proves nothing).
+    if facts.get(plan.master.host.name, {}).get("port_free", False):
+        begin(backend, "reach", len(facts))
         try:
             reach = backend.reach(plan)
         except ClusterError as exc:
-            findings.append(Finding(plan.master.host.name, "reach master", FAIL,
-                                    f"no listener could be started: {exc}"))
+            findings.append(listener_finding(plan, exc))
     findings += evaluate(plan, facts, reach, deep=True, clock=clock)
     report = Report(nodes=[n.host.name for n in plan.nodes], master=plan.master.host.name,
                     port=plan.master_port, findings=findings,
                     fingerprint=fingerprint(facts, deep=True))
     if deep and run_deep is not None and report.ok:
+        begin(backend, "collective", len(plan.nodes))
         report.deep = deep_summary(run_deep())
         report.findings += deep_findings(report.deep)
     report.seconds = time.monotonic() - t0
     return report
 
 
-def survey(backend: Any, plan: LaunchPlan) -> tuple[dict[str, dict[str, Any]], dict[str, float],
-                                                    list[Finding]]:
-    """Each node's facts (deep), its clock offset from this machine, and a finding for every
-    node that could not be reached or probed."""
-    def one(node: Any) -> tuple[dict[str, Any], float]:
+def begin(backend: Any, phase: str, total: int) -> None:
+    """Say that a phase starts (its nodes' ends are told by backend.each, phase=...)."""
+    progress = getattr(backend, "progress", None)
+    if progress is not None:
+        progress(phase, 0, total)
+
+
+def listener_finding(plan: LaunchPlan, exc: ClusterError) -> Finding:
+    """The master's listener for the connection test could not start: why, and what to do."""
+    master = plan.master.host.name
+    return Finding(master, "reach master", FAIL,
+                   f"could not test whether the nodes reach {plan.master_addr}:{plan.master_port}: "
+                   f"no listener could be started on {master} ({exc})",
+                   f"free port {plan.master_port} on {master}, or choose another port "
+                   f"(--master-port, or master_port in the inventory; left out, one is derived)")
+
+
+def survey(backend: Any, plan: LaunchPlan, now: Callable[[], float] = time.time,
+           ) -> tuple[dict[str, dict[str, Any]], dict[str, Clock], list[Finding]]:
+    """Each node's facts (deep), its clock against this machine's (`now`), and a finding for
+    every node that could not be reached or probed."""
+    def one(node: Any) -> tuple[dict[str, Any], Clock]:
+        sent = now()
         facts = backend.probe_node(node, plan, deep=True, make_dir=False)
-        return facts, facts["time"] - time.time()
-    results = backend.each(plan.nodes, one)
+        received = now()
+        return facts, clock_offset(sent, received, facts.get("time_start", facts["time"]),
+                                   facts["time"])
+    results = backend.each(plan.nodes, one, phase="probe")
     facts, clock, findings = {}, {}, []
     for node, r in results:
         name = node.host.name
@@ -134,7 +160,10 @@ def look_inside(backend: Any, plan: LaunchPlan, templates: Templates,
     torch and GPUs it sees (by node name)."""
     nodes = [n for n in plan.nodes if n.host.container
              and ((facts.get(n.host.name) or {}).get("container") or {}).get("image_id")]
-    results = backend.each(nodes, lambda n: inside(backend.transport(n.host), n, plan, templates))
+    if nodes:
+        begin(backend, "inside", len(nodes))
+    results = backend.each(nodes, lambda n: inside(backend.transport(n.host), n, plan, templates),
+                           phase="inside")
     return {n.host.name: r if not isinstance(r, Exception) else {"error": str(r)}
             for n, r in results}
 
@@ -172,10 +201,11 @@ def collective_env(sizes: Sequence[int], iters: int,
 def collective(inventory: Inventory, backend: Any,
                templates: Templates) -> Callable[[Mapping[str, str], Sequence[int], int], dict[str, Any]]:
     """measure(env, sizes, iters): one run of the collective on the inventory's nodes with env
-    added, started and recorded like any run (runs/<id>/), through cluster.launch."""
+    added, started and recorded like any run, through cluster.launch: as runs/doctor-<id>/,
+    which status, logs, down and top pass over when no RUN is named."""
     from . import launch
     def measure(env: Mapping[str, str], sizes: Sequence[int] = DEEP_SIZES, iters: int = 5) -> dict[str, Any]:
-        job = collective_job(new_run_id(), over_ssh=backend.name == "ssh")
+        job = collective_job(f"{DOCTOR_PREFIX}{new_run_id()}", over_ssh=backend.name == "ssh")
         run = RunDir.create(job.run_id)
         if backend.name == "local":
             job = dataclasses.replace(job, node_root=run.node_root())
@@ -295,6 +325,56 @@ def deep_findings(deep: dict[str, Any]) -> list[Finding]:
 
 
 # --- output -------------------------------------------------------------------------------------
+
+
+# What each phase does, said as it begins; the phases without a count per node draw no bar.
+PHASES = {
+    "probe": "asking {total} node(s) what they have (python, torch, GPUs, disk, clock)",
+    "inside": "starting {total} node(s)' container to see its torch and GPUs",
+    "reach": "testing that {total} node(s) reach the master port",
+    "collective": "running a collective across {total} node(s) (all_reduce, then every pair); "
+                  "it is recorded as runs/doctor-<id>",
+    "check": "checking {total} node(s) before the collective starts",
+}
+UNCOUNTED = {"reach", "collective"}
+
+
+class NodeCounts(NodeProgress):
+    VERBS = {**NodeProgress.VERBS, "probe": "probed", "inside": "looked inside"}
+
+
+class PhaseLines:
+    """Doctor's progress on stderr, as backend.progress(phase, done, total): a line as each
+    phase begins (a log shows where the time went), and on a terminal a live count of the
+    nodes done (console.NodeProgress, from one node on). Phases come one after another, so
+    a new one ends the last one's count."""
+
+    def __init__(self, stream: IO[str], terminal: bool | None = None,
+                 counter: Callable[[str, int, int], None] | None = None) -> None:
+        self.stream = stream
+        terminal = stream.isatty() if terminal is None else terminal
+        self.counter = counter or NodeCounts(stream, min_nodes=1, enabled=terminal)
+        self.lock = threading.Lock()
+        self.phase: str | None = None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        with self.lock:
+            if phase != self.phase:
+                if self.phase is not None:
+                    self.close()
+                self.phase = phase
+                said = PHASES.get(phase, phase + ": {total} node(s)").format(total=total)
+                self.stream.write(f"cluster: {said}\n")
+                self.stream.flush()
+            if phase not in UNCOUNTED:
+                self.counter(phase, done, total)
+
+    def close(self) -> None:
+        close = getattr(self.counter, "close", None)
+        if close is not None:
+            close()
+
+
 
 
 def render_text(report: Report) -> str:

@@ -16,6 +16,8 @@ from .spec import Container
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 GIB = 1 << 30
+CLOCK_WARN = 2.0       # seconds a node's clock may be off for sure before a warning
+CLOCK_FAIL = 60.0      # ... and before a failure (logs and timeouts no longer line up)
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,27 @@ class Finding:
 Facts = Mapping[str, Mapping[str, Any]]
 
 
+@dataclass(frozen=True)
+class Clock:
+    """A node's clock against this machine's: node time - this machine's time = offset,
+    give or take error (seconds)."""
+    offset: float
+    error: float
+
+
+def clock_offset(sent: float, received: float, node_start: float, node_end: float) -> Clock:
+    """NTP's estimate from four timestamps: this machine asked at `sent` and had the answer at
+    `received` (its clock); the node read node_start as it began and node_end as it answered
+    (the node's clock). The node's own work between its two readings is left out; the rest of
+    the round trip (login, start, the way back) is split between there and back in shares
+    nobody knows, so the true offset lies within half of it either side of the estimate."""
+    offset = ((node_start - sent) + (node_end - received)) / 2
+    trip = max(0.0, (received - sent) - (node_end - node_start))
+    return Clock(offset, trip / 2)
+
+
 def evaluate(plan: LaunchPlan, facts: Facts, reach: Mapping[str, Mapping[str, Any]] | None = None,
-             *, deep: bool = False, clock: Mapping[str, float] | None = None) -> list[Finding]:
+             *, deep: bool = False, clock: Mapping[str, Clock] | None = None) -> list[Finding]:
     out: list[Finding] = []
     for node in plan.nodes:
         f = facts.get(node.host.name)
@@ -59,8 +80,7 @@ def node_findings(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Fin
     if node.host.container:              # torch comes with the image, not from the node
         out.append(container_finding(name, node.host.container, f.get("container") or {}))
     elif not torch.get("run_py"):
-        out.append(Finding(name, "torch", FAIL, f"torch is not installed for {f.get('executable')}",
-                           "pip install torch there, or point 'python:' at a venv that has it"))
+        out.append(no_torch(name, node.host.python, f.get("executable")))
     else:
         out.append(Finding(name, "torch", PASS, f"torch {torch.get('version')} "
                            f"(CUDA {torch.get('cuda') or 'none'}), python {f.get('python')}"))
@@ -72,6 +92,16 @@ def node_findings(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Fin
                            "" if f["port_free"] else "another program listens on it: choose "
                            "another master_port (or leave it out to have one derived)"))
     return out
+
+
+def no_torch(name: str, asked: str, executable: str | None) -> Finding:
+    """The python asked for has no torch: most often the wrong python was asked (the system's
+    python3 where torch lives in a venv), so naming another comes first."""
+    which = asked if executable in (None, asked) else f"{asked} ({executable})"
+    return Finding(name, "torch", FAIL, f"torch is not installed for {which}, the python "
+                   f"asked for on this node",
+                   f"name the python that has torch (`python:` in the inventory, or --python "
+                   f"PATH), or else install torch into {executable or asked}")
 
 
 RUNTIME_FIX = {
@@ -162,15 +192,18 @@ def reach_finding(name: str, r: Mapping[str, Any], plan: LaunchPlan) -> Finding:
 # --- doctor's deeper look ---------------------------------------------------------------------
 
 
-def deep_findings(node: Any, f: Mapping[str, Any], offset: float | None) -> list[Finding]:
+def deep_findings(node: Any, f: Mapping[str, Any], clock: Clock | None) -> list[Finding]:
     name, out = node.host.name, []
     rt = f.get("torch_runtime") or {}
     gpus = f.get("gpus") if isinstance(f.get("gpus"), list) else []
     if node.host.container:
         if "inside" in f:
             out += inside_findings(name, node.host.container, gpus, f["inside"])
-    elif rt.get("error"):
-        out.append(Finding(name, "torch import", FAIL, rt["error"], "reinstall torch on this node"))
+    elif rt.get("error") and (f.get("torch") or {}).get("run_py"):   # else the torch check said it
+        exe = f.get("executable") or node.host.python
+        out.append(Finding(name, "torch import", FAIL, f"importing torch with {exe}: {rt['error']}",
+                           f"reinstall torch for {exe}, or name a python whose torch imports "
+                           f"(`python:` in the inventory, or --python PATH)"))
     nproc = node.host.nproc_per_node
     if isinstance(nproc, int) and gpus and nproc > len(gpus):
         out.append(Finding(name, "gpus", FAIL, f"nproc_per_node {nproc} but {len(gpus)} GPU(s)",
@@ -194,11 +227,19 @@ def deep_findings(node: Any, f: Mapping[str, Any], offset: float | None) -> list
     if nofile is not None and nofile < 4096:
         out.append(Finding(name, "open files", WARN, f"ulimit -n is {nofile}",
                            "raise it to 65536 (limits.conf, or ulimit -n in the node's setup)"))
-    if offset is not None:
-        status = FAIL if abs(offset) > 60 else WARN if abs(offset) > 2 else PASS
-        out.append(Finding(name, "clock", status, f"{offset:+.3f} s from this machine",
-                           "" if status == PASS else "run chrony/ntpd on the nodes"))
+    if clock is not None:
+        out.append(clock_finding(name, clock))
     return out
+
+
+def clock_finding(name: str, clock: Clock) -> Finding:
+    """Judged on what is certain: the offset less its error bound, so that a slow round trip
+    (a loaded machine, a slow login) never looks like a skewed clock."""
+    surely = abs(clock.offset) - clock.error
+    status = FAIL if surely > CLOCK_FAIL else WARN if surely > CLOCK_WARN else PASS
+    return Finding(name, "clock", status, f"{clock.offset:+.3f} s from this machine, "
+                   f"give or take {clock.error:.3f} s (half the round trip)",
+                   "" if status == PASS else "run chrony or ntpd on the nodes (and here)")
 
 
 def threshold(name: str, what: str, value: float | None, warn_below: float,

@@ -11,7 +11,7 @@ from pathlib import Path
 from . import inventory as inv_mod
 from .errors import InputError
 from .runs import RunDir
-from .spec import reserved_env
+from .spec import check_text, reserved_env
 
 CHECKPOINTS = "checkpoints"          # the reference trainer's, in the working directory
 
@@ -81,6 +81,30 @@ def settings(inventory: inv_mod.Inventory, secrets: tuple[str, ...], stop_grace:
                       for h in hosts)
     return dataclasses.replace(inventory, ssh=ssh, hosts=hosts,
                                stop_grace=stop_grace or inventory.stop_grace)
+
+
+def host_settings(inventory: inv_mod.Inventory, python: str | None = None,
+                  user: str | None = None, port: int | None = None,
+                  identity_file: str | None = None) -> inv_mod.Inventory:
+    """--python, --user, --port, --identity over every host's own value (the only way to give
+    them with --hosts alone); the inventory's rules for these keys hold."""
+    changes: dict[str, object] = {}
+    for key, option, value in (("python", "--python", python), ("user", "--user", user),
+                               ("identity_file", "--identity", identity_file)):
+        if value is not None:
+            if not value:
+                raise InputError(f"Invalid value for {option}: must not be empty")
+            changes[key] = check_text(value, option)
+    if port is not None:
+        if not 1 <= port <= 65535:
+            raise InputError(f"Invalid value for --port: {port} is not a port number (1 to 65535)")
+        changes["port"] = port
+    hosts = tuple(h.replace(**changes) for h in inventory.hosts)
+    bare = [h.name for h in hosts if h.python == "auto" and not h.setup]
+    if bare:
+        raise InputError(f"Invalid value for --python: 'auto' takes the python that 'setup' leaves "
+                         f"on PATH, and {', '.join(bare)} has no setup (name the interpreter)")
+    return dataclasses.replace(inventory, hosts=hosts)
 
 
 def inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: int | None,

@@ -27,6 +27,7 @@ from .errors import InputError
 from .plan import NodePlan
 
 RUNS_ENV = "CLUSTER_RUNS_DIR"
+DOCTOR_PREFIX = "doctor-"     # `cluster doctor --deep`'s collectives: found by id, never as the newest
 
 
 def runs_root() -> Path:
@@ -83,13 +84,18 @@ class RunDir:
     @classmethod
     def find(cls, run: str | None, root: Path | None = None) -> "RunDir":
         """A run by id (or unique prefix), or the newest one when run is None: newest by when
-        it was created, never by when its record last changed (status rewrites it)."""
+        it was created, never by when its record last changed (status rewrites it), and never
+        a collective of `cluster doctor` (a check, not the user's run)."""
         root = root or runs_root()
         runs = sorted(p for p in root.glob("*") if (p / "run.json").is_file()) if root.is_dir() else []
+        if run is None:
+            own = [p for p in runs if not p.name.startswith(DOCTOR_PREFIX)]
+            if not own:
+                raise InputError(f"no runs in {root}/ (start one with `cluster up`)"
+                                 + ("; cluster doctor's are named by id only" if runs else ""))
+            return cls(max(own, key=_created))
         if not runs:
             raise InputError(f"no runs in {root}/ (start one with `cluster up`)")
-        if run is None:
-            return cls(max(runs, key=_created))
         exact = root / run
         if (exact / "run.json").is_file():
             return cls(exact)

@@ -165,14 +165,16 @@ class SupervisedNode:
                                                 "--seconds", f"{seconds:g}"))
         ch.write(probe_input())
         said = b""
-        while b"listening" not in said and b'{"error"' not in said and (data := ch.read()):
-            said += data                   # the setup lines' output may come first
+        while b"listening" not in said and (data := ch.read()):
+            said += data                   # the setup lines' output may come first; it ends on error
         if b"listening" not in said:
             ch.close()
             text = said.decode(errors="replace")
             if "cluster: setup line" in text:
                 raise self._python_error(None, text)
-            raise ClusterError(f"cannot listen on port {port}: {text.strip()}")
+            last = (text.strip().splitlines() or [""])[-1]     # the program's {"error": ...}
+            raise ClusterError(json.loads(last)["error"] if last.startswith('{"error"')
+                               else f"cannot listen on port {port}: {text.strip()}")
         return ch
 
     def connect(self, addr: str, port: int, timeout: float) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from .. import resolve
-from .main import CONTEXT, SafePath, main
+from .main import CONTEXT, SafePath, host_options, main
 from ..console import Console
 from ..errors import PreflightError
 from ..runs import RunDir, runs_root
@@ -16,11 +16,13 @@ from ..runs import RunDir, runs_root
 @click.option("--nodes", type=int, help="Only the first N selected hosts.")
 @click.option("--hosts", help="Also clean these hosts (names or hostlists).")
 @click.option("--exclude", help="Leave out these hosts.")
+@host_options
 @click.option("--older-than", "older_than", default="7d", show_default=True, metavar="DURATION",
               help="Only what was last active longer ago than this: 7d, 12h, 30m, 0 for all.")
 @click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
 @click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]))
 def clean(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
+          python: str | None, user: str | None, port: int | None, identity_file: str | None,
           older_than: str, dry_run: bool, host_key_policy: str | None) -> None:
     """Remove old run records in ./runs and, with -i or --hosts, old run folders on the nodes
     (<workdir>/.cluster/<run-id>); a running run is never touched. Lists what goes and stays."""
@@ -32,6 +34,7 @@ def clean(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
     if inventory_path or hosts:
         inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, None, None, {})
         inventory = resolve.settings(inventory, (), None, None, host_key_policy)
+        inventory = resolve.host_settings(inventory, python, user, port, identity_file)
         if inventory.backend == "slurm":
             console.info("SLURM nodes keep no run folders of cluster's: their runs' files are "
                          "in the records here")

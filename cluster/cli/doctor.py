@@ -6,7 +6,7 @@ import sys
 import click
 
 from .. import resolve
-from .main import CONTEXT, SafePath, main
+from .main import CONTEXT, SafePath, host_options, main
 from ..errors import InputError, PreflightError
 from ..preflight import FAIL, Finding
 from ..plan import Templates
@@ -18,6 +18,7 @@ from ..plan import Templates
 @click.option("--nodes", type=int, help="Only the first N selected hosts.")
 @click.option("--hosts", help="Only these hosts: names or hostlists.")
 @click.option("--exclude", help="Leave out these hosts.")
+@host_options
 @click.option("--local", "force_local", is_flag=True, help="Check this machine (simulated nodes).")
 @click.option("--master-port", type=click.IntRange(1, 65535), help="The port to check (default: derived).")
 @click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]))
@@ -26,6 +27,7 @@ from ..plan import Templates
               help="Measure NCCL's socket settings across the nodes and keep the best for `cluster up`.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (schema in the README).")
 def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
+           python: str | None, user: str | None, port: int | None, identity_file: str | None,
            force_local: bool, master_port: int | None, host_key_policy: str | None, deep: bool,
            tune_nccl: bool, as_json: bool) -> None:
     """Check every node, and the network between them, before a run: exit 0 only when nothing fails."""
@@ -36,6 +38,7 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
     backend_name = "local" if force_local else None
     inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, backend_name, None, {})
     inventory = resolve.settings(inventory, (), None, None, host_key_policy)
+    inventory = resolve.host_settings(inventory, python, user, port, identity_file)
     name = backend_name or inventory.backend
     if name == "slurm":
         raise InputError("cluster doctor checks SSH or local nodes; under SLURM, run it inside "
@@ -48,6 +51,7 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
     sync = [(str(doc.REMOTE), doc.TOOLS_SUBDIR)] if collective and name == "ssh" else []
     backend = resolve.backend(name, inventory, sync=sync)
     measure = doc.collective(inventory, backend, templates)
+    backend.progress = progress = doc.PhaseLines(sys.stderr)
 
     def shown(row: tuning.Row) -> None:
         if not as_json:
@@ -64,6 +68,7 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
             except PreflightError as exc:
                 report.findings.append(Finding("all", "nccl tuning", FAIL, str(exc)))
     finally:
+        progress.close()
         backend.close()
     if as_json:
         click.echo(json_mod.dumps(report.to_json(), indent=2))

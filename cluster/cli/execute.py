@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from .. import resolve
-from .main import CONTEXT, SafePath, main
+from .main import CONTEXT, SafePath, host_options, main
 from ..console import Console
 from ..errors import InputError
 
@@ -15,10 +15,12 @@ from ..errors import InputError
 @click.option("--nodes", type=int, help="Only the first N selected hosts (or N simulated local nodes).")
 @click.option("--hosts", help="Only these hosts: names or hostlists.")
 @click.option("--exclude", help="Leave out these hosts.")
+@host_options
 @click.option("--local", "force_local", is_flag=True, help="Run on this machine.")
 @click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]))
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def exec_(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
+          python: str | None, user: str | None, port: int | None, identity_file: str | None,
           force_local: bool, host_key_policy: str | None, command: tuple[str, ...]) -> None:
     """Run CMD [ARGS...] on every node at once, each output line prefixed [node].
 
@@ -30,6 +32,7 @@ def exec_(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
     name = resolve.backend_name(None, force_local)
     inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, name, None, {})
     inventory = resolve.settings(inventory, (), None, None, host_key_policy)
+    inventory = resolve.host_settings(inventory, python, user, port, identity_file)
     if (name or inventory.backend) == "slurm":
         raise InputError("cluster exec runs over SSH or on this machine; under SLURM, run "
                          "`srun --nodes N --ntasks-per-node 1 CMD` inside an allocation, or "

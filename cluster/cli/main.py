@@ -33,6 +33,35 @@ class SafePath(click.Path):
         return super().convert(value, param, ctx)
 
 
+class SafeText(click.ParamType):
+    """A non-empty string without a control character (the inventory's rule for a field that
+    reaches a script), else the usual 'Invalid value for ...' and exit 2."""
+    name = "text"
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        bad = control_char(str(value))
+        if bad or not str(value):
+            self.fail(f"control character {bad} in {str(value)!r}" if bad else "must not be empty",
+                      param, ctx)
+        return str(value)
+
+
+def host_options(command):  # type: ignore[no-untyped-def]
+    """--python, --user, --port, --identity: one setting for every host, over the inventory's
+    (and with --hosts alone, the only way to give them). cluster.resolve.host_settings applies them."""
+    for option in reversed((
+            click.option("--python", metavar="PATH", type=SafeText(),
+                         help="The nodes' python (the one with torch); over the inventory's 'python'."),
+            click.option("--user", metavar="NAME", type=SafeText(),
+                         help="SSH login name on every node; over the inventory's 'user'."),
+            click.option("--port", type=click.IntRange(1, 65535),
+                         help="SSH port of every node; over the inventory's 'port'."),
+            click.option("--identity", "identity_file", metavar="FILE", type=SafePath(dir_okay=False),
+                         help="SSH private key; over the inventory's 'identity_file'."))):
+        command = option(command)
+    return command
+
+
 @click.group(context_settings=CONTEXT)
 @click.version_option(package_name="cluster")
 def main() -> None:

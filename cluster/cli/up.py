@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from .main import CONTEXT, SafePath, argv, main
+from .main import CONTEXT, SafePath, argv, host_options, main
 from .. import api, resolve
 from ..console import Console
 from ..errors import InputError
@@ -52,6 +52,7 @@ def check_script_args(script: str, args: tuple[str, ...], own: set[str]) -> None
 @click.option("--nodes", type=int, help="Use the first N selected hosts (or N simulated local nodes).")
 @click.option("--hosts", help="Only these hosts: names or hostlists, e.g. gpu[01-04],cpu1.")
 @click.option("--exclude", help="Leave out these hosts (names or hostlists).")
+@host_options
 @click.option("--backend", type=click.Choice(["local", "ssh", "slurm"]),
               help="Where to run. Default: the inventory's 'backend', else ssh; local with no inventory.")
 @click.option("--local", "force_local", is_flag=True, help="Run on this machine (same as --backend local).")

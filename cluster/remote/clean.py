@@ -24,7 +24,7 @@ import time
 
 import supervisor  # noqa: E402  (loaded beside this module by the bootstrap)
 
-RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
+RUN_ID = re.compile(r"^(doctor-)?\d{8}-\d{6}-[0-9a-f]{4}$")   # doctor-: `cluster doctor --deep`
 FRESH = 600.0
 
 

@@ -74,6 +74,7 @@ def parse(argv):
 # --- facts -----------------------------------------------------------------------------------
 
 def facts(args):
+    started = time.time()     # with "time" at the end: the launcher's clock estimate leaves out our work
     out = {"home": os.path.expanduser("~"), "python": sys.version.split()[0],
            "executable": sys.executable, "hostname": socket.gethostname(),
            "torch": torch_facts()}
@@ -94,7 +95,7 @@ def facts(args):
                                            args.deep)
     if args.deep:
         out.update(deep_facts(out.get("workdir") or out.get("dir") or "."))
-    out["time"] = time.time()
+    out["time_start"], out["time"] = started, time.time()
     return out
 
 

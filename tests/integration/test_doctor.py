@@ -169,6 +169,11 @@ def test_a_node_without_torch_or_with_another_torch_is_named(ssh_nodes4, cli, od
                for c in report["checks"]), report["checks"]
     if which == "old":
         assert report["fingerprint"]["torch"]["2.0.0"] == ["node3"]
+    else:
+        [torch] = [c for c in report["checks"] if c["node"] == "node3" and c["check"] == "torch"]
+        assert odd_pythons["none"] in torch["detail"], torch
+        assert torch["fix"].startswith("name the python that has torch") and "--python" in torch["fix"]
+        assert not any("reinstall" in c["fix"] for c in report["checks"]), report["checks"]
 
 
 def test_doctor_deep_runs_a_real_collective_on_three_nodes(ssh_nodes4, cli, record_property):
@@ -188,6 +193,21 @@ def test_doctor_deep_runs_a_real_collective_on_three_nodes(ssh_nodes4, cli, reco
     assert text.popen.returncode == 0, text.dump()
     assert "collective (gloo, 3 processes): sum right" in text.stdout
     assert "node1 <-> node2" in text.stdout or "node2 <-> node1" in text.stdout
+    # Progress on stderr, one line per phase (not a terminal: no redrawn counts).
+    phases = [line for line in text.stderr.splitlines() if line.startswith("cluster: ")]
+    assert phases[:3] == [
+        "cluster: asking 3 node(s) what they have (python, torch, GPUs, disk, clock)",
+        "cluster: testing that 3 node(s) reach the master port",
+        "cluster: running a collective across 3 node(s) (all_reduce, then every pair); it is "
+        "recorded as runs/doctor-<id>"], text.stderr
+    assert "\r" not in text.stderr and "\x1b" not in text.stderr
+    # Its collectives are recorded apart: never "the newest run" of status, logs or down.
+    recorded = cli.run_ids()
+    assert len(recorded) == 2 and all(r.startswith("doctor-") for r in recorded), recorded
+    status = cli.run("status", timeout=60)
+    assert status.popen.returncode == 2 and "no runs in runs/" in status.stderr, status.dump()
+    named = cli.run("status", recorded[0], timeout=60)
+    assert named.popen.returncode == 0, named.dump()
     assert wait_until(lambda: not node_leftovers(ssh_nodes4, 1, 2, 3), 10) is not None
 
 
@@ -209,6 +229,9 @@ def test_doctor_json_schema(ssh_nodes4, cli):
         for check in ("ssh", "torch", "interface", "reach master", "clock"):
             assert (node, check) in checks, (node, check)
     assert ("node1", "master port") in checks
+    clocks = [c for c in report["checks"] if c["check"] == "clock"]
+    assert [c["status"] for c in clocks] == ["pass", "pass"], clocks   # one kernel clock: no skew
+    assert all("give or take" in c["detail"] for c in clocks)
     assert set(report["fingerprint"]["torch"]) and all(
         sorted(nodes) == ["node1", "node2"] for nodes in report["fingerprint"]["python"].values())
 
@@ -262,3 +285,50 @@ def test_tune_nccl_on_cpu_nodes_says_why_and_stores_nothing(cli):
     [finding] = [c for c in report["checks"] if c["check"] == "nccl tuning"]
     assert finding["status"] == "fail" and "ran on gloo, not NCCL" in finding["detail"]
     assert report["tuning"] is None and not cache.exists()
+
+
+# --- --hosts with the nodes' python and user from the command line (no inventory) -----------------
+
+
+def command_line_hosts(ssh_nodes, *nodes: int) -> list[str]:
+    """--hosts (the nodes' addresses, which known_hosts lists) and every setting an inventory
+    would give: the nodes' python, the test user, the key."""
+    return ["--hosts", ",".join(ssh_nodes.nodes[i - 1].address for i in nodes),
+            "--python", ssh_nodes.python, "--user", ssh_nodes.user,
+            "--identity", ssh_nodes.identity_file]
+
+
+def test_doctor_with_hosts_python_and_user_on_the_command_line(ssh_nodes4, cli, odd_pythons):
+    doc = cli.run("doctor", *command_line_hosts(ssh_nodes4, 1, 2), "--json", timeout=120)
+    assert doc.popen.returncode == 0, doc.dump()
+    report = json.loads(doc.stdout)
+    assert report["nodes"] == [ssh_nodes4.nodes[0].address, ssh_nodes4.nodes[1].address]
+    torch = [c for c in report["checks"] if c["check"] == "torch"]
+    assert [c["status"] for c in torch] == ["pass", "pass"], torch
+    # A python without torch: the advice names it, and naming another python comes first.
+    other = command_line_hosts(ssh_nodes4, 1)
+    other[other.index("--python") + 1] = odd_pythons["none"]
+    bare = cli.run("doctor", *other, timeout=120)
+    assert bare.popen.returncode == 3, bare.dump()
+    assert f"torch is not installed for {odd_pythons['none']}" in bare.stdout, bare.dump()
+    assert "fix: name the python that has torch (`python:` in the inventory, or --python PATH)" \
+        in bare.stdout and "reinstall" not in bare.stdout
+
+
+def test_up_with_hosts_python_and_user_on_the_command_line(ssh_nodes4, cli):
+    program = str(PROGRAMS / "allreduce.py")       # readable by the nodes' user: no sync needed
+    up = cli.run("up", *command_line_hosts(ssh_nodes4, 1, 2), "--nproc-per-node", "1", "--",
+                 program, "--show-env", "USER", timeout=180)
+    try:
+        assert up.popen.returncode == 0, up.dump()
+        said = [json.loads(line.split("] ", 1)[1]) for line in up.stdout.splitlines()
+                if '"rank"' in line]
+        assert sorted(r["rank"] for r in said) == [0, 1] and {r["sum"] for r in said} == {3.0}
+        assert {r["python"] for r in said} == {ssh_nodes4.python}
+        assert {r["env"]["USER"] for r in said} == {ssh_nodes4.user}
+    finally:
+        run_id = cli.run_ids()[-1] if cli.run_ids() else None
+        if run_id:       # the default workdir is the test user's home, shared by these nodes
+            shutil.rmtree(Path(ssh_nodes4.home) / "cluster-runs" / ".cluster" / run_id,
+                          ignore_errors=True)
+    assert wait_until(lambda: not node_leftovers(ssh_nodes4, 1, 2), 10) is not None

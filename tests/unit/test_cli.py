@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,17 @@ def test_templates_override(in_tmp: Path, capsys) -> None:
     (["up", "-i", "inv\x00.yaml", "--dry-run"], "control character"),
     (["up", "--hosts", "a", "--sync", "d\x00", "--dry-run"], "control character"),
     (["up", "--secret-env", "UNSET_SECRET_FOR_THIS_TEST", "--dry-run"], "not set in this shell"),
+    (["up", "--hosts", "a", "--python", "/venv/bin/python\ntouch /tmp/x", "--dry-run"],
+     "Invalid value for '--python': control character '\\n' at position 16"),
+    (["up", "--hosts", "a", "--user", "bob\x00", "--dry-run"], "Invalid value for '--user': control character"),
+    (["up", "--hosts", "a", "--user", "", "--dry-run"], "Invalid value for '--user': must not be empty"),
+    (["up", "--hosts", "a", "--port", "0", "--dry-run"], "Invalid value for '--port'"),
+    (["up", "--hosts", "a", "--identity", "k\x1b", "--dry-run"], "Invalid value for '--identity'"),
+    (["up", "--hosts", "a", "--python", "auto", "--dry-run"], "'auto' takes the python that 'setup'"),
+    (["doctor", "--hosts", "a", "--python", "py\rthon"], "Invalid value for '--python': control character"),
+    (["doctor", "--hosts", "a", "--user", "x\ny"], "Invalid value for '--user': control character"),
+    (["exec", "--hosts", "a", "--user", "x\ny", "--", "true"], "Invalid value for '--user': control character"),
+    (["clean", "--hosts", "a", "--python", "p\x00"], "Invalid value for '--python': control character"),
 ])
 def test_bad_options_exit_2(in_tmp: Path, capsys, args: list[str], words: str) -> None:
     assert run_cli(args) == 2
@@ -173,6 +185,26 @@ def test_hosts_without_inventory_uses_hostlist(in_tmp: Path, capsys) -> None:
     assert run_cli(["up", "--hosts", "gpu[1-3]", "--dry-run", "--", "t.py"]) == 0
     out = capsys.readouterr().out
     assert all(f"gpu{i}" in out for i in (1, 2, 3))
+
+
+def test_hosts_take_python_user_port_and_key_from_the_command_line(in_tmp: Path, capsys) -> None:
+    assert run_cli(["up", "--hosts", "gpu[1-2]", "--python", "/opt/venv/bin/python", "--user", "bob",
+                    "--port", "2222", "--identity", "/keys/id_ed25519", "--dry-run", "--", "t.py"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("/opt/venv/bin/python") >= 2
+    hosts = RunDir.find(None, in_tmp / "runs").inventory().hosts
+    assert [(h.name, h.python, h.user, h.port, h.identity_file) for h in hosts] == [
+        (f"gpu{i}", "/opt/venv/bin/python", "bob", 2222, "/keys/id_ed25519") for i in (1, 2)]
+
+
+def test_command_line_host_settings_win_over_the_inventorys(in_tmp: Path, capsys) -> None:
+    inv = in_tmp / "inv.yaml"
+    inv.write_text("defaults: {python: /usr/bin/python3, user: alice}\n"
+                   "hosts: [a, {name: b, python: /b/python, port: 2200}]\n")
+    assert run_cli(["up", "-i", str(inv), "--python", "/opt/venv/bin/python", "--dry-run", "--", "t.py"]) == 0
+    hosts = RunDir.find(None, in_tmp / "runs").inventory().hosts
+    assert [(h.python, h.user, h.port) for h in hosts] == [
+        ("/opt/venv/bin/python", "alice", None), ("/opt/venv/bin/python", "alice", 2200)]
 
 
 def sbatch_options(out: str) -> list[str]:
@@ -230,3 +262,17 @@ def test_script_arguments_after_an_explicit_dashdash_are_the_scripts(in_tmp: Pat
     assert run_cli(["up", "--local", "--dry-run", *args]) == 0
     err = capsys.readouterr().err
     assert "warning" not in err and "error" not in err, err
+
+
+@pytest.mark.parametrize("options,words", [
+    ({"python": "/venv/bin/python\nrm -rf ~"}, "Invalid value for --python: control character '\\n'"),
+    ({"user": "bob\x00"}, "Invalid value for --user: control character"),
+    ({"user": ""}, "Invalid value for --user: must not be empty"),
+    ({"port": 70000}, "Invalid value for --port: 70000 is not a port number"),
+])
+def test_the_api_checks_host_settings_as_the_command_line_does(in_tmp: Path, options, words) -> None:
+    from cluster import api
+    from cluster.errors import InputError
+    with pytest.raises(InputError, match=re.escape(words)):
+        api.prepare(api.Request(hosts="a,b", dry_run=True, command=("t.py",), **options))
+    assert not (in_tmp / "runs").exists()

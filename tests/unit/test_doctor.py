@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from cluster import inventory
-from cluster.doctor import Report, deep_findings, deep_summary, render_text
+from cluster.doctor import (PhaseLines, Report, deep_findings, deep_summary, diagnose, render_text,
+                            survey)
 from cluster.plan import Job, Templates, render
-from cluster.preflight import FAIL, PASS, WARN, evaluate, fingerprint
+from cluster.preflight import FAIL, PASS, WARN, Clock, clock_offset, evaluate, fingerprint
 
 REMOTE = Path(__file__).resolve().parents[2] / "cluster" / "remote"
 
@@ -73,7 +74,7 @@ def test_deep_findings_gpus_shm_clock() -> None:
                                                           "processes": 0}],
                              shm_bytes=64 << 20, disk_free_bytes=100 << 30, nofile=1024,
                              torch_runtime={"nccl": "2.21.5", "cudnn": 90100})}
-    found = evaluate(plan, facts, deep=True, clock={"a": 5.0})
+    found = evaluate(plan, facts, deep=True, clock={"a": Clock(5.0, 0.1)})
     assert by(found, "a", "gpus")[0].status == FAIL          # 4 processes, 2 GPUs
     assert by(found, "a", "gpus busy")[0].status == WARN and "GPU 0" in by(found, "a", "gpus busy")[0].detail
     assert by(found, "a", "/dev/shm")[0].status == WARN
@@ -174,3 +175,194 @@ def test_doctor_compares_the_image_and_the_torch_inside_it() -> None:
     same = {f.check: f for f in found if f.node == "all"}
     assert same["same torch"].status == FAIL and "2.12.0 on c" in same["same torch"].detail
     assert same["same image"].status == WARN and "sha256:ffff" in same["same image"].detail
+
+
+# --- the clock: judged net of the round trip ----------------------------------------------------
+
+
+class FakeClockBackend:
+    """Nodes that answer the probe after `there` seconds, work `work` seconds, and are heard
+    back `back` seconds later, their clocks `skew` seconds ahead of ours; time is a counter."""
+
+    name = "fake"
+    progress = None
+
+    def __init__(self, skew: dict, there: float, work: float, back: float) -> None:
+        self.now, self.skew = 1000.0, skew
+        self.there, self.work, self.back = there, work, back
+
+    def clock(self) -> float:
+        return self.now
+
+    def each(self, nodes, fn, phase=None):
+        return [(n, fn(n)) for n in nodes]
+
+    def probe_node(self, node, plan, *, deep=False, make_dir=True):
+        self.now += self.there
+        start = self.now + self.skew[node.host.name]
+        self.now += self.work
+        end = self.now + self.skew[node.host.name]
+        self.now += self.back
+        return {**node_facts(), "time_start": start, "time": end}
+
+
+def test_clock_offset_is_ntps_estimate_and_its_bound() -> None:
+    c = clock_offset(sent=100.0, received=104.0, node_start=103.0, node_end=103.5)
+    assert c.offset == pytest.approx(1.25) and c.error == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("there,back", [(3.5, 0.4), (0.2, 3.9), (8.0, 8.0)])
+def test_a_slow_round_trip_is_no_clock_skew(there, back) -> None:
+    plan = plan_for("hosts: [a, b]\n")
+    fake = FakeClockBackend({"a": 0.0, "b": 0.0}, there=there, work=2.0, back=back)
+    facts, clock, _ = survey(fake, plan, now=fake.clock)
+    found = evaluate(plan, facts, deep=True, clock=clock)
+    for node in ("a", "b"):
+        [f] = by(found, node, "clock")
+        assert f.status == PASS, f
+        assert abs(clock[node].offset) <= clock[node].error
+        assert clock[node].error == pytest.approx((there + back) / 2), "the node's work is no error"
+
+
+def test_a_skewed_clock_is_named_despite_a_slow_round_trip() -> None:
+    plan = plan_for("hosts: [a, b, c]\n")
+    fake = FakeClockBackend({"a": 0.0, "b": -8.0, "c": 120.0}, there=3.0, work=1.0, back=0.5)
+    facts, clock, _ = survey(fake, plan, now=fake.clock)
+    found = {n: by(evaluate(plan, facts, deep=True, clock=clock), n, "clock")[0] for n in "abc"}
+    assert found["a"].status == PASS
+    assert found["b"].status == WARN and "-6.750 s from this machine" in found["b"].detail
+    assert "give or take 1.750 s" in found["b"].detail and "chrony" in found["b"].fix
+    assert found["c"].status == FAIL
+
+
+# --- what a node without torch is told ----------------------------------------------------------
+
+
+def test_no_torch_names_the_python_asked_and_another_python_first() -> None:
+    plan = plan_for("defaults: {python: python3}\nhosts: [a]\n")
+    facts = {"a": node_facts(torch=None, executable="/usr/bin/python3.11",
+                             torch_runtime={"error": "ModuleNotFoundError: No module named 'torch'"})}
+    found = evaluate(plan, facts, deep=True)
+    [f] = by(found, "a", "torch")
+    assert f.status == FAIL
+    assert "torch is not installed for python3 (/usr/bin/python3.11)" in f.detail
+    assert f.fix.startswith("name the python that has torch (`python:` in the inventory, or --python")
+    assert "or else install torch into /usr/bin/python3.11" in f.fix
+    assert not by(found, "a", "torch import"), "one finding for one cause; no 'reinstall torch'"
+    assert "reinstall" not in " ".join(x.fix for x in found)
+
+
+def test_a_torch_that_fails_to_import_names_the_interpreter() -> None:
+    plan = plan_for("hosts: [a]\n")
+    facts = {"a": node_facts(torch_runtime={"error": "ImportError: libcudart.so.12: cannot open"})}
+    [f] = by(evaluate(plan, facts, deep=True), "a", "torch import")
+    assert f.status == FAIL and "importing torch with /venv/bin/python: ImportError" in f.detail
+    assert "--python" in f.fix
+
+
+# --- the connection test's listener -------------------------------------------------------------
+
+
+class NoListener(FakeClockBackend):
+    def __init__(self) -> None:
+        super().__init__({"a": 0.0, "b": 0.0}, 0.01, 0.01, 0.01)
+
+    def probe_node(self, node, plan, *, deep=False, make_dir=True):
+        return {**super().probe_node(node, plan), "port_free": True}
+
+    def reach(self, plan):
+        from cluster.errors import ClusterError
+        raise ClusterError("cannot listen on port 29400: Permission denied")
+
+
+def test_a_listener_that_cannot_start_is_said_as_a_sentence_with_its_fix() -> None:
+    inv = inventory.parse_yaml("defaults: {master_port: 29400}\nhosts: [a, b]\n", "x.yaml")
+    report = diagnose(inv, NoListener(), Templates())
+    [f] = [f for f in report.findings if f.check == "reach master"]
+    assert f.node == "a" and f.status == FAIL
+    assert f.detail == ("could not test whether the nodes reach a:29400: no listener could be "
+                        "started on a (cannot listen on port 29400: Permission denied)")
+    assert "{" not in f.detail and f.fix.startswith("free port 29400 on a, or choose another port")
+
+
+# --- progress -------------------------------------------------------------------------------------
+
+
+class Stream:
+    def __init__(self, tty: bool) -> None:
+        self.text, self.tty = "", tty
+
+    def write(self, s: str) -> None:
+        self.text += s
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.closed = 0
+
+    def __call__(self, phase, done, total) -> None:
+        self.calls.append((phase, done, total))
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_every_phase_gets_one_line_and_the_counts_go_to_the_live_counter() -> None:
+    stream, counter = Stream(tty=False), Counter()
+    lines = PhaseLines(stream, counter=counter)
+    for call in [("probe", 0, 3), ("probe", 1, 3), ("probe", 3, 3), ("reach", 0, 3),
+                 ("collective", 0, 3), ("check", 2, 3), ("check", 3, 3)]:
+        lines(*call)
+    said = stream.text.splitlines()
+    assert said == ["cluster: asking 3 node(s) what they have (python, torch, GPUs, disk, clock)",
+                    "cluster: testing that 3 node(s) reach the master port",
+                    "cluster: running a collective across 3 node(s) (all_reduce, then every "
+                    "pair); it is recorded as runs/doctor-<id>",
+                    "cluster: checking 3 node(s) before the collective starts"]
+    assert counter.calls == [("probe", 0, 3), ("probe", 1, 3), ("probe", 3, 3), ("check", 2, 3),
+                             ("check", 3, 3)], "reach and the collective have no count per node"
+    assert counter.closed == 3, "each new phase ends the last one's count"
+
+
+def test_the_live_count_is_drawn_only_on_a_terminal() -> None:
+    plain = PhaseLines(Stream(tty=False))
+    assert plain.counter.enabled is False
+    for i in range(4):
+        plain("probe", i, 3)
+    plain.close()
+    assert plain.stream.text == "cluster: asking 3 node(s) what they have (python, torch, GPUs, disk, clock)\n"
+    assert PhaseLines(Stream(tty=True)).counter.enabled is True
+
+
+def test_diagnose_announces_its_phases_to_the_backends_progress() -> None:
+    fake = NoListener()
+    stream = Stream(tty=False)
+    fake.progress = PhaseLines(stream, counter=Counter())
+    diagnose(inventory.parse_yaml("hosts: [a, b]\n", "x.yaml"), fake, Templates())
+    assert [line.split(" ")[1] for line in stream.text.splitlines()] == ["asking", "testing"]
+
+
+def test_a_listener_refused_by_the_node_is_reported_in_words_not_json(tmp_path) -> None:
+    """The node-side program says why as JSON; the launcher's error is that sentence."""
+    import socket
+    import sys
+    from cluster.backends.local import LocalTransport
+    from cluster.backends.supervised import SupervisedNode
+    from cluster.errors import ClusterError
+    taken = socket.socket()
+    taken.bind(("", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(ClusterError) as caught:
+            SupervisedNode(LocalTransport(), sys.executable, str(tmp_path)).listen(port, seconds=5)
+    finally:
+        taken.close()
+    assert str(caught.value) == f"cannot listen on port {port}: Address already in use"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import time
 from pathlib import Path
@@ -61,6 +62,18 @@ def test_newest_run_is_by_creation_not_by_last_change(tmp_path: Path) -> None:
     old.update(status_checked=True)
     os.utime(old.path / "run.json")
     assert RunDir.find(None, tmp_path).path == new.path
+
+
+def test_a_doctor_collective_is_never_the_newest_run(tmp_path: Path) -> None:
+    mine = RunDir.create("20261201-100000-aaaa", tmp_path)
+    mine.write_meta({"run_id": mine.run_id, "created": time.time() - 60, "nodes": []})
+    check = RunDir.create("doctor-20261201-100100-bbbb", tmp_path)
+    check.write_meta({"run_id": check.run_id, "created": time.time(), "nodes": []})
+    assert RunDir.find(None, tmp_path).path == mine.path
+    assert RunDir.find("doctor-20261201", tmp_path).path == check.path, "named, it is found"
+    shutil.rmtree(mine.path)
+    with pytest.raises(InputError, match="cluster doctor's are named by id only"):
+        RunDir.find(None, tmp_path)
 
 
 def test_newest_falls_back_to_the_time_in_the_run_id(tmp_path: Path) -> None:
