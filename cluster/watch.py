@@ -58,7 +58,11 @@ class WatchResult:
     signum: int = 2                                                  # what interrupted it
     stops: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> stop report
     tails: dict[str, list[str]] = field(default_factory=dict)
-    joined: set[str] = field(default_factory=set)    # nodes whose workers started (rendezvous done)
+    joined: set[str] = field(default_factory=set)    # nodes whose workers were seen at the store
+    # Nodes whose torchrun had started its workers, from events: its report of a failed worker,
+    # or its supervisor stopping them or finding them left. torchrun starts them only after
+    # the rendezvous of every node completed (cluster.launch decides restarts on this).
+    had_workers: set[str] = field(default_factory=set)
     group_ranks: dict[str, int] = field(default_factory=dict)       # label -> torch's group rank
     nodes: list[str] = field(default_factory=list)   # the nodes a scheduler gave the job
     hang: Hang | None = None
@@ -223,6 +227,8 @@ class Watcher:
                 self.progress = self.clock()
             elif "beat" in record:
                 self.progress = self.clock()
+            elif record.get("workers"):
+                self.result.had_workers.add(label)
             elif "stack" in record:
                 self.stacks.setdefault(label, []).append(record["stack"])
             elif "dumped" in record:
@@ -281,7 +287,9 @@ class Watcher:
             for line in lines:
                 shown = colours.setdefault(sub, index + len(colours))
                 self._emit(label, shown, line, sub)
-                if line.startswith(TORCHRUN_FAILED):
+                if line.startswith(TORCHRUN_FAILED):       # it had workers, and one failed
+                    with self.lock:
+                        self.result.had_workers.add(label)
                     self.events.put((proc, None))
         try:
             for chunk in proc.output():

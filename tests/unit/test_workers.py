@@ -91,3 +91,44 @@ def test_joined_means_every_worker_of_the_node_is_at_the_store(proc: Path) -> No
     process(proc, 106, {"RANK": "7", "GROUP_RANK": "1"}, {9007: STORE})
     assert not workers.joined([(106, 7)], str(proc))                 # no MASTER_PORT at all
 
+
+# --- the supervisor's word on workers, from a real supervisor and plain bash "workers" ---------
+
+# A "worker": a process in a session of its own with torchrun's rank variables, as torchrun
+# starts them; the script then waits as torchrun does.
+WORKER = "GROUP_RANK=0 RANK=0 setsid sleep 300 &\n"
+
+
+def records_of(out: bytes) -> list[dict]:
+    from cluster.nodes import Demux
+    return [r for r in Demux().feed(out) if isinstance(r, dict)]
+
+
+def test_a_stopped_node_says_it_had_workers_and_one_before_them_does_not(tmp_path: Path) -> None:
+    from tests.unit.test_supervisor import RUN_ID, finish, node_dir, start, tagged_pids, wait_for
+    d = node_dir(tmp_path, WORKER + "sleep 300\n")
+    p = start(d)
+    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    p.stdin.write(b"stop\n")
+    p.stdin.flush()
+    assert {"workers": 1} in records_of(finish(p))
+    p.stdin.close()
+    waiting = tmp_path / "waiting"
+    waiting.mkdir()
+    (waiting / "launch.sh").write_text("sleep 300\n")          # torchrun still in its rendezvous
+    p = start(waiting, node="n2")
+    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n2")) >= 2)
+    p.stdin.write(b"stop\n")
+    p.stdin.flush()
+    assert not [r for r in records_of(finish(p)) if "workers" in r]
+    p.stdin.close()
+
+
+def test_workers_left_by_a_torchrun_that_died_are_reported(tmp_path: Path) -> None:
+    from tests.unit.test_supervisor import RUN_ID, finish, node_dir, start, tagged_pids
+    d = node_dir(tmp_path, WORKER + "exit 9\n")                # torchrun gone, its worker not
+    p = start(d)
+    out = finish(p)
+    assert {"workers": 1} in records_of(out)
+    assert not tagged_pids(RUN_ID, "n1")
+    p.stdin.close()
