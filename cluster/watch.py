@@ -88,7 +88,8 @@ class Watcher:
 
     def __init__(self, procs: Sequence[Watched], console: Console,
                  log_paths: dict[str, Path], settle: float = 30.0, hang_timeout: float = 0.0,
-                 clock: Any = time.monotonic, stop: threading.Event | None = None) -> None:
+                 clock: Any = time.monotonic, stop: threading.Event | None = None,
+                 poll: float = 0.5) -> None:
         self.procs = list(procs)
         self.console = console
         self.log_paths = log_paths
@@ -96,6 +97,7 @@ class Watcher:
         self.hang_timeout = hang_timeout
         self.clock = clock
         self.stop = stop                       # set by another thread: stop all, as Ctrl-C does
+        self.poll = poll                       # how often a quiet watch checks the stop and the silence
         # (node, its exit); (node, None) when its torchrun reported a failed worker
         self.events: queue.Queue[tuple[Watched, NodeExit | None]] = queue.Queue()
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
@@ -191,7 +193,7 @@ class Watcher:
             if self.stop is not None and self.stop.is_set():
                 raise StopRequested(signal.SIGTERM)
             try:
-                return self.events.get(timeout=0.5)
+                return self.events.get(timeout=self.poll)
             except queue.Empty:
                 if self.hang_timeout and self.clock() - self.progress >= self.hang_timeout:
                     return None
