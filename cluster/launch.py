@@ -191,8 +191,9 @@ def _outcome(result: Any, plan: Any, console: Console) -> int:
                                        + (f" except {left}" if left else ""))
         raise Interrupted(f"interrupted ({name}); {what}", signum=result.signum)
     not_retried = getattr(result, "not_retried", None)
-    why_not = (f"; not restarted: {not_retried}, which is configuration (a setup line, the "
-               f"python, torch, the master's address) and would fail again") if not_retried else ""
+    why_not = (f"; not restarted: {not_retried}, which is configuration (a torchrun option, "
+               f"the python, torch, the environment, the master's address) and would fail "
+               f"again") if not_retried else ""
     if result.hang is not None:
         raise RunFailed(f"run {plan.run_id} hung: no progress on any node for "
                         f"{result.hang.seconds:.0f} s; every node was stopped (stacks: "
