@@ -147,16 +147,23 @@ def _retry(result: WatchResult, plan: Any, options: Options,
     """Why the job starts again, or None when it does not."""
     if result.ok or result.interrupted or len(history) > options.restarts:
         return None
-    if not joined(result):
-        result.not_retried = ("it failed before its rendezvous was complete (no node's "  # type: ignore[attr-defined]
-                              "torchrun had started its workers)")
-        return None
-    if time.monotonic() - result.started < options.restart_after:
-        result.not_retried = f"it failed in its first {options.restart_after:g} s (--restart-after)"  # type: ignore[attr-defined]
+    why_not = _configuration(result, options)
+    if why_not:
+        result.not_retried = why_not                              # type: ignore[attr-defined]
         return None
     left = options.restarts - len(history) + 1
     return (f"{_ending(result)}; restarting the whole job on a fresh rendezvous "
             f"({left} restart(s) left)")
+
+
+def _configuration(result: WatchResult, options: Options) -> str | None:
+    """Why this failure is configuration, which a restart would only repeat; None if not."""
+    if not joined(result):
+        return ("it failed before its rendezvous was complete (no node's torchrun had started "
+                "its workers)")
+    if time.monotonic() - result.started < options.restart_after:
+        return f"it failed in its first {options.restart_after:g} s (--restart-after)"
+    return None
 
 
 def joined(result: WatchResult) -> set[str]:

@@ -97,7 +97,7 @@ class Watcher:
         self.hang_timeout = hang_timeout
         self.clock = clock
         self.stop = stop                       # set by another thread: stop all, as Ctrl-C does
-        self.poll = poll                       # how often a quiet watch checks the stop and the silence
+        self.poll = poll                       # how often a quiet watch looks at stop and silence
         # (node, its exit); (node, None) when its torchrun reported a failed worker
         self.events: queue.Queue[tuple[Watched, NodeExit | None]] = queue.Queue()
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}

@@ -8,8 +8,7 @@ Imported by supervisor.py, which sits beside it in the node's run directory.
   them left at the end (the launcher's restart decision rests on that, never on a sample).
 - Progress: reports once when every worker has joined the job (it holds a connection to the
   rendezvous store: init_process_group got that far), with the node's group rank, for the
-  watchdog and the record of the attempt; then a beat whenever the reference trainer's
-  heartbeat file moves.
+  hang watchdog; then a beat whenever the reference trainer's heartbeat file moves.
 - Stacks: for the launcher's hang watchdog, every worker's Python stack, each alone: py-spy
   where the node has it and may use it, else Python's own faulthandler (the node script sets
   PYTHONFAULTHANDLER) through SIGABRT, one worker at a time while torchrun is paused, so
