@@ -132,7 +132,7 @@ def _record(run: RunDir, plan: Any, backend: Backend, procs: list[Any], result: 
         save_hang(run, result.hang, console)
     history.append({"attempt": len(history), "nodes": plan.node_names or result.nodes,
                     "master_port": getattr(plan, "master_port", None),
-                    "ended": _ending(result), "joined": sorted(result.joined),
+                    "ended": _ending(result), "joined": sorted(joined(result)),
                     "seconds": round(time.monotonic() - result.started, 1)})
     run.update(exits={k: dataclasses.asdict(v) for k, v in result.exits.items()},
                interrupted=signal.Signals(result.signum).name if result.interrupted else None,
@@ -155,19 +155,36 @@ def _retry(result: WatchResult, plan: Any, options: Options,
     """Why the job starts again, or None when it does not."""
     if result.ok or result.interrupted or len(history) > options.restarts:
         return None
-    elapsed = time.monotonic() - result.started
-    # A lost node's own word on joining may never have arrived: it counts as joined when the
-    # others did (their workers start only after every node took part in the rendezvous).
-    lost = {label for label, ex in result.exits.items() if ex.lost}
-    missing = sorted({n.label for n in plan.nodes} - result.joined - (lost if result.joined else set()))
-    if missing or elapsed < options.restart_after:
-        result.not_retried = (                                    # type: ignore[attr-defined]
-            f"it failed before {', '.join(f'[{m}]' for m in missing)} had joined the rendezvous"
-            if missing else f"it failed in its first {options.restart_after:g} s (--restart-after)")
+    why_not = _configuration(result, options)
+    if why_not:
+        result.not_retried = why_not                              # type: ignore[attr-defined]
         return None
     left = options.restarts - len(history) + 1
     return (f"{_ending(result)}; restarting the whole job on a fresh rendezvous "
             f"({left} restart(s) left)")
+
+
+def _configuration(result: WatchResult, options: Options) -> str | None:
+    """Why this failure is configuration, which a restart would only repeat; None if not."""
+    if not joined(result):
+        return ("it failed before its rendezvous was complete (no node's torchrun had started "
+                "its workers)")
+    if time.monotonic() - result.started < options.restart_after:
+        return f"it failed in its first {options.restart_after:g} s (--restart-after)"
+    return None
+
+
+def joined(result: WatchResult) -> set[str]:
+    """The nodes of this attempt (each reports an exit) that had joined its rendezvous: all of
+    them once one node is known to have started its workers, else none. torchrun starts them
+    only after its rendezvous is complete, which needs every node: each attempt runs with a
+    fixed --nnodes (--min-nodes only shrinks the next attempt), and rank assignment gathers
+    every node's entry first, under the static rendezvous too. Known from events, never from
+    a sample: a node's report of a failed worker, a node that finished, a supervisor that
+    stopped the node's workers or found them left after its torchrun died."""
+    proof = (result.had_workers or any(ex.ok for ex in result.exits.values())
+             or any(report.get("workers") for report in result.stops.values()))
+    return set(result.exits) if proof else set()
 
 
 def _without_lost(inventory: Inventory, result: WatchResult, options: Options) -> Inventory:
@@ -189,8 +206,9 @@ def _outcome(result: Any, plan: Any, console: Console) -> int:
                                        + (f" except {left}" if left else ""))
         raise Interrupted(f"interrupted ({name}); {what}", signum=result.signum)
     not_retried = getattr(result, "not_retried", None)
-    why_not = (f"; not restarted: {not_retried}, which is configuration (a bad path, an "
-               f"import error, a wrong interface) and would fail again") if not_retried else ""
+    why_not = (f"; not restarted: {not_retried}, which is configuration (a torchrun option, "
+               f"the python, torch, the environment, the master's address) and would fail "
+               f"again") if not_retried else ""
     if result.hang is not None:
         raise RunFailed(f"run {plan.run_id} hung: no progress on any node for "
                         f"{result.hang.seconds:.0f} s; every node was stopped (stacks: "

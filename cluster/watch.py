@@ -58,7 +58,11 @@ class WatchResult:
     signum: int = 2                                                  # what interrupted it
     stops: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> stop report
     tails: dict[str, list[str]] = field(default_factory=dict)
-    joined: set[str] = field(default_factory=set)    # nodes whose workers started (rendezvous done)
+    joined: set[str] = field(default_factory=set)    # nodes whose workers were seen at the store
+    # Nodes whose torchrun had started its workers, from events: its report of a failed worker,
+    # or its supervisor stopping them or finding them left. torchrun starts them only after
+    # the rendezvous of every node completed (cluster.launch decides restarts on this).
+    had_workers: set[str] = field(default_factory=set)
     group_ranks: dict[str, int] = field(default_factory=dict)       # label -> torch's group rank
     nodes: list[str] = field(default_factory=list)   # the nodes a scheduler gave the job
     hang: Hang | None = None
@@ -84,7 +88,8 @@ class Watcher:
 
     def __init__(self, procs: Sequence[Watched], console: Console,
                  log_paths: dict[str, Path], settle: float = 30.0, hang_timeout: float = 0.0,
-                 clock: Any = time.monotonic, stop: threading.Event | None = None) -> None:
+                 clock: Any = time.monotonic, stop: threading.Event | None = None,
+                 poll: float = 0.5) -> None:
         self.procs = list(procs)
         self.console = console
         self.log_paths = log_paths
@@ -92,6 +97,7 @@ class Watcher:
         self.hang_timeout = hang_timeout
         self.clock = clock
         self.stop = stop                       # set by another thread: stop all, as Ctrl-C does
+        self.poll = poll                       # how often a quiet watch looks at stop and silence
         # (node, its exit); (node, None) when its torchrun reported a failed worker
         self.events: queue.Queue[tuple[Watched, NodeExit | None]] = queue.Queue()
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
@@ -187,7 +193,7 @@ class Watcher:
             if self.stop is not None and self.stop.is_set():
                 raise StopRequested(signal.SIGTERM)
             try:
-                return self.events.get(timeout=0.5)
+                return self.events.get(timeout=self.poll)
             except queue.Empty:
                 if self.hang_timeout and self.clock() - self.progress >= self.hang_timeout:
                     return None
@@ -223,6 +229,8 @@ class Watcher:
                 self.progress = self.clock()
             elif "beat" in record:
                 self.progress = self.clock()
+            elif record.get("workers"):
+                self.result.had_workers.add(label)
             elif "stack" in record:
                 self.stacks.setdefault(label, []).append(record["stack"])
             elif "dumped" in record:
@@ -281,7 +289,9 @@ class Watcher:
             for line in lines:
                 shown = colours.setdefault(sub, index + len(colours))
                 self._emit(label, shown, line, sub)
-                if line.startswith(TORCHRUN_FAILED):
+                if line.startswith(TORCHRUN_FAILED):       # it had workers, and one failed
+                    with self.lock:
+                        self.result.had_workers.add(label)
                     self.events.put((proc, None))
         try:
             for chunk in proc.output():

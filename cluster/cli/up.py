@@ -75,7 +75,7 @@ def check_script_args(script: str, args: tuple[str, ...], own: set[str]) -> None
               help="Pass NAME from this shell to every node without writing its value anywhere (repeatable).")
 @click.option("--max-restarts", type=click.IntRange(0), metavar="N",
               help="After a failure, start the whole job again up to N times (default: the "
-                   "inventory's restarts, else 0). Not after a failure before every node joined.")
+                   "inventory's restarts, else 0). Not after a failure before the rendezvous was complete.")
 @click.option("--restart-after", type=click.FloatRange(min=0), metavar="SECONDS",
               help="A failure in the first SECONDS of running is configuration: never restarted.")
 @click.option("--min-nodes", type=click.IntRange(1), metavar="M",

@@ -244,8 +244,10 @@ def terminate(d, grace, we_supervise=False):
 
 
 def sweep(ident, grace):
-    """TERM each process of the run once, wait up to `grace`, KILL the rest, verify."""
+    """TERM each process of the run once, wait up to `grace`, KILL the rest, verify. The
+    report counts torchrun's workers among them: proof that the rendezvous had completed."""
     first = ident.members()
+    had = len(workers.workers_among(first))
     # One TERM each: a second one interrupts torchrun's own shutdown of its workers.
     signalled = [pid for pid in first if ident.signal(pid, signal.SIGTERM)]
     deadline = time.time() + grace
@@ -262,7 +264,7 @@ def sweep(ident, grace):
     while left and time.time() < deadline:
         time.sleep(0.05)
         left = ident.members()
-    return {"signalled": signalled, "killed": killed, "left": left}
+    return {"signalled": signalled, "killed": killed, "left": left, "workers": had}
 
 
 # --- the run's container, by its name -----------------------------------------------------------
@@ -316,6 +318,7 @@ def terminate_container(ident, box, grace):
         time.sleep(0.05)
     report = sweep(ident, max(1.0, grace - (time.time() - t0)))
     report["signalled"] = sorted(set(before) | set(report["signalled"]))
+    report["workers"] = max(report["workers"], len(workers.workers_among(before)))
     if container_exists(box) is not False:
         runtime(box, "rm", "--force", box["name"], timeout=grace + 30)
     deadline = time.time() + CLIENT_GRACE
@@ -465,6 +468,10 @@ def run(args):
     final = {key: sorted({pid for r in done + [leftovers] for pid in r[key]})
              for key in ("signalled", "killed")}
     final["left"] = leftovers["left"]
+    had = max(r.get("workers", 0) for r in done + [leftovers])
+    if had:
+        # Workers to stop, or left by a torchrun that died: its rendezvous had completed.
+        out.record({"workers": had})
     out.record({"final": final})
     return code if code >= 0 else 128 - code
 

@@ -2,10 +2,13 @@
 
 Imported by supervisor.py, which sits beside it in the node's run directory.
 
+- Workers: torchrun's worker processes among the run's (they carry GROUP_RANK and RANK).
+  torchrun starts them only once its rendezvous is complete, so a node that has them proves
+  that the rendezvous of every node was; the supervisor says so when it stops them or finds
+  them left at the end (the launcher's restart decision rests on that, never on a sample).
 - Progress: reports once when every worker has joined the job (it holds a connection to the
-  rendezvous store: init_process_group got that far; a failure before is configuration, a bad
-  path or an import error, and not worth a restart), with the node's group rank; then a beat
-  whenever the reference trainer's heartbeat file moves.
+  rendezvous store: init_process_group got that far), with the node's group rank, for the
+  hang watchdog; then a beat whenever the reference trainer's heartbeat file moves.
 - Stacks: for the launcher's hang watchdog, every worker's Python stack, each alone: py-spy
   where the node has it and may use it, else Python's own faulthandler (the node script sets
   PYTHONFAULTHANDLER) through SIGABRT, one worker at a time while torchrun is paused, so
@@ -19,21 +22,22 @@ import threading
 import time
 
 BEAT_EVERY = 1.0
+PROC = "/proc"          # where the processes are read; a test gives a folder of its own
 
 
-def environ(pid):
+def environ(pid, proc=PROC):
     try:
-        with open("/proc/%d/environ" % pid, "rb") as f:
+        with open("%s/%d/environ" % (proc, pid), "rb") as f:
             return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
     except OSError:
         return {}
 
 
-def workers(ident):
-    """[(pid, rank)] of this run's torchrun workers on this node (they carry RANK)."""
+def workers_among(pids, proc=PROC):
+    """[(pid, rank)] of torchrun's workers among pids (they carry GROUP_RANK and RANK)."""
     found = []
-    for pid in ident.members():
-        env = environ(pid)
+    for pid in pids:
+        env = environ(pid, proc)
         if b"GROUP_RANK" in env and b"RANK" in env:
             try:
                 found.append((pid, int(env[b"RANK"])))
@@ -42,20 +46,25 @@ def workers(ident):
     return sorted(found, key=lambda pr: pr[1])
 
 
-def group_rank(pid):
+def workers(ident):
+    """[(pid, rank)] of this run's torchrun workers on this node."""
+    return workers_among(ident.members())
+
+
+def group_rank(pid, proc=PROC):
     try:
-        return int(environ(pid).get(b"GROUP_RANK", b"-1"))
+        return int(environ(pid, proc).get(b"GROUP_RANK", b"-1"))
     except ValueError:
         return -1
 
 
-def sockets(pid):
+def sockets(pid, proc=PROC):
     """The inodes of a process's sockets."""
     found = set()
     try:
-        for fd in os.listdir("/proc/%d/fd" % pid):
+        for fd in os.listdir("%s/%d/fd" % (proc, pid)):
             try:
-                link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+                link = os.readlink("%s/%d/fd/%s" % (proc, pid, fd))
             except OSError:
                 continue
             if link.startswith("socket:["):
@@ -65,16 +74,16 @@ def sockets(pid):
     return found
 
 
-def connected_to(pid, port):
+def connected_to(pid, port, proc=PROC):
     """Whether pid has (or had, with the connection still open) a TCP connection to port:
     a worker that reached the rendezvous store has joined the job."""
-    mine = sockets(pid)
+    mine = sockets(pid, proc)
     if not mine:
         return False
     want = ":%04X" % port
     for table in ("tcp", "tcp6"):
         try:
-            with open("/proc/%d/net/%s" % (pid, table)) as f:
+            with open("%s/%d/net/%s" % (proc, pid, table)) as f:
                 next(f, None)
                 for line in f:
                     fields = line.split()
@@ -85,21 +94,22 @@ def connected_to(pid, port):
     return False
 
 
-def joined(found):
+def joined(found, proc=PROC):
     """Every worker has connected to the rendezvous store (MASTER_PORT in its environment)."""
     for pid, _ in found:
         try:
-            port = int(environ(pid).get(b"MASTER_PORT", b"0"))
+            port = int(environ(pid, proc).get(b"MASTER_PORT", b"0"))
         except ValueError:
             return False
-        if not port or not connected_to(pid, port):
+        if not port or not connected_to(pid, port, proc):
             return False
     return True
 
 
 class Progress(threading.Thread):
     """Tells the launcher (through emit) when every worker has joined the job (reached the
-    rendezvous store: before that, a failure is configuration) and when the heartbeat moves."""
+    rendezvous store) and when the heartbeat moves: progress, for the hang watchdog. A sample,
+    so it decides nothing else."""
 
     def __init__(self, ident_of, heartbeat_file, emit, done):
         super().__init__(daemon=True)

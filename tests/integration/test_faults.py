@@ -303,19 +303,54 @@ def test_a_killed_rank_restarts_the_job_which_resumes_and_completes(ssh_nodes4, 
                 figures={"kill to done": f"{time.monotonic() - t0:.1f} s"})
 
 
-def test_a_bad_script_fails_once_not_four_times(ssh_nodes4, cli, reliability):
+def test_a_rank_that_dies_right_after_init_is_restarted(ssh_nodes4, cli, reliability):
+    """Rank 2 is SIGKILLed by itself the moment init_process_group returns, before any scan
+    of the nodes could see a worker at the store: its torchrun's report of the failed worker
+    proves that every node had joined, so the job restarts (it used to be called
+    configuration, or not, by the timing of that scan)."""
+    inv = inventory(ssh_nodes4, cli)
     t0 = time.monotonic()
-    proc = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "2", "--max-restarts", "3",
-                   "--", "no-such-script.py", timeout=180)
+    proc = cli.run("up", "-i", inv, "--nodes", "3", "--max-restarts", "1", "--sync", str(PROGRAMS),
+                   "--", "die_after_init.py", "--die-rank", "2", timeout=300)
+    took = time.monotonic() - t0
+    assert proc.popen.returncode == 0, proc.dump()
+    assert "not restarted" not in proc.stderr, proc.dump()
+    assert "restarting the whole job on a fresh rendezvous" in proc.stderr, proc.dump()
+    got = records(proc)
+    assert sorted((r["restart"], r["rank"]) for r in got) == [(1, 0), (1, 1), (1, 2)], got
+    meta = json.loads((cli.cwd / "runs" / cli.run_ids()[-1] / "run.json").read_text())
+    first, second = meta["attempts"]
+    assert first["ended"].startswith("node [node") and " failed" in first["ended"], first
+    assert first["joined"] == ["node1 0", "node2 1", "node3 2"], first
+    assert second["ended"] == "finished", second
+    reliability(order=9, fault="a rank dies right after init_process_group, --max-restarts 1",
+                does="3 nodes; rank 2 SIGKILLs itself the moment init returns, the others wait in "
+                     "a barrier",
+                outcome="restarted: its torchrun's report of the failed worker proves every node "
+                        "had joined the rendezvous; the second attempt completes", exit=0,
+                figures={"to done": f"{took:.1f} s"})
+
+
+def test_a_failure_before_the_rendezvous_fails_once_not_four_times(ssh_nodes4, cli, reliability):
+    """node2's torchrun refuses an option and exits while node1's waits in the rendezvous: no
+    node started workers, so it is configuration and not retried."""
+    data = ssh_nodes4.inventory(nodes=[1, 2])
+    data["hosts"][1]["torchrun_args"] = ["--monitor-interval=soon"]
+    inv = cli.home / "inv.yaml"
+    inv.write_text(json.dumps(data))
+    t0 = time.monotonic()
+    proc = cli.run("up", "-i", str(inv), "--max-restarts", "3", *SYNC, timeout=180)
     took = time.monotonic() - t0
     assert proc.popen.returncode == 4, proc.dump()
-    assert re.search(r"not restarted: it failed before \[node1 0\], \[node2 1\] had joined the rendezvous", proc.stderr), proc.dump()
+    assert "node [node2 1] failed" in proc.stderr, proc.dump()
+    assert "not restarted: it failed before its rendezvous was complete (no node's torchrun had " \
+           "started its workers)" in proc.stderr, proc.dump()
     assert proc.stderr.count("starting 2 node(s)") == 1, proc.dump()
-    reliability(order=9, fault="a bad script path, --max-restarts 3",
-                does="2 nodes, a script that does not exist",
-                outcome="fails once: the failure came before every node joined the rendezvous "
-                        "(configuration), so it is not retried", exit=4,
-                figures={"to exit": f"{took:.1f} s"})
+    assert "restarting" not in proc.stderr, proc.dump()
+    reliability(order=9, fault="a failure before the rendezvous, --max-restarts 3",
+                does="2 nodes; node2's torchrun_args hold an option torchrun refuses",
+                outcome="fails once: no node's torchrun had started its workers (configuration), "
+                        "so it is not retried", exit=4, figures={"to exit": f"{took:.1f} s"})
 
 
 def test_a_lost_node_is_left_out_of_the_next_attempt(ssh_nodes4, cli, reliability):

@@ -11,33 +11,84 @@ import pytest
 from cluster import api
 from cluster.errors import InputError
 from cluster.inventory import parse_yaml
-from cluster.launch import Options, _retry, _without_lost
+from cluster.launch import Options, _retry, _without_lost, joined
 from cluster.nodes import NodeExit
-from cluster.watch import Hang, WatchResult
+from cluster.watch import Hang, Watcher, WatchResult
 
 PLAN = SimpleNamespace(nodes=[SimpleNamespace(label="a 0"), SimpleNamespace(label="b 1"),
                               SimpleNamespace(label="c 2")])
 
 
-def failed(joined=("a 0", "b 1", "c 2"), seconds_ago=100.0, **exits) -> WatchResult:
-    r = WatchResult(exits={"a 0": NodeExit(code=0), "b 1": NodeExit(code=1), "c 2": NodeExit(code=0),
+def failed(had_workers=("b 1",), seconds_ago=100.0, **exits) -> WatchResult:
+    """Node b failed; a and c were stopped (exit 143) without a word on their workers."""
+    r = WatchResult(exits={"a 0": NodeExit(code=143), "b 1": NodeExit(code=1), "c 2": NodeExit(code=143),
                            **{k.replace("_", " "): v for k, v in exits.items()}},
-                    joined=set(joined), started=time.monotonic() - seconds_ago)
+                    had_workers=set(had_workers), started=time.monotonic() - seconds_ago)
     r.first_failure = ("b 1", r.exits["b 1"])
     return r
 
 
-def test_a_failure_after_every_node_joined_restarts_while_the_budget_lasts() -> None:
+def test_a_failure_after_the_rendezvous_restarts_while_the_budget_lasts() -> None:
     why = _retry(failed(), PLAN, Options(restarts=2), history=[{}])
     assert why is not None and "fresh rendezvous" in why and "(2 restart(s) left)" in why
     assert _retry(failed(), PLAN, Options(restarts=2), history=[{}, {}, {}]) is None
     assert _retry(failed(), PLAN, Options(restarts=0), history=[{}]) is None
 
 
-def test_a_failure_before_every_node_joined_is_configuration_and_says_so() -> None:
-    result = failed(joined=("a 0",))
+def test_a_failure_before_the_rendezvous_is_configuration_and_names_no_node() -> None:
+    """Nothing proves that any node's torchrun started workers: no node can be named as not
+    joined (some may have been waiting in the rendezvous), and the job is not retried."""
+    result = failed(had_workers=())
+    result.joined = {"a 0"}                        # what a scan saw decides nothing
     assert _retry(result, PLAN, Options(restarts=3), history=[{}]) is None
-    assert result.not_retried == "it failed before [b 1], [c 2] had joined the rendezvous"
+    assert result.not_retried == ("it failed before its rendezvous was complete (no node's "
+                                  "torchrun had started its workers)")
+    assert joined(result) == set()
+
+
+def test_a_node_that_fails_before_any_scan_saw_its_workers_is_restarted() -> None:
+    """The issue's case: rank 2 dies right after init_process_group, before any supervisor's
+    scan saw a worker at the store. Its torchrun's report of the failed worker proves that
+    the rendezvous was complete, so every node had joined."""
+    fast = failed(had_workers=("c 2",))
+    fast.first_failure = ("c 2", fast.exits["c 2"])
+    assert fast.joined == set()
+    assert _retry(fast, PLAN, Options(restarts=1), history=[{}]) is not None
+    assert joined(fast) == {"a 0", "b 1", "c 2"}
+
+
+def test_the_watcher_takes_the_proof_from_the_nodes_events_not_from_a_scan() -> None:
+    """Through the watcher: node c's torchrun reports its failed worker before any scan saw
+    a worker anywhere; a and c are stopped. The job restarts, and the attempt's record says
+    every node had joined."""
+    from tests.unit.test_watch import CHILD_FAILED, FakeNode, console
+    failing = FakeNode("c 2", CHILD_FAILED, NodeExit(code=1))
+    result = Watcher([FakeNode("a 0", [], None), FakeNode("b 1", [], None), failing],
+                     console()[0], {}).run()
+    assert result.first_failure[0] == "c 2" and result.joined == set()
+    assert result.had_workers == {"c 2"} and joined(result) == {"a 0", "b 1", "c 2"}
+    assert _retry(result, PLAN, Options(restarts=1), history=[{}]) is not None
+    before = FakeNode("c 2", [b"launch.sh: line 9: no-such-venv/bin/activate: No such file\n"],
+                      NodeExit(code=1))
+    early = Watcher([FakeNode("a 0", [], None), FakeNode("b 1", [], None), before],
+                    console()[0], {}).run()
+    assert _retry(early, PLAN, Options(restarts=1), history=[{}]) is None
+    stopped = [FakeNode("a 0", [{"workers": 1}], None), FakeNode("b 1", [], None)]
+    lost = FakeNode("c 2", [], NodeExit(lost=True, reason="keepalive"))
+    result = Watcher([*stopped, lost], console()[0], {}).run()
+    assert result.had_workers == {"a 0"}
+    assert _retry(result, PLAN, Options(restarts=1), history=[{}]) is not None
+
+
+def test_workers_stopped_or_left_or_a_finished_node_prove_the_rendezvous_too() -> None:
+    stopped = failed(had_workers=())
+    stopped.stops = {"a 0": {"signalled": [5], "killed": [], "left": [], "workers": 2}}
+    assert _retry(stopped, PLAN, Options(restarts=1), history=[{}]) is not None
+    finished = failed(had_workers=(), a_0=NodeExit(code=0))
+    assert _retry(finished, PLAN, Options(restarts=1), history=[{}]) is not None
+    none = failed(had_workers=())
+    none.stops = {"a 0": {"signalled": [5], "killed": [], "left": [], "workers": 0}}
+    assert _retry(none, PLAN, Options(restarts=1), history=[{}]) is None
 
 
 def test_restart_after_widens_the_window_of_configuration_failures() -> None:
@@ -47,18 +98,34 @@ def test_restart_after_widens_the_window_of_configuration_failures() -> None:
     assert _retry(failed(seconds_ago=90), PLAN, Options(restarts=3, restart_after=60), history=[{}])
 
 
-def test_a_hang_after_every_node_joined_restarts_too() -> None:
+def test_a_hang_after_the_rendezvous_restarts_too() -> None:
     hung = WatchResult(exits={n.label: NodeExit(signal=15) for n in PLAN.nodes},
-                       joined={n.label for n in PLAN.nodes}, started=time.monotonic() - 200)
+                       stops={n.label: {"left": [], "workers": 1} for n in PLAN.nodes},
+                       started=time.monotonic() - 200)
     hung.hang = Hang(seconds=120)
     why = _retry(hung, PLAN, Options(restarts=1), history=[{}])
     assert why is not None and why.startswith("hang: no progress for 120 s; restarting")
     assert _retry(hung, PLAN, Options(restarts=0), history=[{}]) is None
+    hung.stops = {n.label: {"left": []} for n in PLAN.nodes}     # stuck in the rendezvous
+    assert _retry(hung, PLAN, Options(restarts=1), history=[{}]) is None
 
 
-def test_a_lost_node_counts_as_joined_when_the_others_did() -> None:
-    lost = failed(joined=("a 0", "b 1"), c_2=NodeExit(lost=True, reason="keepalive"))
+def test_a_lost_node_counts_as_joined_when_the_others_had_workers() -> None:
+    lost = failed(had_workers=(), c_2=NodeExit(lost=True, reason="keepalive"))
+    lost.first_failure = ("c 2", lost.exits["c 2"])
+    lost.stops = {"a 0": {"left": [], "workers": 1}, "b 1": {"left": [], "workers": 1}}
     assert _retry(lost, PLAN, Options(restarts=1), history=[{}]) is not None
+    assert "c 2" in joined(lost)
+
+
+def test_an_attempt_shrunk_by_min_nodes_is_judged_on_its_own_nodes() -> None:
+    """After a loss under --min-nodes the next attempt runs on fewer nodes, with --nnodes
+    fixed to them: the proof covers those nodes, not the ones left out."""
+    second = WatchResult(exits={"a 0": NodeExit(code=143), "b 1": NodeExit(code=1)},
+                         had_workers={"b 1"}, started=time.monotonic() - 100)
+    second.first_failure = ("b 1", second.exits["b 1"])
+    assert joined(second) == {"a 0", "b 1"}
+    assert _retry(second, PLAN, Options(restarts=2, min_nodes=2), history=[{}, {}]) is not None
 
 
 def test_an_interrupted_or_finished_job_never_restarts() -> None:

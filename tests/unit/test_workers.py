@@ -1,0 +1,134 @@
+"""cluster/remote/workers.py on a fake /proc: which processes are torchrun's workers, and
+whether they hold a connection to the rendezvous store (joined). The tree below has what the
+functions read: <pid>/environ, <pid>/fd/<n> links to socket:[inode], <pid>/net/tcp(6)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from cluster.backends.supervised import SUPERVISOR
+
+_spec = importlib.util.spec_from_file_location("node_workers", SUPERVISOR.parent / "workers.py")
+workers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(workers)
+
+PORT = 29500                       # 0x733C
+HEAD = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+
+
+def tcp_row(local: str, remote: str, state: str, inode: int) -> str:
+    return (f"   0: {local} {remote} {state} 00000000:00000000 00:00000000 00000000  1000        0 "
+            f"{inode} 1 0000000000000000 20 4 30 10 -1\n")
+
+
+def process(root: Path, pid: int, env: dict[str, str], sockets: dict[int, str] | None = None,
+            tcp6: dict[int, str] | None = None) -> None:
+    """A fake process: its environment, one fd per socket inode, and its network tables
+    (each socket's row: its remote address, as /proc/<pid>/net/tcp writes it)."""
+    d = root / str(pid)
+    (d / "fd").mkdir(parents=True)
+    (d / "net").mkdir()
+    sockets, tcp6 = sockets or {}, tcp6 or {}
+    (d / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
+    os.symlink("/dev/null", d / "fd" / "0")
+    for n, inode in enumerate([*sockets, *tcp6], start=3):
+        os.symlink(f"socket:[{inode}]", d / "fd" / str(n))
+    (d / "net" / "tcp").write_text(HEAD + "".join(
+        tcp_row("0B4D000A:A1B2", remote, "01", inode) for inode, remote in sockets.items()))
+    (d / "net" / "tcp6").write_text(HEAD + "".join(
+        tcp_row("00000000000000000000000001000000:A1B2", remote, "01", inode)
+        for inode, remote in tcp6.items()))
+
+
+def worker_env(rank: int, port: int = PORT) -> dict[str, str]:
+    return {"RANK": str(rank), "GROUP_RANK": "1", "MASTER_PORT": str(port), "CLUSTER_RUN_ID": "r"}
+
+
+STORE = "0A4D000A:733C"            # 10.0.77.10:29500
+ELSEWHERE = "0A4D000A:0016"        # the same host, port 22
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> Path:
+    root = tmp_path / "proc"
+    process(root, 100, {"CLUSTER_RUN_ID": "r"})                                  # torchrun
+    process(root, 101, worker_env(2), {9001: STORE, 9002: ELSEWHERE})            # at the store
+    process(root, 102, worker_env(3), {9003: ELSEWHERE})                         # not yet
+    process(root, 103, worker_env(4), tcp6={9004: "0000000000000000FFFF00000A4D000A:733C"})
+    process(root, 104, {**worker_env(5), "MASTER_PORT": "x"}, {9005: STORE})     # garbled port
+    return root
+
+
+def test_workers_are_the_processes_with_torchruns_ranks_in_rank_order(proc: Path) -> None:
+    assert workers.workers_among([104, 100, 102, 101, 999], str(proc)) == [(101, 2), (102, 3), (104, 5)]
+    assert workers.group_rank(101, str(proc)) == 1 and workers.group_rank(100, str(proc)) == -1
+
+
+def test_connected_to_the_store_port_by_the_processs_own_sockets(proc: Path) -> None:
+    assert workers.connected_to(101, PORT, str(proc))
+    assert not workers.connected_to(102, PORT, str(proc))            # only port 22
+    assert workers.connected_to(103, PORT, str(proc))                # over IPv6 (v4-mapped)
+    assert not workers.connected_to(101, 29501, str(proc))
+    assert not workers.connected_to(999, PORT, str(proc))            # gone: no error
+
+
+def test_a_row_of_another_processs_socket_does_not_count(proc: Path) -> None:
+    """The network table is the whole namespace's: only rows of this process's inodes count."""
+    process(proc, 105, worker_env(6), {9006: ELSEWHERE})
+    table = proc / "105" / "net" / "tcp"
+    table.write_text(table.read_text() + tcp_row("0B4D000A:B000", STORE, "01", 7777))
+    assert not workers.connected_to(105, PORT, str(proc))
+
+
+def test_joined_means_every_worker_of_the_node_is_at_the_store(proc: Path) -> None:
+    assert workers.joined([(101, 2)], str(proc))
+    assert workers.joined([(101, 2), (103, 4)], str(proc))
+    assert not workers.joined([(101, 2), (102, 3)], str(proc))       # one still on its way
+    assert not workers.joined([(104, 5)], str(proc))                 # no port to look for
+    process(proc, 106, {"RANK": "7", "GROUP_RANK": "1"}, {9007: STORE})
+    assert not workers.joined([(106, 7)], str(proc))                 # no MASTER_PORT at all
+
+
+# --- the supervisor's word on workers, from a real supervisor and plain bash "workers" ---------
+
+# A "worker": a process in a session of its own with torchrun's rank variables, as torchrun
+# starts them; the script then waits as torchrun does.
+WORKER = "GROUP_RANK=0 RANK=0 setsid sleep 300 &\n"
+
+
+def records_of(out: bytes) -> list[dict]:
+    from cluster.nodes import Demux
+    return [r for r in Demux().feed(out) if isinstance(r, dict)]
+
+
+def test_a_stopped_node_says_it_had_workers_and_one_before_them_does_not(tmp_path: Path) -> None:
+    from tests.unit.test_supervisor import RUN_ID, finish, node_dir, start, tagged_pids, wait_for
+    d = node_dir(tmp_path, WORKER + "sleep 300\n")
+    p = start(d)
+    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    p.stdin.write(b"stop\n")
+    p.stdin.flush()
+    assert {"workers": 1} in records_of(finish(p))
+    p.stdin.close()
+    waiting = tmp_path / "waiting"
+    waiting.mkdir()
+    (waiting / "launch.sh").write_text("sleep 300\n")          # torchrun still in its rendezvous
+    p = start(waiting, node="n2")
+    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n2")) >= 2)
+    p.stdin.write(b"stop\n")
+    p.stdin.flush()
+    assert not [r for r in records_of(finish(p)) if "workers" in r]
+    p.stdin.close()
+
+
+def test_workers_left_by_a_torchrun_that_died_are_reported(tmp_path: Path) -> None:
+    from tests.unit.test_supervisor import RUN_ID, finish, node_dir, start, tagged_pids
+    d = node_dir(tmp_path, WORKER + "exit 9\n")                # torchrun gone, its worker not
+    p = start(d)
+    out = finish(p)
+    assert {"workers": 1} in records_of(out)
+    assert not tagged_pids(RUN_ID, "n1")
+    p.stdin.close()
