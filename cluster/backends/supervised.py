@@ -690,7 +690,7 @@ class SupervisedBackend:
     def _recorded_safe(self, run: Any) -> list[tuple[dict[str, Any], SupervisedNode | None, str]]:
         hosts = {h.name: h for h in run.hosts()}
         out: list[tuple[dict[str, Any], SupervisedNode | None, str]] = []
-        for rec in run.meta()["nodes"]:
+        for rec in run.meta().get("nodes") or []:     # none yet while the run is checked
             host = hosts[rec["name"]]
             try:
                 remote = SupervisedNode(self.transport(host), host.python,

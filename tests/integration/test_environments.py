@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 
 try:
-    from tests.integration.conftest import PROGRAMS, make_venv, node_leftovers, wait_until
+    from tests.integration.conftest import (PROGRAMS, make_venv, node_leftovers,
+                                            run_processes_in, wait_until)
 except ImportError:  # run with tests/integration on sys.path
-    from conftest import PROGRAMS, make_venv, node_leftovers, wait_until  # type: ignore
+    from conftest import (PROGRAMS, make_venv, node_leftovers,  # type: ignore
+                          run_processes_in, wait_until)
 
 pytestmark = [pytest.mark.integration]
 
@@ -98,6 +100,22 @@ API_PROGRAM = textwrap.dedent("""
         run = cluster.up(inv, "allreduce.py", [], nodes=2, sync_dir=programs, echo=False)
         out["code"] = run.wait(180)
         out["status"] = run.status()
+    elif mode.startswith("detach"):
+        run = cluster.up(inv, "allreduce.py", ["--sleep", "4"], nodes=2, sync_dir=programs,
+                         echo=False, detach=True)
+        out["record"] = (run.path / "run.json").is_file()
+        out["wait_at_once"] = run.wait(0)             # started, so its nodes are running
+        if mode == "detach-wait":
+            out["code"] = run.wait(180)
+            out["status"] = run.status()
+    elif mode == "exit-attached":                     # this program ends while the run runs
+        run = cluster.up(inv, "allreduce.py", ["--sleep", "120"], nodes=2, sync_dir=programs,
+                         echo=False)
+        out["record"] = (run.path / "run.json").is_file()
+        deadline = time.monotonic() + 120
+        while run.logs().count('"sleeping"') < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out["status"] = run.status()
     else:
         run = cluster.up(inv, "allreduce.py", ["--sleep", "120"], nodes=2, sync_dir=programs,
                          echo=False)
@@ -128,6 +146,39 @@ def test_python_api_runs_a_job_to_the_end(ssh_nodes4, cli):
     assert Path(got["path"]).name == got["run_id"]
     assert wait_until(lambda: node_leftovers(ssh_nodes4, 1, 2) == {}, 10) is not None, \
         node_leftovers(ssh_nodes4, 1, 2)      # a session may take a moment to close
+
+
+def test_python_api_detached_run_outlives_its_program(ssh_nodes4, cli):
+    got = api(cli, ssh_nodes4.write_inventory(cli.home / "inv.yaml"), "detach")
+    assert got["record"] and got["wait_at_once"] is None, got
+    # the program has ended; the nodes still run the job, which then ends by itself
+    assert run_processes_in(ssh_nodes4, 1) and run_processes_in(ssh_nodes4, 2), got
+    assert wait_until(lambda: node_leftovers(ssh_nodes4, 1, 2) == {}, 120) is not None, \
+        node_leftovers(ssh_nodes4, 1, 2)
+    status = cli.run("status", got["run_id"])
+    assert status.stdout.count("exited") == 2, status.dump()
+    logs = cli.run("logs", got["run_id"])
+    assert sorted(d["rank"] for _, d in records(logs.stdout)) == [0, 1], logs.dump()
+
+
+def test_python_api_wait_on_a_detached_run_returns_its_end(ssh_nodes4, cli):
+    got = api(cli, ssh_nodes4.write_inventory(cli.home / "inv.yaml"), "detach-wait")
+    assert got["wait_at_once"] is None and got["code"] == 0 and got["error"] is None, got
+    assert set(got["status"].values()) == {"exited 0"}, got
+    assert node_leftovers(ssh_nodes4, 1, 2) == {}
+
+
+def test_python_api_attached_run_stops_when_its_program_exits(ssh_nodes4, cli):
+    got = api(cli, ssh_nodes4.write_inventory(cli.home / "inv.yaml"), "exit-attached")
+    assert got["record"] and set(got["status"].values()) == {"running"}, got
+    # nothing is left on either node: read from the nodes' namespaces, not from cluster
+    assert wait_until(lambda: node_leftovers(ssh_nodes4, 1, 2) == {}, 10) is not None, \
+        node_leftovers(ssh_nodes4, 1, 2)      # a session may take a moment to close
+    meta = json.loads((cli.cwd / got["path"] / "run.json").read_text())
+    assert meta["stopped_because"].startswith("the program that started it exited"), meta
+    status = cli.run("status", got["run_id"])
+    assert status.stdout.count("stopped") >= 2, status.dump()
+    assert "stopped because the program that started it exited" in status.stdout, status.dump()
 
 
 def test_python_api_down_stops_every_node(ssh_nodes4, cli):

@@ -161,3 +161,87 @@ def test_logs_follow_every_node_at_once(tmp_path: Path) -> None:
     assert logs.returncode == 0, logs.stderr
     shown = [line for line in logs.stdout.splitlines() if line.startswith("[")]
     assert shown == ["[local0 0] a0", "[local1 1] b0", "[local0 0] a1"], logs.stdout
+
+
+# --- the Python API, from a program that then exits -------------------------------------------
+
+API_SCRIPT = """
+import json, sys, time
+import cluster
+from pathlib import Path
+
+mode, program = sys.argv[1:3]
+out = {}
+run = cluster.up(None, program, ["--sleep", "3" if mode.startswith("detach") else "120"],
+                 backend="local", nodes=2, detach=mode.startswith("detach"), echo=False)
+out.update(run_id=run.run_id, record=(run.path / "run.json").is_file())
+if mode == "detach-wait":
+    out["wait_at_once"] = run.wait(timeout=0)          # the nodes are running
+    out["wait"] = run.wait(timeout=120)
+    out["status"] = run.status()
+elif mode == "attached-late":                          # exit while the workers run
+    deadline = time.monotonic() + 120
+    while run.logs().count('"sleeping"') < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out["status"] = run.status()
+print(json.dumps(out), flush=True)
+"""
+
+
+def api_program(tmp_path: Path, mode: str) -> dict:
+    """A program using cluster's Python API, run as a user runs one, to its exit."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1", PYTHONPATH=str(REPO))
+    env.pop("CLUSTER_RUNS_DIR", None)
+    res = subprocess.run([sys.executable, "-c", API_SCRIPT, mode, str(ALLREDUCE)], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+def wait_for(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return bool(pred())
+
+
+def test_python_api_detached_run_outlives_its_program(tmp_path: Path) -> None:
+    got = api_program(tmp_path, "detach")
+    assert got["record"], "run.json exists from the moment up() returns"
+    run = tmp_path / "runs" / got["run_id"]
+    # the program has exited; the run goes on without it and ends by itself
+    assert run_processes(got["run_id"]), "the detached run must outlive its program"
+    assert wait_for(lambda: run_processes(got["run_id"]) == [], 120)
+    status = cluster(tmp_path, "status", got["run_id"])
+    assert status.stdout.count("exited") == 2 and "│ 0 " in status.stdout, status.stdout
+    logs = cluster(tmp_path, "logs", got["run_id"])
+    assert sorted(d["rank"] for _, d in reports(logs.stdout)) == [0, 1], logs.stdout
+    assert json.loads((run / "run.json").read_text())["detached"] is True
+
+
+def test_python_api_wait_on_a_detached_run_is_none_until_it_ends(tmp_path: Path) -> None:
+    got = api_program(tmp_path, "detach-wait")
+    assert got["record"]
+    assert got["wait_at_once"] is None, got
+    assert got["wait"] == 0, got
+    assert got["status"] == {"local0": "exited 0", "local1": "exited 0"}, got
+    assert run_processes(got["run_id"]) == []
+
+
+@pytest.mark.parametrize("when", ["early", "late"])
+def test_python_api_attached_run_stops_when_its_program_exits(tmp_path: Path, when: str) -> None:
+    """Early: the program ends while the nodes are checked; late: while the workers run.
+    Either way nothing of the run is left, and its record says why."""
+    got = api_program(tmp_path, f"attached-{when}")
+    assert got["record"]
+    if when == "late":
+        assert got["status"] == {"local0": "running", "local1": "running"}, got
+    assert run_processes(got["run_id"]) == []
+    assert processes_under(tmp_path) == [], "the independent scan finds nothing either"
+    meta = json.loads((tmp_path / "runs" / got["run_id"] / "run.json").read_text())
+    assert meta["stopped_because"].startswith("the program that started it exited"), meta
+    assert meta["exit_code"] == 143, meta
+    status = cluster(tmp_path, "status", got["run_id"])
+    assert "stopped because the program that started it exited" in status.stdout, status.stdout
