@@ -245,3 +245,36 @@ def test_python_api_attached_run_stops_when_its_program_exits(tmp_path: Path, wh
     assert meta["exit_code"] == 143, meta
     status = cluster(tmp_path, "status", got["run_id"])
     assert "stopped because the program that started it exited" in status.stdout, status.stdout
+
+
+# --- the reference trainer, launch after launch -----------------------------------------------
+
+
+def final_line(stdout: str) -> dict:
+    line = [ln for ln in stdout.splitlines() if "FINAL {" in ln][-1]
+    return json.loads(line.split("FINAL ", 1)[1])
+
+
+def test_the_quickstarts_two_commands_each_train(tmp_path: Path) -> None:
+    """`cluster up`, then `cluster up --local --nodes 2` (one epoch each): the second does not
+    "resume" the finished first run into 0 steps; it trains, and says why it did not resume.
+    A run stopped before its end is resumed by the next launch."""
+    first = cluster(tmp_path, "up", "--", "--epochs", "1", "--no-plot", timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert final_line(first.stdout)["steps"] == 22
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt_*")) != []
+    second = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", "--epochs", "1",
+                     "--no-plot", timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = final_line(second.stdout)
+    assert got["steps"] == 22 and got["resumed_from"] is None and got["images_per_s"], got
+    assert "not resuming:" in second.stdout and "training anew" in second.stdout
+    # unfinished: --max-steps ends it early; the next launch continues it to the end
+    third = cluster(tmp_path, "up", "--", "--epochs", "1", "--max-steps", "5", "--no-plot",
+                    timeout=300)
+    assert third.returncode == 0 and final_line(third.stdout)["steps"] == 5, third.stderr[-3000:]
+    fourth = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", "--epochs", "1",
+                     "--no-plot", timeout=300)
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    got = final_line(fourth.stdout)
+    assert got["resumed_from"].endswith("ckpt_step00000005.pt") and got["steps"] == 22, got
