@@ -121,6 +121,8 @@ class SupervisedNode:
         gives the word (cluster/remote/stage.py): one process and one round trip per node for
         the check and the start together. release() lets it go without starting."""
         args = self.facts_args(node, plan, port=port, deep=False, make_dir=True, connect=connect)
+        if node.script_file:             # is the job's script there, before anything starts
+            args += ["--script", node.script_file]
         ch = self.transport.spawn(stage_command(self.exe, *args))
         ch.write(stage_input())
         said, noise = b"", b""

@@ -278,3 +278,18 @@ def test_the_quickstarts_two_commands_each_train(tmp_path: Path) -> None:
     assert fourth.returncode == 0, fourth.stderr[-3000:]
     got = final_line(fourth.stdout)
     assert got["resumed_from"].endswith("ckpt_step00000005.pt") and got["steps"] == 22, got
+
+
+def test_a_missing_script_stops_the_launch_before_anything_starts(tmp_path: Path) -> None:
+    """Checked on each node, from its workdir (here: this directory), with and without the
+    cross-node checks: exit 3 naming node and path, and no torchrun ever started."""
+    for extra in ([], ["--no-preflight"]):
+        res = cluster(tmp_path, "up", "--local", "--nodes", "2", *extra, "--", "no-such.py")
+        assert res.returncode == 3, res.stderr
+        for node in ("local0", "local1"):
+            assert (f"{node}: script: no-such.py is not a file on this node (looked for "
+                    f"{tmp_path}/no-such.py") in res.stderr, res.stderr
+        assert "ChildFailedError" not in res.stdout + res.stderr
+        assert processes_under(tmp_path) == []
+    for run in (tmp_path / "runs").iterdir():
+        assert "pgids" not in json.loads((run / "run.json").read_text())    # nothing started
