@@ -285,24 +285,7 @@ class Run:
         rows = self._node_rows()
         if not rows or any(r.state not in _ENDED for r in rows):
             return None
-        failed = [r for r in rows if r.state not in _FINISHED | _STOPPED | _LOST
-                  or (r.state == "exited" and r.code != 0)]
-        lost = [r for r in rows if r.state in _LOST]
-        stopped = [r for r in rows if r.state in _STOPPED]
-        where = f"(logs: `cluster logs {self.run_id}`)"
-        if failed:
-            r = failed[0]
-            code = f" with code {r.code}" if r.code is not None else ""
-            self.error = RunFailed(f"node [{r.name} {r.rank}] {r.state}{code}"
-                                   + (f" ({r.detail})" if r.detail else "") + f" {where}")
-        elif lost:
-            r = lost[0]
-            self.error = NodeLost(f"node [{r.name} {r.rank}] was lost: {r.detail or r.state} {where}")
-        elif stopped:
-            self.error = Interrupted(f"the run was stopped ({stopped[0].detail or 'cluster down'})",
-                                     signum=signal.SIGTERM)
-        else:
-            self.error = None
+        self.error = detached_error(rows, self.run_id)
         self.returncode = self.error.exit_code if self.error else 0
         return self.returncode
 
@@ -354,6 +337,29 @@ class Run:
 
     def __repr__(self) -> str:
         return f"<cluster.Run {self.run_id} {'ended ' + str(self.returncode) if self.done else 'running'}>"
+
+
+def detached_error(rows: Sequence[NodeStatus], run_id: str) -> ClusterError | None:
+    """How a detached run ended, from its nodes' final states: None when every node exited 0;
+    else the error `cluster up` would have raised (a failed node first, then a lost one,
+    then a stop)."""
+    failed = [r for r in rows if r.state not in _FINISHED | _STOPPED | _LOST
+              or (r.state == "exited" and r.code != 0)]
+    lost = [r for r in rows if r.state in _LOST]
+    stopped = [r for r in rows if r.state in _STOPPED]
+    where = f"(logs: `cluster logs {run_id}`)"
+    if failed:
+        r = failed[0]
+        code = f" with code {r.code}" if r.code is not None else ""
+        return RunFailed(f"node [{r.name} {r.rank}] {r.state}{code}"
+                         + (f" ({r.detail})" if r.detail else "") + f" {where}")
+    if lost:
+        r = lost[0]
+        return NodeLost(f"node [{r.name} {r.rank}] was lost: {r.detail or r.state} {where}")
+    if stopped:
+        return Interrupted(f"the run was stopped ({stopped[0].detail or 'cluster down'})",
+                           signum=signal.SIGTERM)
+    return None
 
 
 # --- the runs this program owns ----------------------------------------------------------------

@@ -172,12 +172,19 @@ from pathlib import Path
 
 mode, program = sys.argv[1:3]
 out = {}
-run = cluster.up(None, program, ["--sleep", "3" if mode.startswith("detach") else "120"],
+run = cluster.up(None, program, ["--sleep", "3" if mode in ("detach", "detach-wait") else "120"],
                  backend="local", nodes=2, detach=mode.startswith("detach"), echo=False)
 out.update(run_id=run.run_id, record=(run.path / "run.json").is_file())
 if mode == "detach-wait":
     out["wait_at_once"] = run.wait(timeout=0)          # the nodes are running
     out["wait"] = run.wait(timeout=120)
+    out["status"] = run.status()
+elif mode == "detach-down":                            # no launcher: stopped as `cluster down`
+    deadline = time.monotonic() + 120
+    while set(run.status().values()) != {"running"} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out["down"] = run.down(timeout=120)
+    out["error"] = str(run.error)
     out["status"] = run.status()
 elif mode == "attached-late":                          # exit while the workers run
     deadline = time.monotonic() + 120
@@ -228,6 +235,13 @@ def test_python_api_wait_on_a_detached_run_is_none_until_it_ends(tmp_path: Path)
     assert got["wait"] == 0, got
     assert got["status"] == {"local0": "exited 0", "local1": "exited 0"}, got
     assert run_processes(got["run_id"]) == []
+
+
+def test_python_api_down_stops_a_detached_run(tmp_path: Path) -> None:
+    got = api_program(tmp_path, "detach-down")
+    assert got["down"] == 143 and "the run was stopped" in got["error"], got
+    assert set(got["status"].values()) == {"stopped"}, got
+    assert run_processes(got["run_id"]) == [] and processes_under(tmp_path) == []
 
 
 @pytest.mark.parametrize("when", ["early", "late"])
