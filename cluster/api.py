@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +25,10 @@ from typing import Any
 
 from . import launch, resolve, tuning
 from .backends import Backend
-from .backends.slurm import cli_settings
+from .backends.slurm import TERMINAL, cli_settings
 from .console import Console, NodeProgress
-from .errors import ClusterError, InputError
+from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
+from .nodes import NodeStatus
 from .plan import Job, Templates
 from .runs import RunDir, new_run_id
 from .spec import Inventory, check_text
@@ -83,12 +86,15 @@ class Prepared:
 
     def run(self, console: Console, argv: list[str], created: Any = None) -> int:
         """Record the run, then check, start and watch it (or only print it, for a dry run).
-        created(run_dir) is called once the run directory exists."""
+        created(run_dir) is called once the run directory (and its run.json) exists. An
+        error is recorded in run.json too (`error`, `exit_code`): the record says why."""
         progress = NodeProgress(stream=console.err)   # drawn only on a terminal, 8+ nodes
         if hasattr(self.backend, "progress"):
             self.backend.progress = progress
+        run: RunDir | None = None
         try:
-            run = RunDir.create(self.job.run_id)
+            run = RunDir.create(self.job.run_id, meta={"backend": self.backend_name,
+                                                       "command": argv, "cwd": os.getcwd()})
             job = self.job
             if self.backend_name == "local":
                 job = dataclasses.replace(job, node_root=run.node_root())
@@ -101,6 +107,10 @@ class Prepared:
                 return 0
             return launch.up(self.inventory, job, self.templates, self.backend, run, argv,
                              console, self.options)
+        except ClusterError as exc:
+            if run is not None:
+                run.update(error=exc.message, exit_code=exc.exit_code)
+            raise
         finally:
             progress.close()
             self.backend.close()
@@ -185,14 +195,22 @@ def up(inventory: str | os.PathLike[str] | None = None, script: str | None = Non
 class Run:
     """A run started by up(): status(), logs(), wait(), down(). The launcher's work (the
     check, the start, watching every node, stopping them all when one fails) goes on in a
-    thread of this process; if this process ends, each node stops its own run."""
+    thread of this process. When this program ends, an attached run is stopped on every node
+    first (its owner is gone; run.json's `stopped_because` says so), and a detached run is
+    let finish starting: it runs on without this program."""
+
+    # Seconds between two looks at a detached run's nodes in wait(): such a run has no
+    # launcher to tell of its end, so its nodes' recorded state is read again.
+    poll_interval: float = 2.0
 
     def __init__(self, prepared: Prepared, console: Console) -> None:
         self.run_id = prepared.job.run_id
         self.error: ClusterError | None = None
         self.returncode: int | None = None
         self._prepared = prepared
+        self._detach = prepared.options.detach
         self._stop = threading.Event()
+        self._stop_reason: str | None = None
         self._created = threading.Event()
         self._dir: RunDir | None = None
         self._thread = threading.Thread(target=self._main, args=(console,), daemon=True,
@@ -204,6 +222,7 @@ class Run:
         sink = None if echo else open(os.devnull, "w")
         run = cls(prepared, Console(out=sink, err=sink, color=False) if sink else Console())
         run._stop = prepared.options.stop                  # type: ignore[assignment]
+        _owned(run)
         run._thread.start()
         run._created.wait()
         return run
@@ -219,7 +238,24 @@ class Run:
         except BaseException as exc:                    # noqa: BLE001 - reported, never lost
             self.error, self.returncode = ClusterError(f"{type(exc).__name__}: {exc}"), 1
         finally:
+            self._record_stop()
             self._created.set()
+            _released(self)
+
+    def _record_stop(self) -> None:
+        """Why a stop was asked for, in run.json and in the error."""
+        if self._stop_reason is None or self._dir is None:
+            return
+        self._dir.update(stopped_because=self._stop_reason)
+        if self.error is not None:
+            self.error.message = f"stopped because {self._stop_reason}: {self.error.message}"
+
+    def _owner_exits(self) -> None:
+        """This program is ending. Attached: stop every node (as down() does), since nobody
+        is left to watch them. Detached: nothing to do but let the start finish."""
+        if not self._detach and self._thread.is_alive():
+            self._stop_reason = f"the program that started it exited (pid {os.getpid()})"
+            self._stop.set()
 
     @property
     def path(self) -> Path | None:
@@ -228,17 +264,59 @@ class Run:
 
     @property
     def done(self) -> bool:
+        """Whether the launcher has returned (for a detached run: once every node started)."""
         return not self._thread.is_alive()
+
+    @property
+    def _running_detached(self) -> bool:
+        return self._detach and self.done and self.returncode == 0 and self._dir is not None
 
     def wait(self, timeout: float | None = None) -> int | None:
         """The exit code once the run has ended (0: every node finished; else self.error
-        says why), or None if it is still going after timeout seconds."""
+        says why), or None if it is still going after timeout seconds. A detached run has
+        ended when every node has (read from the nodes every poll_interval seconds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._thread.join(timeout)
-        return None if self._thread.is_alive() else self.returncode
+        if not self.done:
+            return None
+        if not self._running_detached:
+            return self.returncode
+        while (code := self._detached_outcome()) is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            time.sleep(self.poll_interval if left is None else min(self.poll_interval, left))
+        return code
+
+    def _detached_outcome(self) -> int | None:
+        """None while a node of the detached run has not ended; else its exit code, with
+        self.error set as `cluster up` would have said it."""
+        rows = self._node_rows()
+        if not rows or any(r.state not in _ENDED for r in rows):
+            return None
+        self.error = detached_error(rows, self.run_id)
+        self.returncode = self.error.exit_code if self.error else 0
+        return self.returncode
+
+    def _node_rows(self) -> list[NodeStatus]:
+        assert self._dir is not None
+        backend = resolve.recorded_backend(self._dir)
+        try:
+            return list(backend.status(self._dir))
+        finally:
+            backend.close()
 
     def down(self, timeout: float | None = None) -> int | None:
         """Stop every node (as Ctrl-C does: SIGTERM, then SIGKILL after the stop grace) and
-        wait for the launcher to confirm; the exit code, as wait()."""
+        wait for that to be confirmed; the exit code, as wait()."""
+        if self._running_detached:            # no launcher: as `cluster down` does
+            assert self._dir is not None
+            backend = resolve.recorded_backend(self._dir)
+            try:
+                backend.stop_run(self._dir)
+            finally:
+                backend.close()
+            return self.wait(timeout)
         self._stop.set()
         return self.wait(timeout)
 
@@ -250,15 +328,12 @@ class Run:
         if "start" not in (meta.get("timings") or {}):
             state = "failed" if self.done and self.returncode else "starting"
             return {name: state for name in names}
-        backend = resolve.recorded_backend(self._dir)
-        try:
-            return {row.name: f"{row.state} {row.code}" if row.state == "exited" else row.state
-                    for row in backend.status(self._dir)}
-        finally:
-            backend.close()
+        return {row.name: f"{row.state} {row.code}" if row.state == "exited" else row.state
+                for row in self._node_rows()}
 
     def logs(self, node: str | None = None) -> str:
-        """The output so far, each line prefixed with its node, as the run's log files hold it."""
+        """The output so far, each line prefixed with its node, as the run's log files hold
+        it (a detached run's output is on its nodes: `cluster logs RUN` reads it there)."""
         if self._dir is None:
             return ""
         out = []
@@ -271,3 +346,70 @@ class Run:
 
     def __repr__(self) -> str:
         return f"<cluster.Run {self.run_id} {'ended ' + str(self.returncode) if self.done else 'running'}>"
+
+
+def detached_error(rows: Sequence[NodeStatus], run_id: str) -> ClusterError | None:
+    """How a detached run ended, from its nodes' final states: None when every node exited 0;
+    else the error `cluster up` would have raised (a failed node first, then a lost one,
+    then a stop)."""
+    failed = [r for r in rows if r.state not in _FINISHED | _STOPPED | _LOST
+              or (r.state == "exited" and r.code != 0)]
+    lost = [r for r in rows if r.state in _LOST]
+    stopped = [r for r in rows if r.state in _STOPPED]
+    where = f"(logs: `cluster logs {run_id}`)"
+    if failed:
+        r = failed[0]
+        code = f" with code {r.code}" if r.code is not None else ""
+        return RunFailed(f"node [{r.name} {r.rank}] {r.state}{code}"
+                         + (f" ({r.detail})" if r.detail else "") + f" {where}")
+    if lost:
+        r = lost[0]
+        return NodeLost(f"node [{r.name} {r.rank}] was lost: {r.detail or r.state} {where}")
+    if stopped:
+        return Interrupted(f"the run was stopped ({stopped[0].detail or 'cluster down'})",
+                           signum=signal.SIGTERM)
+    return None
+
+
+# --- the runs this program owns ----------------------------------------------------------------
+
+# A node's state once its run has ended there, in `cluster status`'s words (a SLURM job's
+# are its scheduler's, lowercase).
+_FINISHED = frozenset({"exited", "completed"})          # with a code: 0 is success
+_STOPPED = frozenset({"stopped", "cancelled"})
+_LOST = frozenset({"lost", "gone", "node_fail"})
+_ENDED = _FINISHED | _STOPPED | _LOST | {state.lower() for state in TERMINAL}
+
+_live: set[Run] = set()
+_live_lock = threading.Lock()
+_hooked = False
+
+
+def _owned(run: Run) -> None:
+    """Keep the run in this program's list until its launcher returns; at the first, ask to
+    hear of this program's end."""
+    global _hooked
+    with _live_lock:
+        if not _hooked:
+            # threading's own exit hooks run before the interpreter joins its threads and
+            # before concurrent.futures refuses new work (which every stop needs). They run
+            # last-registered first, so this one runs before concurrent.futures' own.
+            threading._register_atexit(_program_exits)       # type: ignore[attr-defined]
+            _hooked = True
+        _live.add(run)
+
+
+def _released(run: Run) -> None:
+    with _live_lock:
+        _live.discard(run)
+
+
+def _program_exits() -> None:
+    """Every attached run is stopped (all at once), every detached one finishes starting;
+    this program ends only when their launchers have returned."""
+    with _live_lock:
+        runs = list(_live)
+    for run in runs:
+        run._owner_exits()
+    for run in runs:
+        run._thread.join()

@@ -216,7 +216,8 @@ def _outcome(result: Any, plan: Any, console: Console) -> int:
     if result.first_failure:
         label, ex = result.first_failure
         stopped = len(result.stops)
-        msg = (f"node [{label}] failed: {ex.describe()}; "
+        cause = result.causes.get(label)          # the worker's own error leads
+        msg = (f"node [{label}] failed: {f'{cause} ({ex.describe()})' if cause else ex.describe()}; "
                f"{'stopped the other ' + str(stopped) + ' node(s)' if stopped else 'no other node was running'}"
                f" (logs: {plan.logs_hint})")
         if ex.lost:

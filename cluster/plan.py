@@ -6,6 +6,7 @@ and the run id. A backend never re-reads the inventory or re-renders. `--dry-run
 from __future__ import annotations
 
 import hashlib
+import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ class NodePlan:
     run_dir: str                      # per-node directory on that node (may start with ~)
     env: tuple[tuple[str, str], ...]  # the environment the script sets that cluster decided
     container: str | None = None      # the container's name on the node, if it runs in one
+    script_file: str | None = None    # the job's script, when the node's python opens it as a
+                                      # file (relative to the workdir): checked before the start
 
     @property
     def secret_env(self) -> tuple[str, ...]:
@@ -183,6 +186,7 @@ class Templates:
 
     def __init__(self, override: str | Path | None = None) -> None:
         dirs = [str(builtin_templates_dir())]
+        self.own = None if override is None else Path(override)
         if override is not None:
             override = Path(override)
             if not override.is_dir():
@@ -194,6 +198,10 @@ class Templates:
         self.env.filters["shquote"] = shquote
         self.env.filters["shpath"] = shpath
         self.env.globals["setup_block"] = setup_block
+
+    def overrides(self, name: str) -> bool:
+        """Whether the user's --templates directory has its own `name`."""
+        return self.own is not None and (self.own / name).is_file()
 
     def render(self, name: str, **context: object) -> str:
         try:
@@ -247,8 +255,30 @@ def _node(rank: int, host: Host, inv: Inventory, job: Job, templates: Templates,
                ("CLUSTER_NODE_RANK", str(rank)), ("CLUSTER_NNODES", str(len(inv.hosts))),
                ("CLUSTER_RESTART_COUNT", str(job.attempt)),
                ("MASTER_ADDR", inv.master.address), ("MASTER_PORT", str(port))]
+    script_file = None if templates.overrides("node.sh.j2") else script_file_of(host, job.script)
     return NodePlan(rank=rank, host=host, script=text, run_dir=node_run_dir(host, job),
-                    env=tuple(decided + network.decided_env(net)) + host.env, container=box_name)
+                    env=tuple(decided + network.decided_env(net)) + host.env, container=box_name,
+                    script_file=script_file)
+
+
+# torchrun options that make the script something other than a file its python opens.
+NOT_A_FILE = ("-m", "--module", "--no-python", "--no_python")
+CHANGES_DIRECTORY = re.compile(r"(^|[;&|(]\s*)(cd|pushd)(\s|$)")
+
+
+def script_file_of(host: Host, script: str) -> str | None:
+    """The script as a file the node's python will open from its workdir, or None where that
+    cannot be told from here: a module (-m) or a program (--no-python), a setup line that
+    changes directory first, or a path inside a container's image (outside the workdir,
+    which alone is mounted)."""
+    if any(a.split("=", 1)[0] in NOT_A_FILE for a in host.torchrun_args):
+        return None
+    if any(CHANGES_DIRECTORY.search(line) for line in host.setup):
+        return None
+    workdir = host.workdir.rstrip("/") + "/"
+    if host.container and script.startswith("/") and not script.startswith(workdir):
+        return None
+    return script
 
 
 def container_check(host: Host, name: str, templates: Templates, code: str) -> str:

@@ -86,6 +86,8 @@ def node_findings(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Fin
                            f"(CUDA {torch.get('cuda') or 'none'}), python {f.get('python')}"))
     out.append(interface_finding(name, f.get("network") or {}))
     out += ib_findings(name, node.host.network.ib, f.get("ib_devices") or [])
+    if "script" in f:
+        out.append(script_finding(node, f["script"]))
     if "port_free" in f:
         out.append(Finding(name, "master port", PASS if f["port_free"] else FAIL,
                            f"port {plan.master_port} is {'free' if f['port_free'] else 'in use'} here",
@@ -102,6 +104,18 @@ def no_torch(name: str, asked: str, executable: str | None) -> Finding:
                    f"asked for on this node",
                    f"name the python that has torch (`python:` in the inventory, or --python "
                    f"PATH), or else install torch into {executable or asked}")
+
+
+def script_finding(node: Any, s: Mapping[str, Any]) -> Finding:
+    """The job's script is a file on the node, where its torchrun will look (the workdir):
+    found here, nothing starts anywhere, rather than after every node has started."""
+    script, name = node.script_file, node.host.name
+    if s.get("file"):
+        return Finding(name, "script", PASS, f"{script} is there ({s.get('path')})")
+    return Finding(name, "script", FAIL, f"{script} is not a file on this node (looked for "
+                   f"{s.get('path')}, from the workdir {node.host.workdir})",
+                   "copy it there (over SSH, --sync DIR copies DIR into the workdir first); "
+                   "a relative path is read from the workdir")
 
 
 RUNTIME_FIX = {

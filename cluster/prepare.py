@@ -78,7 +78,7 @@ def check(inventory: Inventory, job: Job, templates: Templates, backend: Backend
     reach = {name: f["reach"] for name, f in facts.items() if "reach" in f} if preflight else None
     findings = evaluate(plan, facts, reach)
     if not preflight:   # what used to be the whole check: torch (or its image) present, the port free
-        findings = [f for f in findings if f.check in ("torch", "container", "master port")]
+        findings = [f for f in findings if f.check in ("torch", "container", "master port", "script")]
     try:
         judge(findings, len(plan.nodes), console)
     except PreflightError:

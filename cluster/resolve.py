@@ -184,8 +184,9 @@ def command(command: tuple[str, ...], backend: str,
         # `-- cluster-train/train.py ARGS` over SSH: the built-in trainer with your arguments.
         synced = str(train_dir) if backend == "ssh" and command[0].startswith("cluster-train/") else None
         return command[0], tuple(command[1:]), synced
-    # Checkpoints go to a place that outlives one run, so that every attempt of a restarted
-    # job, and the next `cluster up`, resumes from the newest one.
+    # Checkpoints go to a place that outlives one run (checkpoints/, git-ignored), so that
+    # every attempt of a restarted job, and the next `cluster up`, resumes an unfinished run
+    # from its newest one; the trainer starts anew over a finished run's (train/train.py).
     if backend == "ssh":
         return "cluster-train/train.py", ("--out", f".cluster/{run_id}/train", "--checkpoint-dir",
                                           CHECKPOINTS, *extra), str(train_dir)

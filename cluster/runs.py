@@ -4,7 +4,8 @@ Everything here may hold a secret (an env value in a script, a token a program p
 directory is 0700 and every file 0600, whatever the umask. Secret environment values
 (secret_env) are never written: the record keeps their names only.
 
-    runs/<run-id>/run.json          run id, backend, nodes, command line, git commit, times
+    runs/<run-id>/run.json          run id, backend, nodes, command line, git commit, times;
+                                    written when the directory is made, completed as it goes
     runs/<run-id>/inventory.yaml    the inventory as loaded (every default applied)
     runs/<run-id>/inventory.source  the inventory file as read, when there was one
     runs/<run-id>/env.json          per node: the environment cluster decided
@@ -66,7 +67,10 @@ class RunDir:
         return self.path.name
 
     @classmethod
-    def create(cls, run_id: str, root: Path | None = None) -> "RunDir":
+    def create(cls, run_id: str, root: Path | None = None,
+               meta: dict[str, Any] | None = None) -> "RunDir":
+        """The run's directory with its run.json from the first moment (its id, when it was
+        made, and `meta`), so that status, logs and clean see the run while it is checked."""
         root = root or runs_root()
         if not root.exists():
             make_private_dir(root)
@@ -79,7 +83,9 @@ class RunDir:
         os.chmod(path, 0o700)
         for sub in ("scripts", "logs"):
             make_private_dir(path / sub)
-        return cls(path)
+        run = cls(path)
+        run.write_meta({"run_id": run_id, "created": time.time(), **(meta or {})})
+        return run
 
     @classmethod
     def find(cls, run: str | None, root: Path | None = None) -> "RunDir":
@@ -117,7 +123,7 @@ class RunDir:
         for name in rec.logs:
             write_private(self.path / "logs" / name, b"")
         write_private(self.path / "env.json", json.dumps(rec.env, indent=2) + "\n")
-        meta = {"run_id": plan.run_id, "backend": backend, "created": time.time(),
+        meta = {"run_id": plan.run_id, "backend": backend, "created": self._created_at(),
                 "command": argv, "cwd": os.getcwd(), "git_commit": git_commit(), **rec.meta}
         meta.update(extra or {})
         self.write_meta(meta)
@@ -138,6 +144,13 @@ class RunDir:
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         write_private(self.path / "run.json", json.dumps(meta, indent=2) + "\n")
+
+    def _created_at(self) -> float:
+        """When the directory was made (its first record), else now."""
+        try:
+            return float(self.meta().get("created") or time.time())
+        except (OSError, ValueError, TypeError):
+            return time.time()
 
     def update(self, **fields: Any) -> None:
         meta = self.meta()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import threading
 import time
@@ -28,6 +29,57 @@ __all__ = ["Console", "Hang", "LineSplitter", "TAIL_LINES", "Watched", "WatchRes
 # prints this, then its interpreter takes about half a second more to end (measured at 8 nodes).
 # The other nodes are stopped from this line, not from the exit.
 TORCHRUN_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+
+# A worker's line as torch's excepthook prefixes it; python's own words when it cannot start
+# the script at all (no traceback then); the root-cause rank in torchrun's closing report.
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")
+PYTHON_SAYS = re.compile(r"can't open file |: No module named |Error while finding module specification")
+ROOT_RANK = re.compile(r"^\s*rank\s*: (\d+)")
+
+
+class WorkerErrors:
+    """A node's output read for its workers' own errors: the line each traceback ends with
+    (`RuntimeError: ...`), or python's `can't open file ...`. torchrun's closing report
+    (its ChildFailedError banner) names the root-cause rank but not its error, and comes
+    last, so the worker's own words are further up than any tail of the output reaches."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[int | None, str]] = []      # (global rank if prefixed, line)
+        self.in_traceback: dict[int | None, bool] = {}
+        self.torchrun_failed = False
+        self.in_root_cause = False
+        self.root_rank: int | None = None
+
+    def feed(self, line: str) -> None:
+        if self.torchrun_failed:
+            self._report(line)
+            return
+        if line.startswith(TORCHRUN_FAILED):              # torchrun's own traceback ends here
+            self.torchrun_failed = True
+            return
+        m = RANK_PREFIX.match(line)
+        rank, text = (int(m.group(1)), line[m.end():]) if m else (None, line)
+        if text.startswith("Traceback (most recent call last)"):
+            self.in_traceback[rank] = True
+        elif self.in_traceback.get(rank) and text.strip() and not text[0].isspace():
+            self.in_traceback[rank] = False               # frames are indented; this is the error
+            self.found.append((rank, text.strip()))
+        elif PYTHON_SAYS.search(text):
+            self.found.append((rank, text.strip()))
+
+    def _report(self, line: str) -> None:
+        if line.startswith("Root Cause"):
+            self.in_root_cause = True
+        elif self.in_root_cause and self.root_rank is None and (m := ROOT_RANK.match(line)):
+            self.root_rank = int(m.group(1))
+
+    def cause(self) -> str | None:
+        """The root-cause rank's last error (a chained exception ends with the one raised),
+        else the first rank's that said one; None when no worker said one."""
+        if not self.found:
+            return None
+        rank = self.root_rank if any(r == self.root_rank for r, _ in self.found) else self.found[0][0]
+        return [text for r, text in self.found if r == rank][-1]
 
 class Watched(Protocol):
     """What the watcher needs of a running node (backends.NodeProcess has this shape)."""
@@ -58,6 +110,7 @@ class WatchResult:
     signum: int = 2                                                  # what interrupted it
     stops: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> stop report
     tails: dict[str, list[str]] = field(default_factory=dict)
+    causes: dict[str, str] = field(default_factory=dict)   # label -> its worker's own error
     joined: set[str] = field(default_factory=set)    # nodes whose workers were seen at the store
     # Nodes whose torchrun had started its workers, from events: its report of a failed worker,
     # or its supervisor stopping them or finding them left. torchrun starts them only after
@@ -101,6 +154,7 @@ class Watcher:
         # (node, its exit); (node, None) when its torchrun reported a failed worker
         self.events: queue.Queue[tuple[Watched, NodeExit | None]] = queue.Queue()
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
+        self.errors: dict[str, WorkerErrors] = {p.node.label: WorkerErrors() for p in procs}
         # Nodes we are stopping print their shutdown tracebacks; those go to the log files only.
         self.muted: set[str] = set()
         self.progress = clock()
@@ -142,6 +196,7 @@ class Watcher:
             result.stops = self.stop_all(pending)
         self._collect(pending, result)
         result.tails = {k: list(v) for k, v in self.tails.items()}
+        result.causes = {k: c for k, e in self.errors.items() if (c := e.cause())}
         return result
 
     def _fail_early(self, label: str, pending: set[str], result: WatchResult) -> bool:
@@ -271,8 +326,10 @@ class Watcher:
         return out
 
     def _report_failure(self, label: str, what: str, others: int) -> None:
-        """Said at once; its last lines come with the final error (cluster.launch)."""
-        self.console.info(f"node [{label}] failed first: {what}")
+        """Said at once, with the worker's own error when it said one before; its last lines
+        come with the final error (cluster.launch)."""
+        cause = self.errors[label].cause() if label in self.errors else None
+        self.console.info(f"node [{label}] failed first: {what}" + (f": {cause}" if cause else ""))
         if others:
             self.console.info(f"stopping the other {others} node(s)")
 
@@ -321,5 +378,6 @@ class Watcher:
         sub = sub or label
         self.progress = self.clock()
         self.tails[label].append(line if sub == label else f"[{sub}] {line}")
+        self.errors[label].feed(line)
         if label not in self.muted:
             self.console.node_line(sub, index, line)

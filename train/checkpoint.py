@@ -102,6 +102,17 @@ def save_checkpoint(state: dict, out_dir: str, keep: int) -> str:
     return path
 
 
+def set_aside(out_dir: str, name: str) -> str:
+    """Move every complete checkpoint of out_dir into out_dir/name/ (which resume ignores),
+    so that a new run's checkpoints are the only ones there; returns that folder."""
+    folder = os.path.join(out_dir, name)
+    os.makedirs(folder, exist_ok=True)
+    for _, path in list_checkpoints(out_dir):
+        os.replace(path, os.path.join(folder, os.path.basename(path)))
+    _fsync_dir(out_dir)
+    return folder
+
+
 def load_checkpoint(path: str) -> dict:
     # weights_only=False: the file holds numpy / python RNG states; we wrote it ourselves.
     return torch.load(path, map_location="cpu", weights_only=False)

@@ -71,7 +71,10 @@ Stopping and restarting (what a launcher relies on)
             --stop-timeout plus one checkpoint write under the launcher's grace period.
   restart   --resume auto (the default) continues from the newest checkpoint in
             --checkpoint-dir, on every attempt of a restarted job and across launches; point
-            --checkpoint-dir at a place that outlives one run's --out.
+            --checkpoint-dir at a place that outlives one run's --out. Resuming is for
+            unfinished runs: when the newest checkpoint is at or past this run's last step
+            (the run it came from finished), its checkpoints are moved to
+            <checkpoint-dir>/finished-<time>/ and training starts anew (said on stdout).
 Environment
   CLUSTER_RESTART_COUNT   the launcher's attempt number (0 first); shown as restart_count=N
                           in the start line and "restart_count" in FINAL when set
@@ -439,7 +442,7 @@ def register_comm_hook(model: DDP, args, plan: Plan, info: du.DistInfo) -> None:
 
 # ---- resume -----------------------------------------------------------------------------------
 
-def resolve_resume(args, info: du.DistInfo) -> tuple[str | None, dict | None]:
+def resolve_resume(args, info: du.DistInfo, plan: Plan) -> tuple[str | None, dict | None]:
     """Rank 0 picks the checkpoint; every rank loads it (or gets it broadcast)."""
     path = None
     if info.is_main and args.resume is not None:
@@ -448,6 +451,9 @@ def resolve_resume(args, info: du.DistInfo) -> tuple[str | None, dict | None]:
             print(f"removed stale temp files from an interrupted save: {removed}", file=sys.stderr)
         if args.resume == "auto":
             found = ckpt_mod.load_latest(args.checkpoint_dir)
+            if found and found[1]["step"] >= plan.total_steps:
+                start_anew(args, found[0], found[1]["step"], plan)
+                found = None
             path = found[0] if found else None
         else:
             path = args.resume if os.path.exists(args.resume) else "!missing:" + args.resume
@@ -464,6 +470,17 @@ def resolve_resume(args, info: du.DistInfo) -> tuple[str | None, dict | None]:
     return path, state
 
 
+def start_anew(args, path: str, step: int, plan: Plan) -> None:
+    """The newest checkpoint ends a finished run (nothing of this run's steps is left to
+    train from it): resuming is for unfinished runs. Its checkpoints are set aside, where
+    --resume can still name them, and this run trains from the start."""
+    kept = ckpt_mod.set_aside(args.checkpoint_dir, time.strftime("finished-%Y%m%d-%H%M%S") + f"-step{step}")
+    again = os.path.join(kept, os.path.basename(path))
+    print(f"not resuming: {path} is the end of a finished run (step {step}; this run has "
+          f"{plan.total_steps} steps); training anew. Its checkpoints are kept in {kept}/; "
+          f"`--resume {again}` with more --epochs would continue it", flush=True)
+
+
 def seed_rank_streams(seed: int) -> None:
     """Per-rank random streams (augmentation, dropout); weights were seeded identically before."""
     import random
@@ -475,7 +492,7 @@ def seed_rank_streams(seed: int) -> None:
 
 
 def restore(args, info: du.DistInfo, plan: Plan, parts: Parts) -> tuple[Progress, str | None]:
-    path, state = resolve_resume(args, info)
+    path, state = resolve_resume(args, info, plan)
     progress = Progress()
     if state is None:
         seed_rank_streams(args.seed + info.rank)

@@ -121,6 +121,8 @@ class SupervisedNode:
         gives the word (cluster/remote/stage.py): one process and one round trip per node for
         the check and the start together. release() lets it go without starting."""
         args = self.facts_args(node, plan, port=port, deep=False, make_dir=True, connect=connect)
+        if node.script_file:             # is the job's script there, before anything starts
+            args += ["--script", node.script_file]
         ch = self.transport.spawn(stage_command(self.exe, *args))
         ch.write(stage_input())
         said, noise = b"", b""
@@ -703,7 +705,7 @@ class SupervisedBackend:
     def _recorded_safe(self, run: Any) -> list[tuple[dict[str, Any], SupervisedNode | None, str]]:
         hosts = {h.name: h for h in run.hosts()}
         out: list[tuple[dict[str, Any], SupervisedNode | None, str]] = []
-        for rec in run.meta()["nodes"]:
+        for rec in run.meta().get("nodes") or []:     # none yet while the run is checked
             host = hosts[rec["name"]]
             try:
                 remote = SupervisedNode(self.transport(host), host.python,

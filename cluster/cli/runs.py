@@ -33,11 +33,27 @@ def status(run: str | None) -> None:
                       "" if r.pid is None else str(r.pid), uptime, r.detail)
     out = RichConsole()
     out.print(table)
-    attempts = rd.meta().get("attempts") or []
-    if len(attempts) > 1 or rd.meta().get("attempt"):
+    meta = rd.meta()
+    attempts = meta.get("attempts") or []
+    if len(attempts) > 1 or meta.get("attempt"):
         for a in attempts:
             out.print(f"attempt {a['attempt'] + 1} ({', '.join(a['nodes'])}): {a['ended']}",
                       markup=False, highlight=False)
+    for line in run_notes(meta, started=bool(rows)):
+        out.print(line, markup=False, highlight=False)
+
+
+def run_notes(meta: dict, started: bool) -> list[str]:
+    """What the record says beyond the nodes' rows: why it was stopped, how the launch ended,
+    or that no node has started yet (it is being checked, or its check failed)."""
+    notes = []
+    if meta.get("stopped_because"):
+        notes.append(f"stopped because {meta['stopped_because']}")
+    if meta.get("error"):
+        notes.append(f"ended with exit code {meta.get('exit_code')}: {meta['error']}")
+    elif not started:
+        notes.append("no node has started yet (the nodes are being checked)")
+    return notes
 
 
 @main.command(context_settings=CONTEXT)
@@ -47,7 +63,7 @@ def status(run: str | None) -> None:
 def logs(run: str | None, follow: bool, node: str | None) -> None:
     """The output of RUN (default: the newest), prefixed by node."""
     rd = RunDir.find(run)
-    names = [n["name"] for n in rd.meta()["nodes"]]
+    names = [n["name"] for n in rd.meta().get("nodes") or []]
     if node and node not in names:
         raise InputError(f"Invalid value for --node: {node!r} is not in run {rd.run_id} ({', '.join(names)})")
     from ..console import LineSplitter

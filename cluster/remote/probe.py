@@ -5,10 +5,11 @@ Standard library only, Python 3.8+, because it runs on whatever interpreter the 
 
     probe.py facts --dir D [--workdir W] [--own ADDR --master ADDR] [--ifname IF]
                    [--port P] [--connect ADDR:PORT] [--container-runtime R --container-image I]
-                   [--deep]
+                   [--script PATH] [--deep]
         JSON: python, torch (found without importing it), the run directory (made, 0700),
         the network interface that reaches the master, InfiniBand devices, whether the master
-        port is free; --connect whether a TCP connection to the master port opens (the
+        port is free; --script whether PATH, from the workdir, is a file there (the job's
+        script, before anything starts); --connect whether a TCP connection to the master port opens (the
         listener below is there meanwhile); the container runtime's version and the image's id
         on this node; --deep adds what importing torch and nvidia-smi tell (CUDA, cuDNN, NCCL,
         driver, GPUs and their use), /dev/shm, free disk, open-file limit, and for an image that
@@ -59,6 +60,7 @@ def parse(argv):
     f.add_argument("--container-runtime")
     f.add_argument("--container-image")
     f.add_argument("--deep", action="store_true")
+    f.add_argument("--script", help="the job's script: is it a file, from the workdir")
     f.add_argument("--connect", help="ADDR:PORT to open a TCP connection to (the master port)")
     f.add_argument("--connect-timeout", type=float, default=8.0)
     ls = sub.add_parser("listen")
@@ -87,6 +89,8 @@ def facts(args):
         if os.path.isdir("/sys/class/infiniband") else []
     if args.port:
         out["port_free"] = port_free(args.port)
+    if args.script:
+        out["script"] = script_facts(args.workdir or ".", args.script)
     if args.connect:
         addr, _, port = args.connect.rpartition(":")
         out["reach"] = connect(addr, int(port), args.connect_timeout)
@@ -110,6 +114,13 @@ def make_dir(d, private):
     except OSError as exc:
         return {"error": "cannot create %s: %s" % (path, exc.strerror)}
     return path
+
+
+def script_facts(workdir, script):
+    """Where the job's script is from the workdir (where the node's script starts torchrun),
+    and whether a file is there."""
+    path = os.path.join(os.path.abspath(os.path.expanduser(workdir)), script)
+    return {"path": path, "file": os.path.isfile(path)}
 
 
 def private_folders(path):

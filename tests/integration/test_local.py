@@ -161,3 +161,149 @@ def test_logs_follow_every_node_at_once(tmp_path: Path) -> None:
     assert logs.returncode == 0, logs.stderr
     shown = [line for line in logs.stdout.splitlines() if line.startswith("[")]
     assert shown == ["[local0 0] a0", "[local1 1] b0", "[local0 0] a1"], logs.stdout
+
+
+# --- the Python API, from a program that then exits -------------------------------------------
+
+API_SCRIPT = """
+import json, sys, time
+import cluster
+from pathlib import Path
+
+mode, program = sys.argv[1:3]
+out = {}
+run = cluster.up(None, program, ["--sleep", "3" if mode in ("detach", "detach-wait") else "120"],
+                 backend="local", nodes=2, detach=mode.startswith("detach"), echo=False)
+out.update(run_id=run.run_id, record=(run.path / "run.json").is_file())
+if mode == "detach-wait":
+    out["wait_at_once"] = run.wait(timeout=0)          # the nodes are running
+    out["wait"] = run.wait(timeout=120)
+    out["status"] = run.status()
+elif mode == "detach-down":                            # no launcher: stopped as `cluster down`
+    deadline = time.monotonic() + 120
+    while set(run.status().values()) != {"running"} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out["down"] = run.down(timeout=120)
+    out["error"] = str(run.error)
+    out["status"] = run.status()
+elif mode == "attached-late":                          # exit while the workers run
+    deadline = time.monotonic() + 120
+    while run.logs().count('"sleeping"') < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out["status"] = run.status()
+print(json.dumps(out), flush=True)
+"""
+
+
+def api_program(tmp_path: Path, mode: str) -> dict:
+    """A program using cluster's Python API, run as a user runs one, to its exit."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1", PYTHONPATH=str(REPO))
+    env.pop("CLUSTER_RUNS_DIR", None)
+    res = subprocess.run([sys.executable, "-c", API_SCRIPT, mode, str(ALLREDUCE)], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+def wait_for(pred, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return bool(pred())
+
+
+def test_python_api_detached_run_outlives_its_program(tmp_path: Path) -> None:
+    got = api_program(tmp_path, "detach")
+    assert got["record"], "run.json exists from the moment up() returns"
+    run = tmp_path / "runs" / got["run_id"]
+    # the program has exited; the run goes on without it and ends by itself
+    assert run_processes(got["run_id"]), "the detached run must outlive its program"
+    assert wait_for(lambda: run_processes(got["run_id"]) == [], 120)
+    status = cluster(tmp_path, "status", got["run_id"])
+    assert status.stdout.count("exited") == 2 and "│ 0 " in status.stdout, status.stdout
+    logs = cluster(tmp_path, "logs", got["run_id"])
+    assert sorted(d["rank"] for _, d in reports(logs.stdout)) == [0, 1], logs.stdout
+    assert json.loads((run / "run.json").read_text())["detached"] is True
+
+
+def test_python_api_wait_on_a_detached_run_is_none_until_it_ends(tmp_path: Path) -> None:
+    got = api_program(tmp_path, "detach-wait")
+    assert got["record"]
+    assert got["wait_at_once"] is None, got
+    assert got["wait"] == 0, got
+    assert got["status"] == {"local0": "exited 0", "local1": "exited 0"}, got
+    assert run_processes(got["run_id"]) == []
+
+
+def test_python_api_down_stops_a_detached_run(tmp_path: Path) -> None:
+    got = api_program(tmp_path, "detach-down")
+    assert got["down"] == 143 and "the run was stopped" in got["error"], got
+    assert set(got["status"].values()) == {"stopped"}, got
+    assert run_processes(got["run_id"]) == [] and processes_under(tmp_path) == []
+
+
+@pytest.mark.parametrize("when", ["early", "late"])
+def test_python_api_attached_run_stops_when_its_program_exits(tmp_path: Path, when: str) -> None:
+    """Early: the program ends while the nodes are checked; late: while the workers run.
+    Either way nothing of the run is left, and its record says why."""
+    got = api_program(tmp_path, f"attached-{when}")
+    assert got["record"]
+    if when == "late":
+        assert got["status"] == {"local0": "running", "local1": "running"}, got
+    assert run_processes(got["run_id"]) == []
+    assert processes_under(tmp_path) == [], "the independent scan finds nothing either"
+    meta = json.loads((tmp_path / "runs" / got["run_id"] / "run.json").read_text())
+    assert meta["stopped_because"].startswith("the program that started it exited"), meta
+    assert meta["exit_code"] == 143, meta
+    status = cluster(tmp_path, "status", got["run_id"])
+    assert "stopped because the program that started it exited" in status.stdout, status.stdout
+
+
+# --- the reference trainer, launch after launch -----------------------------------------------
+
+
+def final_line(stdout: str) -> dict:
+    line = [ln for ln in stdout.splitlines() if "FINAL {" in ln][-1]
+    return json.loads(line.split("FINAL ", 1)[1])
+
+
+def test_the_quickstarts_two_commands_each_train(tmp_path: Path) -> None:
+    """`cluster up`, then `cluster up --local --nodes 2` (one epoch each): the second does not
+    "resume" the finished first run into 0 steps; it trains, and says why it did not resume.
+    A run stopped before its end is resumed by the next launch."""
+    first = cluster(tmp_path, "up", "--", "--epochs", "1", "--no-plot", timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert final_line(first.stdout)["steps"] == 22
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("ckpt_*")) != []
+    second = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", "--epochs", "1",
+                     "--no-plot", timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    got = final_line(second.stdout)
+    assert got["steps"] == 22 and got["resumed_from"] is None and got["images_per_s"], got
+    assert "not resuming:" in second.stdout and "training anew" in second.stdout
+    # unfinished: --max-steps ends it early; the next launch continues it to the end
+    third = cluster(tmp_path, "up", "--", "--epochs", "1", "--max-steps", "5", "--no-plot",
+                    timeout=300)
+    assert third.returncode == 0 and final_line(third.stdout)["steps"] == 5, third.stderr[-3000:]
+    fourth = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", "--epochs", "1",
+                     "--no-plot", timeout=300)
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    got = final_line(fourth.stdout)
+    assert got["resumed_from"].endswith("ckpt_step00000005.pt") and got["steps"] == 22, got
+
+
+def test_a_missing_script_stops_the_launch_before_anything_starts(tmp_path: Path) -> None:
+    """Checked on each node, from its workdir (here: this directory), with and without the
+    cross-node checks: exit 3 naming node and path, and no torchrun ever started."""
+    for extra in ([], ["--no-preflight"]):
+        res = cluster(tmp_path, "up", "--local", "--nodes", "2", *extra, "--", "no-such.py")
+        assert res.returncode == 3, res.stderr
+        for node in ("local0", "local1"):
+            assert (f"{node}: script: no-such.py is not a file on this node (looked for "
+                    f"{tmp_path}/no-such.py") in res.stderr, res.stderr
+        assert "ChildFailedError" not in res.stdout + res.stderr
+        assert processes_under(tmp_path) == []
+    for run in (tmp_path / "runs").iterdir():
+        assert "pgids" not in json.loads((run / "run.json").read_text())    # nothing started

@@ -215,3 +215,26 @@ def test_sigterm_on_cuda_saves_and_a_relaunch_finishes(tmp_path):
     assert load_ckpt(checkpoints(tmp_path)[-1])["step"] == int(m.group(1))
     final = run_train(1, args)
     assert final["steps"] == 300 and final["resumed_from"].endswith(f"ckpt_step{int(m.group(1)):08d}.pt")
+
+
+def test_a_finished_run_is_not_resumed_the_next_one_trains_anew(tmp_path):
+    """The newest checkpoint is the last step of a finished run: the same command again
+    trains all its steps (not 0), says why, and keeps the old checkpoints where --resume
+    can name them; a run stopped before its end still resumes."""
+    args = ARGS + ["--out", str(tmp_path)]
+    first = run_train(2, args)
+    assert first["steps"] == EPOCHS * SPE and first["resumed_from"] is None
+    second = run_train(2, args)
+    assert second["resumed_from"] is None, second
+    assert second["steps"] == EPOCHS * SPE and second["images_per_s"] > 0
+    said = [ln for ln in second["_stdout"].splitlines() if ln.startswith("not resuming:")]
+    assert len(said) == 1 and "training anew" in said[0] and "--resume " in said[0], said
+    (kept,) = tmp_path.glob("finished-*")
+    assert [p.name for p in checkpoints(kept)][-1] == f"ckpt_step{EPOCHS * SPE:08d}.pt"
+    assert load_ckpt(checkpoints(tmp_path)[-1])["step"] == EPOCHS * SPE     # the new run's own
+    # unfinished: stopped by --max-steps, then resumed
+    third = run_train(2, ARGS + ["--out", str(tmp_path / "u"), "--max-steps", "5"])
+    assert third["steps"] == 5 and third["stopped_early"]
+    fourth = run_train(2, ARGS + ["--out", str(tmp_path / "u")])
+    assert fourth["resumed_from"].endswith("ckpt_step00000005.pt"), fourth
+    assert fourth["steps"] == EPOCHS * SPE

@@ -1,6 +1,7 @@
 """Rendered node scripts: golden files, `bash -n`, shellcheck."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -188,3 +189,31 @@ def test_the_run_time_choice_is_the_nodes_interface_and_exact_for_nccl(
     out = subprocess.run(["bash", "-c", snippet + 'echo "$NCCL_SOCKET_IFNAME|$GLOO_SOCKET_IFNAME"'],
                          env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, capture_output=True, text=True)
     assert out.stdout.strip() == "=eth1|eth1", out.stderr
+
+
+@pytest.mark.parametrize("changes,script,checked", [
+    ({}, "train.py", "train.py"),
+    ({"torchrun_args": ("--monitor-interval=1",)}, "sub/t.py", "sub/t.py"),
+    ({"torchrun_args": ("-m",)}, "pkg.train", None),                  # a module, not a file
+    ({"torchrun_args": ("--no-python",)}, "echo", None),              # a program on PATH
+    ({"setup": ("cd /elsewhere",)}, "train.py", None),                # read from elsewhere
+    ({"setup": ("module load x && pushd src",)}, "train.py", None),
+    ({"setup": ("source ~/venv/bin/activate",)}, "train.py", "train.py"),
+    ({"container": "img"}, "/opt/app/train.py", None),               # inside the image
+    ({"container": "img"}, "train.py", "train.py"),                   # the workdir is mounted
+])
+def test_the_script_is_checked_as_a_file_only_where_python_opens_it(changes, script, checked) -> None:
+    from cluster.spec import Container
+    inv = inventory.load(GOLDEN / "inputs" / "static.yaml")
+    if "container" in changes:
+        changes = {**changes, "container": Container(image=changes["container"])}
+    host = inv.hosts[0].replace(**changes)
+    plan = render(dataclasses.replace(inv, hosts=(host,)), Job(run_id="r", script=script), Templates())
+    assert plan.nodes[0].script_file == checked
+
+
+def test_a_node_template_of_ones_own_decides_what_the_script_is(tmp_path: Path) -> None:
+    (tmp_path / "node.sh.j2").write_text("#!/bin/bash\necho {{ script | shquote }}\n")
+    inv = inventory.load(GOLDEN / "inputs" / "static.yaml")
+    assert {n.script_file for n in render(inv, JOB, Templates(tmp_path)).nodes} == {None}
+    assert {n.script_file for n in render(inv, JOB, Templates()).nodes} == {JOB.script}

@@ -108,3 +108,19 @@ def test_unusable_runs_directory_is_a_clear_error(tmp_path: Path, monkeypatch, c
     assert run_cli(["up", "--hosts", "a", "--dry-run", "--", "t.py"]) == 2
     err = capsys.readouterr().err
     assert "cannot create the run directory" in err and "CLUSTER_RUNS_DIR" in err
+
+
+def test_a_detached_runs_end_is_read_from_its_nodes_final_states() -> None:
+    from cluster.api import detached_error
+    from cluster.nodes import NodeStatus
+
+    def rows(*states: tuple[str, int | None]) -> list[NodeStatus]:
+        return [NodeStatus(i, f"n{i}", s, code=c) for i, (s, c) in enumerate(states)]
+    assert detached_error(rows(("exited", 0), ("exited", 0)), "r") is None
+    assert detached_error(rows(("completed", 0)), "r") is None                   # SLURM's word
+    failed = detached_error(rows(("exited", 0), ("exited", 3), ("stopped", None)), "r")
+    assert failed.exit_code == 4 and str(failed).startswith("node [n1 1] exited with code 3")
+    assert detached_error(rows(("exited", None), ("exited", 0)), "r").exit_code == 4  # a signal
+    assert detached_error(rows(("lost", None), ("stopped", None)), "r").exit_code == 5
+    assert detached_error(rows(("stopped", None), ("exited", 0)), "r").exit_code == 143
+    assert detached_error(rows(("failed", 1)), "r").exit_code == 4                # SLURM's word

@@ -132,3 +132,58 @@ def test_console_colours_only_when_asked() -> None:
     out = io.StringIO()
     Console(out, io.StringIO(), color=False).node_line("a 0", 0, "x")
     assert out.getvalue() == "[a 0] x\n"
+
+
+# --- the worker's own error leads the failure report --------------------------------------------
+
+FAILURES = Path(__file__).parent / "torchrun_failures"     # real torchrun 2.13 output, captured
+
+
+def run_failure(captured: str, tmp_path: Path) -> tuple[str, str]:
+    """A node that prints a captured failing torchrun's output and exits 1, beside a healthy
+    one, through the whole launch outcome: (the failure said at once, the final error)."""
+    from cluster.errors import RunFailed
+    from cluster.launch import _outcome
+    c, _, err = console()
+    lines = [ln + b"\n" for ln in (FAILURES / captured).read_bytes().splitlines()]
+    res = Watcher([FakeNode("a 0", [], None), FakeNode("b 1", lines, NodeExit(code=1))],
+                  c, {}).run()
+    plan = type("P", (), {"run_id": "r", "logs_hint": "runs/r/logs/", "node_count": 2})()
+    try:
+        _outcome(res, plan, c)
+    except RunFailed as exc:
+        return err.getvalue(), str(exc)
+    raise AssertionError("the failure was not raised")
+
+
+def test_the_final_error_leads_with_the_workers_own_error_not_torchruns_banner(tmp_path: Path) -> None:
+    said, final = run_failure("runtime_error.log", tmp_path)
+    lead = final.splitlines()[0]
+    assert lead.startswith("node [b 1] failed: RuntimeError: boom: the loss is NaN at step 3 "
+                           "(exit code 1)"), final
+    assert "failed first: its torchrun reported a failed worker: RuntimeError: boom" in said
+    assert "To enable traceback" in final      # the last lines still follow, as evidence
+
+
+def test_the_root_cause_rank_is_named_not_the_peer_that_lost_it(tmp_path: Path) -> None:
+    """Two ranks on the node: rank 1 raised, rank 0 then lost its peer; torchrun's report
+    names rank 1 as the root cause, and rank 1's own error leads."""
+    _, final = run_failure("two_ranks.log", tmp_path)
+    assert final.splitlines()[0].startswith(
+        "node [b 1] failed: RuntimeError: boom: the loss is NaN at step 3"), final
+
+
+def test_python_that_cannot_start_the_script_or_import_is_the_lead(tmp_path: Path) -> None:
+    _, final = run_failure("missing_script.log", tmp_path)
+    assert "failed: /opt/cluster-venv/bin/python: can't open file '/tmp/fail6/missing.py': " \
+           "[Errno 2] No such file or directory (exit code 1)" in final.splitlines()[0], final
+    _, final = run_failure("import_error.log", tmp_path)
+    assert final.splitlines()[0].startswith(
+        "node [b 1] failed: ModuleNotFoundError: No module named 'not_a_module_anywhere'"), final
+
+
+def test_no_worker_error_leaves_the_exit_alone(tmp_path: Path) -> None:
+    c, _, _ = console()
+    res = Watcher([FakeNode("b 1", [b"Traceback (most recent call last):\n",
+                                    b"  File \"x\", line 1\n"], NodeExit(code=3))], c, {}).run()
+    assert res.causes == {}
