@@ -47,7 +47,8 @@ def main(argv):
     try:
         child = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+                                 start_new_session=True,
+                                 **supervisor.with_umask(supervisor.USER_UMASK))
     except FileNotFoundError:
         out.write(("cluster exec: %s: command not found\n" % command[0]).encode())
         return 127

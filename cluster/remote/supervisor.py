@@ -38,6 +38,12 @@ import sys
 import threading
 import time
 
+# Everything this process writes is private, from before it writes anything (logs and status
+# files may hold what the run prints; Python's bytecode cache of the modules beside it). The
+# job, and a command of cluster exec, get the umask it came with: the node login's, so their
+# files are as the user's are.
+USER_UMASK = os.umask(0o077)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import family  # noqa: E402  (beside this file on the node)
 import workers  # noqa: E402
@@ -49,14 +55,11 @@ CONFIG_TIMEOUT = 30.0
 
 def main(argv=None):
     args = parse(argv)
-    # Logs and status files may hold what the run prints: private. The job gets the umask
-    # this process came with (the node login's), so its own files are as the user's are.
-    user_umask = os.umask(0o077)
     os.makedirs(args.dir, exist_ok=True)
     if args.cmd == "probe":
         return probe(args)
     if args.cmd == "run":
-        return run(args, user_umask)
+        return run(args, USER_UMASK)
     if args.cmd == "stop":
         report = stop(args.dir, args.grace)
         print(json.dumps(report))
