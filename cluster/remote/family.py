@@ -8,6 +8,10 @@ run whose parent dies is re-parented to the supervisor, not to init: every live 
 run is then a descendant of the supervisor. Such a process is ours by construction (its pid
 cannot be reused while its parent has not reaped it), so stopping it breaks no identity rule.
 
+Here too the plain reading of /proc this needs (a process's state, parent, group, session,
+owner) and the one way a node-side program signals a process: with a handle to it held while
+it is checked to be ours (send).
+
 The supervisor's own helpers (the container runtime's client, py-spy, `ip`) are descendants
 too, but they share its session, which no process of the run can join (the run starts in a
 session of its own, and a process may only move between groups of its own session): the
@@ -15,6 +19,7 @@ family is the descendants in other sessions.
 """
 import ctypes
 import os
+import signal
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -30,14 +35,55 @@ def become_subreaper():
 
 
 def stat(pid):
-    """(state letter, parent, session) of a pid, or None when it is gone."""
+    """(state letter, parent, process group, session) of a pid, or None when it is gone."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
             data = f.read().decode("ascii", "replace")
     except OSError:
         return None
     fields = data[data.rfind(")") + 2:].split()
-    return fields[0], int(fields[1]), int(fields[3])
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+
+
+def alive(pid):
+    st = stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def owner(pid):
+    try:
+        return os.stat("/proc/%d" % pid).st_uid
+    except OSError:
+        return None
+
+
+def pids():
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            yield int(name)
+
+
+def send(pid, sig, still_ours):
+    """Send sig to pid only if still_ours() holds, checked while a handle to the process
+    itself (a pidfd) is held where the kernel offers one: a pid reused meanwhile is never
+    hit. True when it was sent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    try:
+        if not still_ours():
+            return False
+        if fd is not None and hasattr(signal, "pidfd_send_signal"):
+            signal.pidfd_send_signal(fd, sig)
+        else:
+            os.kill(pid, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def start_time(pid):
@@ -61,13 +107,12 @@ def cmdline(pid):
 
 
 def table():
-    """{pid: (state, parent, session)} of every process this user can see."""
+    """{pid: (state, parent, process group, session)} of every process that can be seen."""
     out = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = stat(int(name))
-            if st is not None:
-                out[int(name)] = st
+    for pid in pids():
+        st = stat(pid)
+        if st is not None:
+            out[pid] = st
     return out
 
 
@@ -78,13 +123,13 @@ def members(root, procs=None):
     if own is None:
         return []
     children = {}
-    for pid, (_state, parent, _sid) in procs.items():
-        children.setdefault(parent, []).append(pid)
+    for pid, st in procs.items():
+        children.setdefault(st[1], []).append(pid)
     found, todo = [], list(children.get(root, ()))
     while todo:
         pid = todo.pop()
-        state, _parent, sid = procs[pid]
-        if sid != own[2] and state not in ("Z", "X"):
+        state, _parent, _group, sid = procs[pid]
+        if sid != own[3] and state not in ("Z", "X"):
             found.append(pid)
         todo.extend(children.get(pid, ()))
     return sorted(found)
@@ -94,7 +139,7 @@ def belongs(pid, root):
     """pid is a live descendant of root in another session than root's (checked now, one
     ancestor at a time)."""
     own, st = stat(root), stat(pid)
-    if own is None or st is None or st[0] in ("Z", "X") or st[2] == own[2]:
+    if own is None or st is None or st[0] in ("Z", "X") or st[3] == own[3]:
         return False
     seen = 0
     while st is not None and seen < 4096:
@@ -114,8 +159,8 @@ def reap(root, keep=()):
     if own is None:
         return []
     reaped = []
-    for pid, (state, parent, sid) in table().items():
-        if parent == root and state == "Z" and sid != own[2] and pid not in keep:
+    for pid, (state, parent, _group, sid) in table().items():
+        if parent == root and state == "Z" and sid != own[3] and pid not in keep:
             try:
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
                     reaped.append(pid)

@@ -132,33 +132,7 @@ def read_number(d, name, kind=int):
 
 # --- processes, by identity ------------------------------------------------------------------
 
-def proc_state(pid):
-    """(state letter, process group) of a pid, or None when it is gone."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            data = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    fields = data[data.rfind(")") + 2:].split()
-    return fields[0], int(fields[2])
-
-
-def alive(pid):
-    st = proc_state(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
-def owner(pid):
-    try:
-        return os.stat("/proc/%d" % pid).st_uid
-    except OSError:
-        return None
-
-
-def all_pids():
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            yield int(name)
+alive, owner, all_pids = family.alive, family.owner, family.pids      # /proc, read plainly
 
 
 class Identity:
@@ -183,8 +157,8 @@ class Identity:
             return False
         if self.tagged(pid):
             return True
-        st = proc_state(pid)
-        if self.group_trusted and st is not None and st[1] == self.pgid:
+        st = family.stat(pid)
+        if self.group_trusted and st is not None and st[2] == self.pgid:
             return True
         return bool(self.root) and family.belongs(pid, self.root)
 
@@ -204,26 +178,9 @@ class Identity:
             family.reap(self.root, keep=(self.pgid,))
 
     def signal(self, pid, sig):
-        """Send sig to pid only if it is still ours, checked on a handle to the process itself
-        (a pidfd) where the kernel offers one, so a pid reused meanwhile is never hit."""
-        fd = None
-        try:
-            fd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            fd = None
-        try:
-            if not self.owns(pid):
-                return False
-            if fd is not None and hasattr(signal, "pidfd_send_signal"):
-                signal.pidfd_send_signal(fd, sig)
-            else:
-                os.kill(pid, sig)
-            return True
-        except (ProcessLookupError, PermissionError, OSError):
-            return False
-        finally:
-            if fd is not None:
-                os.close(fd)
+        """Send sig to pid only if it is still ours (family.send: checked with a handle to the
+        process held, so a pid reused meanwhile is never hit)."""
+        return family.send(pid, sig, lambda: self.owns(pid))
 
 
 def identity(d, trust_group, root=None):
@@ -648,31 +605,12 @@ def ask_supervisor(d, grace):
     knows every process of its run, those that left the run's identity behind included.
     Its report from the exit record once it has ended; None without a live supervisor."""
     pid = read_number(d, "supervisor.pid")
-    fd = None
-    try:
-        fd = os.pidfd_open(pid) if pid else None
-    except (AttributeError, OSError):
-        fd = None
-    try:
-        if not supervisor_alive(d):        # checked with the handle held: not a reused pid
-            return None
-        if fd is not None and hasattr(signal, "pidfd_send_signal"):
-            signal.pidfd_send_signal(fd, signal.SIGTERM)
-        else:
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.time() + grace + 30
-        while alive(pid) and time.time() < deadline:
-            if fd is not None:
-                select.select([fd], [], [], max(0.0, deadline - time.time()))
-            else:
-                time.sleep(0.05)
-    except OSError:
+    if not pid or not family.send(pid, signal.SIGTERM, lambda: supervisor_alive(d)):
         return None
-    finally:
-        if fd is not None:
-            os.close(fd)
-    ended = read_json(d, "exit") or {}
-    return ended.get("stop")
+    deadline = time.time() + grace + 30
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    return (read_json(d, "exit") or {}).get("stop")
 
 
 def status(d):

@@ -60,7 +60,8 @@ def all_clean(ssh_nodes4, *nodes: int) -> None:
 QUIET = "{% if rank == 0 %}echo a0\n{% endif %}sleep 300\n"     # node2 prints nothing at all
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
+                         ids=["SIGTERM", "SIGINT", "SIGKILL"])
 def test_a_stopped_logs_follow_leaves_no_follower_on_any_node(ssh_nodes4, cli, sig):
     started = up(cli, ssh_nodes4, template(cli, "tpl", QUIET))
     assert started.popen.returncode == 0, started.dump()
@@ -69,7 +70,7 @@ def test_a_stopped_logs_follow_leaves_no_follower_on_any_node(ssh_nodes4, cli, s
     logs.wait_for(lambda p: "[node1 0] a0" in p.out, 60, "node1's line")
     assert wait_until(lambda: set(matching(ssh_nodes4, "supervisor.py logs", 1, 2)) == {"node1", "node2"},
                       15) is not None, node_leftovers(ssh_nodes4, 1, 2)     # one follower per node
-    logs.popen.send_signal(sig)           # as `timeout 12 cluster logs -f` or Ctrl-C does
+    logs.popen.send_signal(sig)           # as `timeout 12 cluster logs -f`, Ctrl-C, kill -9 do
     logs.wait(30)
     assert wait_until(lambda: not matching(ssh_nodes4, "supervisor.py logs", 1, 2), 10) is not None, \
         matching(ssh_nodes4, "supervisor.py logs", 1, 2)
