@@ -130,6 +130,8 @@ def test_the_stop_after_a_failure_and_ctrl_c_reach_it_too(ssh_nodes4, cli):
         detach=False)
     assert failing.wait(120) == 4, failing.dump()
     all_clean(ssh_nodes4, 1, 2)
+    meta = json.loads((cli.cwd / "runs" / failing.run_id() / "run.json").read_text())
+    assert meta["stops"] == {"node1": "term"}, meta       # node2 failed; node1 was stopped
 
     attached = up(cli, ssh_nodes4, template(cli, "int", SCRUBBED + "sleep 300\n"), detach=False)
     attached.wait_for(lambda p: sum("started" in line for line in p.out) == 2, 60, "both nodes")

@@ -231,6 +231,13 @@ def test_detach_status_logs_down(ssh_nodes4, cli):
     # torchrun's own exit code when it ended within its short grace, none when it was killed
     assert all(re.fullmatch(r"stopped( 1)?", v) for v in status_states(cli, long_id).values()), \
         status_states(cli, long_id)
+    # every worker ended on SIGTERM within the grace: said so, not "signal 9" (torchrun itself
+    # is killed a moment after its workers are gone, which is no kill of the work)
+    status = cli.run("status", long_id, timeout=60)
+    assert status.stdout.count("SIGTERM: ended within the 30 s grace") == 2, status.dump()
+    assert "signal 9" not in status.stdout and "SIGKILL" not in status.stdout, status.dump()
+    assert json.loads((cli.cwd / "runs" / long_id / "run.json").read_text())["stops"] == \
+        {"node1": "term", "node2": "term"}
 
 
 def test_logs_follow_every_node_at_once_over_ssh(ssh_nodes4, cli):
