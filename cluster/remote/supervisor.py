@@ -588,8 +588,9 @@ def stop(d, grace):
     if asked:
         report = {"signalled": sorted(set(asked.get("signalled", [])) | set(report["signalled"])),
                   "killed": sorted(set(asked.get("killed", [])) | set(report["killed"])),
-                  "left": sorted(set(p for p in asked.get("left", []) if alive(p))
-                                 | set(report["left"])),
+                  # what it left and is still there (pids; a container by its name), then ours
+                  "left": [x for x in asked.get("left", []) if not isinstance(x, int) or alive(x)]
+                  + [x for x in report["left"] if x not in asked.get("left", [])],
                   "how": "kill" if report.get("expired") else asked.get("how")}
     if status(d)["state"] == "lost" and not report["left"]:
         # Its supervisor died without recording the end: this stop is the end, so that the run
