@@ -19,7 +19,9 @@ family is the descendants in other sessions.
 """
 import ctypes
 import os
+import select
 import signal
+import time
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -63,10 +65,11 @@ def pids():
             yield int(name)
 
 
-def send(pid, sig, still_ours):
+def send(pid, sig, still_ours, wait=0.0):
     """Send sig to pid only if still_ours() holds, checked while a handle to the process
     itself (a pidfd) is held where the kernel offers one: a pid reused meanwhile is never
-    hit. True when it was sent."""
+    hit. With wait, then wait up to that many seconds for it to end (on the same handle,
+    which says so the moment it does). True when it was sent."""
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
@@ -78,12 +81,24 @@ def send(pid, sig, still_ours):
             signal.pidfd_send_signal(fd, sig)
         else:
             os.kill(pid, sig)
+        if wait > 0:
+            until_gone(pid, fd, wait)
         return True
     except OSError:
         return False
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def until_gone(pid, fd, seconds):
+    """Wait up to seconds for pid to end: its pidfd turns readable then; without one, look."""
+    if fd is not None:
+        select.select([fd], [], [], seconds)
+        return
+    deadline = time.time() + seconds
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
 
 
 def start_time(pid):

@@ -606,11 +606,8 @@ def ask_supervisor(d, grace):
     knows every process of its run, those that left the run's identity behind included.
     Its report from the exit record once it has ended; None without a live supervisor."""
     pid = read_number(d, "supervisor.pid")
-    if not pid or not family.send(pid, signal.SIGTERM, lambda: supervisor_alive(d)):
+    if not pid or not family.send(pid, signal.SIGTERM, lambda: supervisor_alive(d), grace + 30):
         return None
-    deadline = time.time() + grace + 30
-    while alive(pid) and time.time() < deadline:
-        time.sleep(0.05)
     return (read_json(d, "exit") or {}).get("stop")
 
 
