@@ -45,6 +45,23 @@ def signal_name(num: int) -> str:
         return f"signal {num}"
 
 
+def end_detail(info: dict[str, Any]) -> str:
+    """How a node's run ended, from its supervisor's status: a stop says whether every
+    process ended within the grace after SIGTERM or had to be killed after it (the launcher
+    killed once its workers are gone is not "killed": its work was over); an end that was no
+    stop names the signal that killed it; then the reason."""
+    grace = f"the {info['grace']:g} s grace" if isinstance(info.get("grace"), (int, float)) else "the grace"
+    if info.get("how") == "term":
+        how = f"SIGTERM: ended within {grace}"
+    elif info.get("how") == "kill":
+        how = f"SIGTERM, then SIGKILL after {grace}"
+    elif info.get("signal"):
+        how = f"killed by {signal_name(info['signal'])}"
+    else:
+        how = ""
+    return "; ".join(x for x in (how, info.get("reason") or "") if x)
+
+
 @dataclass
 class NodeStatus:
     rank: int
@@ -54,6 +71,17 @@ class NodeStatus:
     pid: int | None = None
     uptime: float | None = None
     detail: str = ""
+
+
+def outcome(rows: list[NodeStatus]) -> tuple[bool, str]:
+    """A finished run's outcome from its nodes' status: whether every node exited 0, and in
+    words what each that did not did."""
+    failed = [r for r in rows if not (r.state in ("exited", "completed") and r.code == 0)]
+    if rows and not failed:
+        return True, f"every node exited 0 ({len(rows)} node(s))"
+    return False, "; ".join(
+        f"{r.name}: {r.state}" + ("" if r.code is None else f" {r.code}")
+        + (f" ({r.detail})" if r.detail else "") for r in failed) or "no node reported"
 
 
 class Demux:

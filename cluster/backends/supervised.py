@@ -20,10 +20,11 @@ from typing import Any, Protocol
 from ..errors import BackendError, ClusterError, PreflightError
 from ..plan import LaunchPlan, NodePlan, python_command, render, shpath
 from ..spec import DEFAULT_STOP_GRACE
-from ..nodes import Demux, NodeExit, NodeStatus
+from ..nodes import Demux, NodeExit, NodeStatus, end_detail
 
 SUPERVISOR = Path(__file__).resolve().parent.parent / "remote" / "supervisor.py"
 WORKERS = SUPERVISOR.with_name("workers.py")      # imported by the supervisor, beside it
+FAMILY = SUPERVISOR.with_name("family.py")        # likewise
 PROBE = SUPERVISOR.with_name("probe.py")
 STAGE = SUPERVISOR.with_name("stage.py")
 PGID_HEADER = b"@@cluster pgid="
@@ -259,8 +260,8 @@ BUNDLE_BOOT = ("import os,sys,json,types\n"
                " exec(compile(t(k),n+'.py','exec'),m.__dict__)\n"
                "sys.exit(m.main(sys.argv[1:]))")
 # Each node-side program bundled with what it imports (cluster/remote/).
-PROGRAMS = {"execute": ("workers", "supervisor", "execute"),
-            "clean": ("workers", "supervisor", "clean")}
+PROGRAMS = {"execute": ("family", "workers", "supervisor", "execute"),
+            "clean": ("family", "workers", "supervisor", "clean")}
 
 
 def bundle_command(exe: str, program: str, *args: str) -> str:
@@ -290,7 +291,8 @@ def go_input(run_dir: str, args: list[str], script: bytes, box: bytes | None = N
     (with the name of its container, if it runs in one: written before the supervisor runs,
     so that any stop, even one racing the start, finds it)."""
     files = [("supervisor.py", SUPERVISOR.read_bytes(), 0o600),
-             ("workers.py", WORKERS.read_bytes(), 0o600), ("launch.sh", script, 0o700)]
+             ("workers.py", WORKERS.read_bytes(), 0o600), ("family.py", FAMILY.read_bytes(), 0o600),
+             ("launch.sh", script, 0o700)]
     if box is not None:
         files.insert(0, ("container.json", box, 0o600))
     head = {"dir": run_dir, "args": args, "files": [[n, len(d), m] for n, d, m in files]}
@@ -545,7 +547,11 @@ class SupervisedBackend:
         return {"pgids": {n.host.name: getattr(p, "pgid", p) for n, p in zip(plan.nodes, procs)}}
 
     def ended(self, plan: LaunchPlan, procs: list[Any], result: Any) -> dict[str, Any]:
-        return self.started(plan, procs, None)
+        """The start's record, and how each stopped node's stop went, in its supervisor's
+        last word: "term" (every process ended within the grace) or "kill" (after it)."""
+        stops = {n.host.name: p.final["how"] for n, p in zip(plan.nodes, procs)
+                 if isinstance(p, SupervisedProcess) and p.final and p.final.get("how")}
+        return {**self.started(plan, procs, None), **({"stops": stops} if stops else {})}
 
     def start_note(self, procs: list[Any], plan: LaunchPlan) -> str:
         return (f"run {plan.run_id}: starting {len(plan.nodes)} node(s), master "
@@ -647,8 +653,7 @@ class SupervisedBackend:
             if "error" in info:
                 rows.append(NodeStatus(rec["rank"], rec["name"], "unreachable", detail=info["error"]))
                 continue
-            detail = "; ".join(x for x in (f"signal {info['signal']}" if info.get("signal") else "",
-                                           info.get("reason") or "") if x)
+            detail = end_detail(info)
             rows.append(NodeStatus(rec["rank"], rec["name"], info.get("state", "unknown"),
                                    code=info.get("code"), pid=info.get("pgid"),
                                    uptime=info.get("uptime"), detail=detail))

@@ -7,7 +7,8 @@ import click
 
 from .. import resolve
 from .main import CONTEXT, complete_run, main
-from ..errors import ClusterError, InputError
+from ..errors import ClusterError, InputError, NodeLost, RunFailed
+from ..nodes import outcome
 from ..runs import RunDir
 from ..console import Console
 
@@ -58,10 +59,13 @@ def run_notes(meta: dict, started: bool) -> list[str]:
 
 @main.command(context_settings=CONTEXT)
 @click.argument("run", required=False, shell_complete=complete_run)
-@click.option("-f", "--follow", is_flag=True, help="Keep printing until the run ends.")
+@click.option("-f", "--follow", is_flag=True,
+              help="Keep printing until the run ends, then its outcome (exit 4 if it failed).")
 @click.option("--node", help="Only this node (by name).")
 def logs(run: str | None, follow: bool, node: str | None) -> None:
-    """The output of RUN (default: the newest), prefixed by node."""
+    """The output of RUN (default: the newest), prefixed by node. Following, it ends with the
+    run's outcome, and its exit code says it: 0 when every node exited 0, 4 when one did not
+    (5 when one was lost), so `cluster logs -f && ...` goes on only after a success."""
     rd = RunDir.find(run)
     names = [n["name"] for n in rd.meta().get("nodes") or []]
     if node and node not in names:
@@ -78,8 +82,25 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
         for label, sp in splitters.items():
             for line in sp.flush():
                 console.node_line(label, list(splitters).index(label), line)
+        if follow:
+            report_outcome(rd, [r for r in backend.status(rd) if not node or r.name == node], console)
     finally:
         backend.close()
+
+
+def report_outcome(rd: RunDir, rows: list, console: Console) -> None:
+    """The followed run's outcome, last: a line on success, else the error (exit 4, or 5
+    when a node was lost)."""
+    ok, words = outcome(rows)
+    if ok:
+        console.info(f"run {rd.run_id} succeeded: {words}")
+        return
+    error = NodeLost if any(r.state == "lost" for r in rows) else RunFailed
+    raise error(f"run {rd.run_id} did not succeed: {words}")
+
+
+STOP_HOW = {"term": "; every one ended within the grace after SIGTERM",
+            "kill": "; SIGKILL after the grace"}
 
 
 @main.command(context_settings=CONTEXT)
@@ -104,7 +125,11 @@ def down(run: str | None) -> None:
         elif "state" in rep:       # a scheduler job: its state after the cancel
             console.info(f"[{name}] {rep['state']}")
         else:
-            console.info(f"[{name}] stopped ({len(rep.get('signalled', []))} process(es) signalled)")
+            console.info(f"[{name}] stopped ({len(rep.get('signalled', []))} process(es) signalled"
+                         f"{STOP_HOW.get(rep.get('how'), '')})")
+    stops = {name: rep["how"] for name, rep in reports.items() if rep.get("how")}
+    if stops:
+        rd.update(stops={**(rd.meta().get("stops") or {}), **stops})
     if bad:
         raise ClusterError(f"run {rd.run_id}: not every node could be stopped")
 

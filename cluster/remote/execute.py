@@ -29,7 +29,8 @@ import sys
 import threading
 import time
 
-import supervisor  # noqa: E402  (loaded beside this module by the bootstrap)
+import family  # noqa: E402  (loaded beside this module by the bootstrap)
+import supervisor  # noqa: E402
 
 GRACE = 5.0
 
@@ -44,10 +45,12 @@ def main(argv):
     if note:
         out.record({"note": note})
     env = dict(os.environ, CLUSTER_EXEC_ID=opts["id"], CLUSTER_NODE=opts["node"])
+    family.become_subreaper()     # what the command starts stays ours, whatever its environment
     try:
         child = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+                                 start_new_session=True,
+                                 **supervisor.with_umask(supervisor.USER_UMASK))
     except FileNotFoundError:
         out.write(("cluster exec: %s: command not found\n" % command[0]).encode())
         return 127
@@ -89,11 +92,12 @@ def where(cwd):
 
 
 class ExecIdentity(supervisor.Identity):
-    """This exec on this node: processes whose environment carries its id and node name, and
-    its process group while this program (its owner) runs."""
+    """This exec on this node: processes whose environment carries its id and node name, its
+    process group while this program (its owner) runs, and every descendant of this program
+    outside its own session (family.py)."""
 
     def __init__(self, exec_id, node, pgid):
-        supervisor.Identity.__init__(self, exec_id, node, pgid, True)
+        supervisor.Identity.__init__(self, exec_id, node, pgid, True, os.getpid())
         self.want = [("CLUSTER_EXEC_ID=%s" % exec_id).encode(), ("CLUSTER_NODE=%s" % node).encode()]
 
 

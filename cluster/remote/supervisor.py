@@ -32,13 +32,21 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
 import time
 
+# Everything this process writes is private, from before it writes anything (logs and status
+# files may hold what the run prints; Python's bytecode cache of the modules beside it). The
+# job, and a command of cluster exec, get the umask it came with: the node login's, so their
+# files are as the user's are.
+USER_UMASK = os.umask(0o077)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import workers  # noqa: E402  (beside this file on the node)
+import family  # noqa: E402  (beside this file on the node)
+import workers  # noqa: E402
 
 GRACE = 30.0
 LAUNCHER_GRACE = 0.25
@@ -47,12 +55,11 @@ CONFIG_TIMEOUT = 30.0
 
 def main(argv=None):
     args = parse(argv)
-    os.umask(0o077)                      # logs and status files may hold what the run prints
     os.makedirs(args.dir, exist_ok=True)
     if args.cmd == "probe":
         return probe(args)
     if args.cmd == "run":
-        return run(args)
+        return run(args, USER_UMASK)
     if args.cmd == "stop":
         report = stop(args.dir, args.grace)
         print(json.dumps(report))
@@ -125,42 +132,17 @@ def read_number(d, name, kind=int):
 
 # --- processes, by identity ------------------------------------------------------------------
 
-def proc_state(pid):
-    """(state letter, process group) of a pid, or None when it is gone."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            data = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    fields = data[data.rfind(")") + 2:].split()
-    return fields[0], int(fields[2])
-
-
-def alive(pid):
-    st = proc_state(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
-def owner(pid):
-    try:
-        return os.stat("/proc/%d" % pid).st_uid
-    except OSError:
-        return None
-
-
-def all_pids():
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            yield int(name)
+alive, owner, all_pids = family.alive, family.owner, family.pids      # /proc, read plainly
 
 
 class Identity:
     """This run on this node: its tagged environment, and its process group while trusted."""
 
-    def __init__(self, run_id, node, pgid=None, group_trusted=False):
+    def __init__(self, run_id, node, pgid=None, group_trusted=False, root=None):
         self.want = [("CLUSTER_RUN_ID=%s" % run_id).encode(), ("CLUSTER_NODE=%s" % node).encode()]
         self.pgid = pgid
         self.group_trusted = bool(pgid) and group_trusted
+        self.root = root            # the supervisor, when it is this process: its family is ours
 
     def tagged(self, pid):
         try:
@@ -175,66 +157,58 @@ class Identity:
             return False
         if self.tagged(pid):
             return True
-        st = proc_state(pid)
-        return self.group_trusted and st is not None and st[1] == self.pgid
+        st = family.stat(pid)
+        if self.group_trusted and st is not None and st[2] == self.pgid:
+            return True
+        return bool(self.root) and family.belongs(pid, self.root)
 
     def members(self):
         """Every live process of the run on this node (never this supervisor). Only this
         user's processes can carry our identity or be signalled by us: the others are passed
         over on their owner, without reading their environment."""
         me, uid = os.getpid(), os.getuid()
+        kin = set(family.members(self.root)) if self.root else set()
         return sorted(pid for pid in all_pids()
-                      if pid != me and (uid == 0 or owner(pid) == uid) and self.owns(pid))
+                      if pid != me and (uid == 0 or owner(pid) == uid)
+                      and ((pid in kin and alive(pid)) or self.owns(pid)))
+
+    def reap(self):
+        """The supervisor collects its orphans' exits (its own child is its Popen's)."""
+        if self.root == os.getpid():
+            family.reap(self.root, keep=(self.pgid,))
 
     def signal(self, pid, sig):
-        """Send sig to pid only if it is still ours, checked on a handle to the process itself
-        (a pidfd) where the kernel offers one, so a pid reused meanwhile is never hit."""
-        fd = None
-        try:
-            fd = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            fd = None
-        try:
-            if not self.owns(pid):
-                return False
-            if fd is not None and hasattr(signal, "pidfd_send_signal"):
-                signal.pidfd_send_signal(fd, sig)
-            else:
-                os.kill(pid, sig)
-            return True
-        except (ProcessLookupError, PermissionError, OSError):
-            return False
-        finally:
-            if fd is not None:
-                os.close(fd)
+        """Send sig to pid only if it is still ours (family.send: checked with a handle to the
+        process held, so a pid reused meanwhile is never hit)."""
+        return family.send(pid, sig, lambda: self.owns(pid))
 
 
-def identity(d, trust_group):
-    """The run's identity from its directory; None before the run was ever started here."""
+def identity(d, trust_group, root=None):
+    """The run's identity from its directory; None before the run was ever started here.
+    root: this process, when it is the run's supervisor (its family is the run's)."""
     tag = read_json(d, "tag")
     if not tag:
         return None
     ended = os.path.exists(path(d, "exit"))
     pgid = None if ended else read_number(d, "pgid")
-    return Identity(tag.get("run_id"), tag.get("node"), pgid, trust_group and not ended)
+    return Identity(tag.get("run_id"), tag.get("node"), pgid, trust_group and not ended, root)
 
 
 def supervisor_alive(d):
-    """The supervisor that started the run in d is still running (so its group id is ours)."""
+    """The supervisor that started the run in d is still running (so its group id is ours):
+    its pid names the process that started when it recorded (a reused pid started later)."""
     pid = read_number(d, "supervisor.pid")
     if not pid or not alive(pid):
         return False
-    try:
-        with open("/proc/%d/cmdline" % pid, "rb") as f:
-            cmdline = f.read().split(b"\0")
-    except OSError:
-        return False
-    return os.path.abspath(d).encode() in cmdline and b"run" in cmdline
+    born = read_number(d, "supervisor.start")
+    if born is None:              # an older supervisor's record: its command line names d
+        return os.path.abspath(d).encode() in family.cmdline(pid)
+    return family.start_time(pid) == born
 
 
 def terminate(d, grace, we_supervise=False):
     """TERM every process of the run on this node, wait up to `grace`, KILL, verify."""
-    ident = identity(d, we_supervise or supervisor_alive(d))
+    ident = identity(d, we_supervise or supervisor_alive(d), os.getpid() if we_supervise else None)
     if ident is None:
         return {"signalled": [], "killed": [], "left": []}
     box = container_record(d)
@@ -251,20 +225,26 @@ def sweep(ident, grace):
     # One TERM each: a second one interrupts torchrun's own shutdown of its workers.
     signalled = [pid for pid in first if ident.signal(pid, signal.SIGTERM)]
     deadline = time.time() + grace
-    left = ident.members()
+    left, launcher_only = ident.members(), False
     while left and time.time() < deadline:
         time.sleep(0.05)
+        ident.reap()
         left = ident.members()
-        if ident.pgid and left == [ident.pgid]:
+        launcher_only = bool(ident.pgid) and left == [ident.pgid]
+        if launcher_only:
             # Only the launcher (torchrun) is left, its workers are gone: it has nothing more to
             # save, and its interpreter takes over a second to exit. A short grace, then KILL.
             deadline = min(deadline, time.time() + LAUNCHER_GRACE)
+    # The grace ran out on work that was still going (not on torchrun after its workers).
+    expired = bool(left) and not launcher_only
     killed = [pid for pid in left if ident.signal(pid, signal.SIGKILL)]
     deadline = time.time() + 2.0
     while left and time.time() < deadline:
         time.sleep(0.05)
+        ident.reap()
         left = ident.members()
-    return {"signalled": signalled, "killed": killed, "left": left, "workers": had}
+    return {"signalled": signalled, "killed": killed, "left": left, "workers": had,
+            "expired": expired}
 
 
 # --- the run's container, by its name -----------------------------------------------------------
@@ -391,7 +371,7 @@ def read_config(fd, timeout):
     return config if isinstance(config, dict) else {}
 
 
-def run(args):
+def run(args, user_umask=0o022):
     d = os.path.abspath(args.dir)
     config = read_config(0, CONFIG_TIMEOUT)
     secret_env = {str(k): str(v) for k, v in (config.get("env") or {}).items()}
@@ -409,10 +389,12 @@ def run(args):
                CLUSTER_HEARTBEAT_FILE=path(d, "heartbeat"))
     log = os.fdopen(os.open(path(d, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
                     "ab", buffering=0)
+    family.become_subreaper()        # whatever the run starts stays in this process's family
     child = subprocess.Popen(["bash", path(d, "launch.sh")], stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
+                             start_new_session=True, **with_umask(user_umask))
     write_atomic(d, "pgid", str(child.pid))
+    write_atomic(d, "supervisor.start", str(family.start_time(os.getpid())))
     write_atomic(d, "supervisor.pid", str(os.getpid()))
     write_atomic(d, "started", repr(time.time()))
 
@@ -435,7 +417,8 @@ def run(args):
         stop_async("stopped by the launcher")
 
     def on_signal(signum, _frame):
-        stop_async("supervisor got %s" % signal_name(signum))
+        asked = os.path.exists(path(d, "stop-requested"))      # `cluster down`'s word
+        stop_async("stop requested" if asked else "supervisor got %s" % signal_name(signum))
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -451,6 +434,7 @@ def run(args):
     pump = threading.Thread(target=copy_output, args=(child.stdout, log, out, tap, stop_async),
                             daemon=True)
     pump.start()
+    threading.Thread(target=reap_orphans, args=(child.pid, ended), daemon=True).start()
     code = child.wait()
     ended.set()
     for t in stoppers:                 # a stop in progress finishes its grace and its KILL first
@@ -459,12 +443,10 @@ def run(args):
     leftovers = terminate(d, args.grace, True)
     pump.join(timeout=2.0)
     requested = os.path.exists(path(d, "stop-requested"))
-    result = {"code": code if code >= 0 else None, "signal": -code if code < 0 else None,
-              "ended": time.time(), "leftovers": leftovers["signalled"],
-              "stopped": stopping.is_set() or requested,
-              "reason": (why[0] if why else ("stop requested" if requested else None))}
-    write_atomic(d, "exit", json.dumps(result))
-    # What was left after the last TERM/KILL, verified: the launcher's answer to its `stop`.
+    stopped = stopping.is_set() or requested
+    # What was left after the last TERM/KILL, verified: the launcher's answer to its `stop`
+    # (and `cluster down`'s, in the exit record), with how the stop went: every process
+    # ended within the grace after SIGTERM ("term"), or the grace ran out ("kill").
     final = {key: sorted({pid for r in done + [leftovers] for pid in r[key]})
              for key in ("signalled", "killed")}
     final["left"] = leftovers["left"]
@@ -472,8 +454,30 @@ def run(args):
     if had:
         # Workers to stop, or left by a torchrun that died: its rendezvous had completed.
         out.record({"workers": had})
+    final["how"] = (("kill" if any(r.get("expired") for r in done + [leftovers]) else "term")
+                    if stopped else None)
+    result = {"code": code if code >= 0 else None, "signal": -code if code < 0 else None,
+              "ended": time.time(), "leftovers": leftovers["signalled"], "stopped": stopped,
+              "reason": (why[0] if why else ("stop requested" if requested else None)),
+              "how": final["how"], "grace": args.grace, "stop": final}
+    write_atomic(d, "exit", json.dumps(result))
     out.record({"final": final})
     return code if code >= 0 else 128 - code
+
+
+def with_umask(mask):
+    """Popen's arguments that start the child with umask `mask`."""
+    if sys.version_info >= (3, 9):
+        return {"umask": mask}
+    return {"preexec_fn": lambda: os.umask(mask)}
+
+
+def reap_orphans(child, ended, every=1.0):
+    """Collect the exits of the run's processes that came to this supervisor as orphans, so
+    none lingers as a zombie while the run goes on."""
+    me = os.getpid()
+    while not ended.wait(every):
+        family.reap(me, keep=(child,))
 
 
 def signal_name(num):
@@ -586,7 +590,16 @@ def dump(d, tap, out):
 def stop(d, grace):
     # Tell the running supervisor (another process) that this end was asked for.
     write_atomic(d, "stop-requested", repr(time.time()))
+    asked = ask_supervisor(d, grace)
+    # Then by identity: a supervisor that is gone (or did not answer) stops nothing.
     report = terminate(d, grace)
+    if asked:
+        report = {"signalled": sorted(set(asked.get("signalled", [])) | set(report["signalled"])),
+                  "killed": sorted(set(asked.get("killed", [])) | set(report["killed"])),
+                  # what it left and is still there (pids; a container by its name), then ours
+                  "left": [x for x in asked.get("left", []) if not isinstance(x, int) or alive(x)]
+                  + [x for x in report["left"] if x not in asked.get("left", [])],
+                  "how": "kill" if report.get("expired") else asked.get("how")}
     if status(d)["state"] == "lost" and not report["left"]:
         # Its supervisor died without recording the end: this stop is the end, so that the run
         # reads as stopped from now on (cluster status, cluster clean), not lost forever.
@@ -594,6 +607,16 @@ def stop(d, grace):
                                             "leftovers": report["signalled"], "stopped": True,
                                             "reason": "stopped after its supervisor was lost"}))
     return report
+
+
+def ask_supervisor(d, grace):
+    """Have the run's own supervisor stop it (SIGTERM to it, verified to be it): it alone
+    knows every process of its run, those that left the run's identity behind included.
+    Its report from the exit record once it has ended; None without a live supervisor."""
+    pid = read_number(d, "supervisor.pid")
+    if not pid or not family.send(pid, signal.SIGTERM, lambda: supervisor_alive(d), grace + 30):
+        return None
+    return (read_json(d, "exit") or {}).get("stop")
 
 
 def status(d):
@@ -604,10 +627,12 @@ def status(d):
     if ended is not None:
         info.update(state="stopped" if ended.get("stopped") else "exited",
                     code=ended.get("code"), signal=ended.get("signal"),
-                    ended=ended.get("ended"), reason=ended.get("reason"))
+                    ended=ended.get("ended"), reason=ended.get("reason"),
+                    how=ended.get("how"), grace=ended.get("grace"))
         return info
     sup = read_number(d, "supervisor.pid")
-    if sup and alive(sup):
+    legacy = not os.path.exists(path(d, "supervisor.start"))     # an older supervisor's run
+    if sup and (supervisor_alive(d) or (legacy and alive(sup))):
         info["state"] = "running"
         info["uptime"] = time.time() - started if started else None
     elif sup:
@@ -616,6 +641,9 @@ def status(d):
 
 
 def logs(d, follow):
+    """The node's output; following, until the run ends here, or the reader is gone: its
+    input closes (an SSH channel's, a pipe's) when `cluster logs -f` is stopped by any means,
+    even on a node that prints nothing."""
     out = sys.stdout.buffer
     try:
         f = open(path(d, "output.log"), "rb")
@@ -623,7 +651,8 @@ def logs(d, follow):
         if not follow:
             return 1
         while not os.path.exists(path(d, "output.log")):
-            time.sleep(0.2)
+            if not reader_there(0, 0.2):
+                return 0
         f = open(path(d, "output.log"), "rb")
     with f:
         while True:
@@ -637,7 +666,26 @@ def logs(d, follow):
                 out.write(rest)
                 out.flush()
                 return 0
-            time.sleep(0.2)
+            if not reader_there(0, 0.2):
+                return 0
+
+
+def reader_there(fd, seconds):
+    """Wait up to `seconds`; False once input fd, the reader's end of a pipe or socket, has
+    closed. Any other input (a terminal, /dev/null) says nothing: just the wait."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        mode = 0
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        time.sleep(seconds)
+        return True
+    if not select.select([fd], [], [], seconds)[0]:
+        return True
+    try:
+        return bool(os.read(fd, 4096))
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

@@ -231,20 +231,36 @@ def test_detach_status_logs_down(ssh_nodes4, cli):
     # torchrun's own exit code when it ended within its short grace, none when it was killed
     assert all(re.fullmatch(r"stopped( 1)?", v) for v in status_states(cli, long_id).values()), \
         status_states(cli, long_id)
+    # every worker ended on SIGTERM within the grace: said so, not "signal 9" (torchrun itself
+    # is killed a moment after its workers are gone, which is no kill of the work)
+    status = cli.run("status", long_id, timeout=60)
+    assert status.stdout.count("SIGTERM: ended within the 30 s grace") == 2, status.dump()
+    assert "signal 9" not in status.stdout and "SIGKILL" not in status.stdout, status.dump()
+    assert json.loads((cli.cwd / "runs" / long_id / "run.json").read_text())["stops"] == \
+        {"node1": "term", "node2": "term"}
 
 
 def test_logs_follow_every_node_at_once_over_ssh(ssh_nodes4, cli):
     """`cluster logs -f` over SSH interleaves nodes as their lines arrive: node2's line,
-    printed between node1's two lines, is shown between them."""
+    printed between node1's two lines, is shown between them. Each line waits for the one
+    before it to have been shown (a file the test makes), so the order is the arrival's."""
+    go = Path(ssh_nodes4.workdir(2)) / f"go-{os.getpid()}"
+    for f in (go.with_suffix(".b"), go.with_suffix(".a")):
+        f.unlink(missing_ok=True)
+    wait = "until [ -e {0} ]; do sleep 0.05; done"
     (cli.cwd / "tpl").mkdir()
     (cli.cwd / "tpl" / "node.sh.j2").write_text(
-        "{% if rank == 0 %}echo a0; sleep 4; echo a1\n"
-        "{% else %}sleep 2; echo b0\n{% endif %}")
+        "{% if rank == 0 %}echo a0; " + wait.format(go.with_suffix(".a")) + "; echo a1\n"
+        "{% else %}" + wait.format(go.with_suffix(".b")) + "; echo b0\n{% endif %}")
     up = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "2", "--detach",
                  "--no-preflight", "--templates", "tpl", "--", "unused")
     assert up.popen.returncode == 0, up.dump()
-    logs = cli.run("logs", "-f", up.run_id(), timeout=60)
-    assert logs.popen.returncode == 0, logs.dump()
+    logs = cli.start("logs", "-f", up.run_id())
+    logs.wait_for(lambda p: "[node1 0] a0" in p.out, 60, "a0")
+    go.with_suffix(".b").touch()
+    logs.wait_for(lambda p: "[node2 1] b0" in p.out, 60, "b0")
+    go.with_suffix(".a").touch()
+    assert logs.wait(60) == 0, logs.dump()
     shown = [line for line in logs.out if line.startswith("[")]
     assert shown == ["[node1 0] a0", "[node2 1] b0", "[node1 0] a1"], logs.dump()
 

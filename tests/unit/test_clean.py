@@ -228,6 +228,7 @@ def test_reading_a_runs_status_is_no_activity(tmp_path: Path, backend) -> None:
     d = node_folder(tmp_path, "20250101-000000-aaaa", {"exit": "{}"})
     (d / "supervisor.py").write_text(SUPERVISOR.read_text())
     (d / "workers.py").write_text(SUPERVISOR.with_name("workers.py").read_text())
+    (d / "family.py").write_text(SUPERVISOR.with_name("family.py").read_text())
     make_old(d.parent, 8 * DAY)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     subprocess.run([sys.executable, str(d / "supervisor.py"), "status", str(d)], check=True,

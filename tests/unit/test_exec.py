@@ -128,6 +128,21 @@ def test_what_the_command_left_running_ends_with_it(backend, tmp_path) -> None:
     assert "stopped 1 process(es) the command left running" in err.getvalue()
 
 
+def test_a_child_that_left_the_commands_identity_ends_with_it(backend, tmp_path) -> None:
+    """`setsid env -i ...`: no CLUSTER_EXEC_ID to find it by, but still a descendant."""
+    pidfile = tmp_path / "scrubbed.pid"
+    script = f"setsid env -i sh -c 'echo $$ > {pidfile}; exec sleep 3618' & sleep 0.5; echo started"
+    con, _, _ = console()
+    try:
+        run(hosts(1, tmp_path), backend, ["bash", "-c", script], con)
+        pid = int(pidfile.read_text())
+        assert wait_for(lambda: not Path(f"/proc/{pid}").exists()
+                        or Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX", 5)
+    finally:
+        if pidfile.exists() and Path(f"/proc/{pidfile.read_text().strip()}").exists():
+            os.kill(int(pidfile.read_text()), 9)
+
+
 def test_ctrl_c_stops_the_command_on_every_node_and_leaves_nothing(backend, tmp_path,
                                                                    ctrl_c_raises) -> None:
     con, out, _ = console()

@@ -343,3 +343,135 @@ def test_a_nodes_run_folder_is_private_up_to_the_workdirs_cluster_folder(tmp_pat
     for folder in (workdir / ".cluster", workdir / ".cluster" / "run1", Path(made)):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
     assert stat.S_IMODE(workdir.stat().st_mode) == 0o755
+
+
+# --- processes that leave the run's identity; the job's umask; how a stop went ------------------
+
+# A child in a session of its own with an empty environment (no CLUSTER_* to find it by): it
+# writes its pid, then sleeps.
+SCRUBBED = "setsid env -i sh -c 'echo $$ > {pidfile}; exec sleep 300' &\n"
+
+
+def live(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def scrubbed_child(tmp_path: Path, rest: str) -> tuple[Path, Path]:
+    pidfile = tmp_path / "scrubbed.pid"
+    return node_dir(tmp_path, SCRUBBED.format(pidfile=pidfile) + rest), pidfile
+
+
+def cleanup_pid(pidfile: Path) -> None:
+    if pidfile.exists() and live(int(pidfile.read_text())):
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+def test_stop_reaches_a_child_that_left_the_runs_identity(tmp_path: Path) -> None:
+    """`setsid env -i ...` from the job: no run id in its environment, not in the run's group.
+    It is still the supervisor's descendant (the supervisor is a child subreaper), so the stop
+    that the launcher asks for reaches it."""
+    d, pidfile = scrubbed_child(tmp_path, "sleep 300\n")
+    p = start(d)
+    try:
+        assert wait_for(lambda: pidfile.exists() and pidfile.read_text().strip())
+        pid = int(pidfile.read_text())
+        assert live(pid) and pid not in tagged_pids(RUN_ID, "n1")
+        p.stdin.write(b"stop\n")
+        p.stdin.flush()
+        finish(p)
+        assert not live(pid), "the child without the run's identity outlived the stop"
+    finally:
+        cleanup_pid(pidfile)
+
+
+def test_a_run_that_ends_takes_its_scrubbed_orphan_with_it(tmp_path: Path) -> None:
+    """The job's script ends (exit 0) and leaves the scrubbed child running: re-parented to
+    the supervisor, it is stopped with the run's leftovers."""
+    d, pidfile = scrubbed_child(tmp_path, "sleep 0.3\n")
+    p = start(d)
+    try:
+        finish(p)
+        assert p.returncode == 0
+        pid = int(pidfile.read_text())
+        assert not live(pid)
+        assert pid in json.loads((d / "exit").read_text())["leftovers"]
+    finally:
+        cleanup_pid(pidfile)
+
+
+def test_stop_of_a_detached_run_is_done_by_its_supervisor(tmp_path: Path) -> None:
+    """`cluster down` of a detached run: `stop` asks the run's own supervisor, which knows its
+    whole family (the scrubbed child too); its report says how the stop went."""
+    d, pidfile = scrubbed_child(tmp_path, "sleep 300\n")
+    p = start(d, detach=True)
+    p.communicate(timeout=30)
+    try:
+        assert wait_for(lambda: pidfile.exists() and pidfile.read_text().strip())
+        pid = int(pidfile.read_text())
+        report = sup("stop", str(d), "--grace", "2")
+        assert not live(pid), report
+        assert pid in report["signalled"] and report["left"] == [] and report["how"] == "term"
+        ended = json.loads((d / "exit").read_text())
+        assert ended["reason"] == "stop requested" and ended["how"] == "term"
+    finally:
+        cleanup_pid(pidfile)
+
+
+def test_the_job_gets_the_umask_the_supervisor_started_with(tmp_path: Path) -> None:
+    """cluster's own files are private; the job's are as its user's umask makes them."""
+    d = node_dir(tmp_path, f"umask > {tmp_path}/job-umask\ntouch {tmp_path}/ckpt\n")
+    old = os.umask(0o022)
+    try:
+        p = start(d)
+    finally:
+        os.umask(old)
+    finish(p)
+    assert (tmp_path / "job-umask").read_text().strip() == "0022"
+    assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o644
+    for name in ("output.log", "exit", "pgid", "tag"):
+        assert (d / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def test_status_says_whether_a_stop_ended_within_the_grace(tmp_path: Path) -> None:
+    """A job that ends on SIGTERM within the grace reads "term" (with its exit code); one that
+    ignores SIGTERM is killed after the grace: "kill"."""
+    polite = node_dir(tmp_path, "trap 'exit 0' TERM\necho ready\nwhile true; do sleep 0.1; done\n")
+    p = start(polite)
+    assert wait_for(lambda: b"ready" in (polite / "output.log").read_bytes()
+                    if (polite / "output.log").exists() else False)
+    assert sup("stop", str(polite), "--grace", "5")["how"] == "term"
+    p.communicate(timeout=30)
+    st = sup("status", str(polite))
+    assert (st["state"], st["how"], st["code"], st["signal"]) == ("stopped", "term", 0, None), st
+
+    stubborn = tmp_path / "stubborn"
+    stubborn.mkdir()
+    (stubborn / "launch.sh").write_text(ESCAPEE)     # a worker that ignores SIGTERM
+    p = start(stubborn)
+    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    assert sup("stop", str(stubborn), "--grace", "0.5")["how"] == "kill"
+    p.communicate(timeout=30)
+    st = sup("status", str(stubborn))
+    assert (st["state"], st["how"], st["grace"]) == ("stopped", "kill", 1.0), st   # run's grace
+
+
+def test_logs_follow_ends_when_its_reader_is_gone(tmp_path: Path) -> None:
+    """A follower on a node whose run prints nothing: when `cluster logs -f` is stopped its
+    channel's input closes, and the follower ends with it (it would otherwise wait for the
+    run's end, holding a process on the node)."""
+    d = node_dir(tmp_path, "sleep 300\n")
+    p = start(d, detach=True)
+    p.communicate(timeout=30)
+    try:
+        logs = subprocess.Popen([sys.executable, str(SUPERVISOR), "logs", str(d), "--follow"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        time.sleep(0.5)
+        assert logs.poll() is None, "logs --follow keeps going while the run runs"
+        logs.stdin.close()
+        assert logs.wait(timeout=5) == 0
+    finally:
+        sup("stop", str(d), "--grace", "0.5")

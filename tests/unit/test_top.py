@@ -30,6 +30,7 @@ def node_dir(tmp_path: Path, state: dict) -> Path:
     d.mkdir()
     (d / "supervisor.py").write_text(SUPERVISOR.read_text())
     (d / "workers.py").write_text(SUPERVISOR.with_name("workers.py").read_text())
+    (d / "family.py").write_text(SUPERVISOR.with_name("family.py").read_text())
     for name, value in state.items():
         (d / name).write_text(value)
     return d

@@ -1,0 +1,184 @@
+"""A node-side process's family: every process it started, however far they went (standard
+library only, Python 3.8+). Imported by supervisor.py, which sits beside it.
+
+A process can leave its run's identity behind: `setsid env -i sleep 1000 &` from a training
+script is in a session of its own with an empty environment. It cannot leave its ancestry.
+The supervisor makes itself a child subreaper (PR_SET_CHILD_SUBREAPER), so a process of the
+run whose parent dies is re-parented to the supervisor, not to init: every live process of the
+run is then a descendant of the supervisor. Such a process is ours by construction (its pid
+cannot be reused while its parent has not reaped it), so stopping it breaks no identity rule.
+
+Here too the plain reading of /proc this needs (a process's state, parent, group, session,
+owner) and the one way a node-side program signals a process: with a handle to it held while
+it is checked to be ours (send).
+
+The supervisor's own helpers (the container runtime's client, py-spy, `ip`) are descendants
+too, but they share its session, which no process of the run can join (the run starts in a
+session of its own, and a process may only move between groups of its own session): the
+family is the descendants in other sessions.
+"""
+import ctypes
+import os
+import select
+import signal
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper():
+    """Orphans of this process's descendants come back to it; False where the kernel (Linux
+    3.4+) or the C library cannot do it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def stat(pid):
+    """(state letter, parent, process group, session) of a pid, or None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            data = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = data[data.rfind(")") + 2:].split()
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+
+
+def alive(pid):
+    st = stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def owner(pid):
+    try:
+        return os.stat("/proc/%d" % pid).st_uid
+    except OSError:
+        return None
+
+
+def pids():
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            yield int(name)
+
+
+def send(pid, sig, still_ours, wait=0.0):
+    """Send sig to pid only if still_ours() holds, checked while a handle to the process
+    itself (a pidfd) is held where the kernel offers one: a pid reused meanwhile is never
+    hit. With wait, then wait up to that many seconds for it to end (on the same handle,
+    which says so the moment it does). True when it was sent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    try:
+        if not still_ours():
+            return False
+        if fd is not None and hasattr(signal, "pidfd_send_signal"):
+            signal.pidfd_send_signal(fd, sig)
+        else:
+            os.kill(pid, sig)
+        if wait > 0:
+            until_gone(pid, fd, wait)
+        return True
+    except OSError:
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def until_gone(pid, fd, seconds):
+    """Wait up to seconds for pid to end: its pidfd turns readable then; without one, look."""
+    if fd is not None:
+        select.select([fd], [], [], seconds)
+        return
+    deadline = time.time() + seconds
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def start_time(pid):
+    """When pid started, in clock ticks since boot: with the pid, a name no other process
+    will ever have (a reused pid starts later). None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            data = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    return int(data[data.rfind(")") + 2:].split()[19])
+
+
+def cmdline(pid):
+    """A process's arguments, or [] when it is gone."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def table():
+    """{pid: (state, parent, process group, session)} of every process that can be seen."""
+    out = {}
+    for pid in pids():
+        st = stat(pid)
+        if st is not None:
+            out[pid] = st
+    return out
+
+
+def members(root, procs=None):
+    """The live descendants of root outside root's own session (its helpers)."""
+    procs = table() if procs is None else procs
+    own = procs.get(root)
+    if own is None:
+        return []
+    children = {}
+    for pid, st in procs.items():
+        children.setdefault(st[1], []).append(pid)
+    found, todo = [], list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        state, _parent, _group, sid = procs[pid]
+        if sid != own[3] and state not in ("Z", "X"):
+            found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return sorted(found)
+
+
+def belongs(pid, root):
+    """pid is a live descendant of root in another session than root's (checked now, one
+    ancestor at a time)."""
+    own, st = stat(root), stat(pid)
+    if own is None or st is None or st[0] in ("Z", "X") or st[3] == own[3]:
+        return False
+    seen = 0
+    while st is not None and seen < 4096:
+        if st[1] == root:
+            return True
+        if st[1] <= 1:
+            return False
+        st, seen = stat(st[1]), seen + 1
+    return False
+
+
+def reap(root, keep=()):
+    """Collect the exit of every child of root that has ended and came to it as an orphan
+    (a child in another session, not one in `keep`, which their own waiters collect). Only
+    root itself can reap its children: call it from root."""
+    own = stat(root)
+    if own is None:
+        return []
+    reaped = []
+    for pid, (state, parent, _group, sid) in table().items():
+        if parent == root and state == "Z" and sid != own[3] and pid not in keep:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped.append(pid)
+            except ChildProcessError:
+                continue
+    return reaped

@@ -1,0 +1,99 @@
+"""cluster/remote/stage.py, the one process a node runs for a launch, run for real through
+the launcher's own bootstrap: the probe's facts, then either the end of the input or the
+word to start (files written privately under a temporary name, renamed, then supervisor.py
+runs in the same process with the rest of the input)."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from cluster.backends.supervised import STAGE_BOOT, stage_input
+
+# Stands in for supervisor.py: says how it was called and what input was left for it.
+FAKE_SUPERVISOR = b"""import os, sys
+def main(argv):
+    rest = b""
+    while True:
+        chunk = os.read(0, 4096)
+        if not chunk:
+            break
+        rest += chunk
+    print("SUPERVISOR", repr(argv), repr(rest))
+    return 7
+"""
+
+
+def stage(tmp_path: Path, after: bytes, umask: int = 0o022) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-c", STAGE_BOOT, "--dir", str(tmp_path / "run")]
+    return subprocess.run(args, input=stage_input() + after, capture_output=True,
+                          preexec_fn=lambda: os.umask(umask), timeout=60)
+
+
+def go(d: Path, files: list[tuple[str, bytes, int]], args: list[str]) -> bytes:
+    head = {"dir": str(d), "args": args, "files": [[n, len(b), m] for n, b, m in files]}
+    return (json.dumps(head) + "\n").encode() + b"".join(b for _, b, _ in files)
+
+
+def facts_of(res: subprocess.CompletedProcess) -> dict:
+    return json.loads(res.stdout.decode().splitlines()[0])
+
+
+def test_end_of_input_after_the_facts_starts_nothing(tmp_path: Path) -> None:
+    res = stage(tmp_path, b"")
+    assert res.returncode == 0, res.stderr
+    facts = facts_of(res)
+    assert facts["dir"] == str(tmp_path / "run") and facts["executable"] == sys.executable
+    assert res.stdout.decode().count("\n") == 1
+    assert sorted(os.listdir(tmp_path / "run")) == []          # made, and nothing in it
+
+
+def test_the_word_writes_the_files_then_runs_the_supervisor_with_the_rest(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    files = [("supervisor.py", FAKE_SUPERVISOR, 0o600), ("launch.sh", b"echo hi\n", 0o700)]
+    res = stage(tmp_path, go(d, files, ["--run-id", "r1"]) + b'{"env": {}}\nbeat\n')
+    assert res.returncode == 7, res.stderr
+    last = res.stdout.decode().splitlines()[-1]
+    assert last == "SUPERVISOR %r %r" % (["run", str(d), "--run-id", "r1"], b'{"env": {}}\nbeat\n')
+    assert (d / "launch.sh").read_bytes() == b"echo hi\n"
+    assert sorted(os.listdir(d)) == ["launch.sh", "supervisor.py"]   # no temporary name left
+
+
+def test_each_file_gets_its_mode_whatever_the_umask(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    files = [("supervisor.py", FAKE_SUPERVISOR, 0o600), ("launch.sh", b"true\n", 0o700)]
+    for umask in (0o022, 0o277):
+        res = stage(tmp_path, go(d, files, []), umask=umask)
+        assert res.returncode == 7, res.stderr
+        assert stat.S_IMODE((d / "launch.sh").stat().st_mode) == 0o700, oct(umask)
+        assert stat.S_IMODE((d / "supervisor.py").stat().st_mode) == 0o600, oct(umask)
+
+
+def test_a_file_is_replaced_by_a_rename_never_rewritten_in_place(tmp_path: Path) -> None:
+    """A reader of the old file (here a second link to it) never sees a half-written new one:
+    the new bytes land under a temporary name, renamed over the old."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "launch.sh").write_bytes(b"old\n")
+    os.link(d / "launch.sh", tmp_path / "reader")
+    files = [("launch.sh", b"new\n", 0o700), ("supervisor.py", FAKE_SUPERVISOR, 0o600)]
+    res = stage(tmp_path, go(d, files, []))
+    assert res.returncode == 7, res.stderr
+    assert (d / "launch.sh").read_bytes() == b"new\n"
+    assert (tmp_path / "reader").read_bytes() == b"old\n"
+    assert not list(d.glob(".*.tmp"))
+
+
+def test_end_of_input_in_the_middle_of_a_file_writes_nothing_and_runs_nothing(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    files = [("launch.sh", b"echo complete\n", 0o700), ("supervisor.py", FAKE_SUPERVISOR, 0o600)]
+    word = go(d, files, [])
+    cut = word[:len(word) - len(FAKE_SUPERVISOR) // 2]       # half of the supervisor's bytes
+    res = stage(tmp_path, cut)
+    assert res.returncode != 0
+    assert b"connection closed during the start" in res.stderr
+    assert b"SUPERVISOR" not in res.stdout
+    assert sorted(os.listdir(d)) == ["launch.sh"]            # whole, or not there at all
