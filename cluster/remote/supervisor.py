@@ -230,7 +230,9 @@ def sweep(ident, grace):
         time.sleep(0.05)
         ident.reap()
         left = ident.members()
-        launcher_only = bool(ident.pgid) and left == [ident.pgid]
+        # Only when workers were there at the first look: a group leader alone between its own
+        # steps (a shell trapping TERM between two sleeps) is not a torchrun after its workers.
+        launcher_only = had > 0 and bool(ident.pgid) and left == [ident.pgid]
         if launcher_only:
             # Only the launcher (torchrun) is left, its workers are gone: it has nothing more to
             # save, and its interpreter takes over a second to exit. A short grace, then KILL.
@@ -401,24 +403,29 @@ def run(args, user_umask=0o022):
     stopping = threading.Event()
     why = []
     stoppers, done = [], []                # the stop's threads, and what each of them did
+    graces = []                            # the grace the stop was given
 
-    def stop_async(reason):
+    def stop_async(reason, grace=args.grace):
         if not stopping.is_set():
             why.append(reason)
+            graces.append(grace)
             stopping.set()
-            t = threading.Thread(target=lambda: done.append(terminate(d, args.grace, True)),
+            t = threading.Thread(target=lambda: done.append(terminate(d, grace, True)),
                                  daemon=True)
             stoppers.append(t)
             t.start()
 
     def stop_requested():
         # The launcher's `stop` line: no process of its own on this node, one packet.
-        write_atomic(d, "stop-requested", repr(time.time()))
+        write_atomic(d, "stop-requested", json.dumps({"at": time.time()}))
         stop_async("stopped by the launcher")
 
     def on_signal(signum, _frame):
-        asked = os.path.exists(path(d, "stop-requested"))      # `cluster down`'s word
-        stop_async("stop requested" if asked else "supervisor got %s" % signal_name(signum))
+        asked = read_json(d, "stop-requested")                 # `cluster down`'s word
+        if asked is not None:
+            stop_async("stop requested", (asked or {}).get("grace", args.grace))
+        else:
+            stop_async("supervisor got %s" % signal_name(signum))
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -437,10 +444,11 @@ def run(args, user_umask=0o022):
     threading.Thread(target=reap_orphans, args=(child.pid, ended), daemon=True).start()
     code = child.wait()
     ended.set()
+    grace = graces[0] if graces else args.grace
     for t in stoppers:                 # a stop in progress finishes its grace and its KILL first
-        t.join(timeout=args.grace + 5)
+        t.join(timeout=grace + 5)
     # torchrun's workers live in sessions of their own: if it died hard they are orphans now.
-    leftovers = terminate(d, args.grace, True)
+    leftovers = terminate(d, grace, True)
     pump.join(timeout=2.0)
     requested = os.path.exists(path(d, "stop-requested"))
     stopped = stopping.is_set() or requested
@@ -459,7 +467,7 @@ def run(args, user_umask=0o022):
     result = {"code": code if code >= 0 else None, "signal": -code if code < 0 else None,
               "ended": time.time(), "leftovers": leftovers["signalled"], "stopped": stopped,
               "reason": (why[0] if why else ("stop requested" if requested else None)),
-              "how": final["how"], "grace": args.grace, "stop": final}
+              "how": final["how"], "grace": grace, "stop": final}
     write_atomic(d, "exit", json.dumps(result))
     out.record({"final": final})
     return code if code >= 0 else 128 - code
@@ -588,8 +596,9 @@ def dump(d, tap, out):
 # --- stop, status, logs ------------------------------------------------------------------------
 
 def stop(d, grace):
-    # Tell the running supervisor (another process) that this end was asked for.
-    write_atomic(d, "stop-requested", repr(time.time()))
+    # Tell the running supervisor (another process) that this end was asked for, and with
+    # which grace (`cluster down --stop-grace` may differ from the run's own).
+    write_atomic(d, "stop-requested", json.dumps({"at": time.time(), "grace": grace}))
     asked = ask_supervisor(d, grace)
     # Then by identity: a supervisor that is gone (or did not answer) stops nothing.
     report = terminate(d, grace)

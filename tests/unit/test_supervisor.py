@@ -52,9 +52,9 @@ def node_dir(tmp_path: Path, body: str) -> Path:
 
 
 def start(d: Path, node: str = "n1", detach: bool = False, config: dict | None = None,
-          keepalive: float = 0.0) -> subprocess.Popen:
+          keepalive: float = 0.0, grace: float = 1) -> subprocess.Popen:
     args = [sys.executable, str(SUPERVISOR), "run", str(d), "--run-id", RUN_ID, "--node", node,
-            "--grace", "1", "--keepalive", str(keepalive)]
+            "--grace", f"{grace:g}", "--keepalive", str(keepalive)]
     if detach:
         args.append("--detach")
     p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -456,7 +456,42 @@ def test_status_says_whether_a_stop_ended_within_the_grace(tmp_path: Path) -> No
     assert sup("stop", str(stubborn), "--grace", "0.5")["how"] == "kill"
     p.communicate(timeout=30)
     st = sup("status", str(stubborn))
-    assert (st["state"], st["how"], st["grace"]) == ("stopped", "kill", 1.0), st   # run's grace
+    assert (st["state"], st["how"], st["grace"]) == ("stopped", "kill", 0.5), st   # the stop's
+
+
+def test_a_stop_with_its_own_grace_is_held_to_it_by_the_live_supervisor(tmp_path: Path) -> None:
+    """`cluster down --stop-grace 0.5` of a run started with a 30 s grace: the run's own
+    supervisor does the stop, and with the grace the stop was given, not its own."""
+    d = tmp_path / "stubborn"
+    d.mkdir()
+    (d / "launch.sh").write_text(ESCAPEE)             # a worker that ignores SIGTERM
+    p = start(d, grace=30)
+    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    began = time.monotonic()
+    report = sup("stop", str(d), "--grace", "0.5")
+    took = time.monotonic() - began
+    p.communicate(timeout=60)
+    assert report["how"] == "kill" and report["left"] == [], report
+    assert took < 15, f"the stop took {took:.1f} s: the run's 30 s grace, not the stop's 0.5 s"
+    assert json.loads((d / "exit").read_text())["grace"] == 0.5
+
+
+def test_a_shell_between_its_own_steps_gets_the_whole_grace(tmp_path: Path) -> None:
+    """The short grace for a torchrun whose workers are gone is not given to a group leader
+    that is alone only between two of its own commands (a TERM trap that saves, then exits):
+    it is decided from the workers the stop found, not from one look at the group."""
+    body = (f"trap 'sleep 0.6; sleep 0.6; echo saved > {tmp_path}/ckpt; exit 0' TERM\n"
+            "echo ready\nwhile true; do sleep 0.05; done\n")
+    d = node_dir(tmp_path, body)
+    for attempt in range(5):
+        p = start(d, grace=10)
+        assert wait_for(lambda: (d / "output.log").exists() and b"ready" in (d / "output.log").read_bytes())
+        report = sup("stop", str(d), "--grace", "10")
+        p.communicate(timeout=30)
+        assert (tmp_path / "ckpt").read_text() == "saved\n", (attempt, report)
+        assert report["killed"] == [] and report["how"] == "term", (attempt, report)
+        for name in ("ckpt", "output.log", "exit", "stop-requested"):
+            (tmp_path / name if name == "ckpt" else d / name).unlink(missing_ok=True)
 
 
 def test_logs_follow_ends_when_its_reader_is_gone(tmp_path: Path) -> None:
