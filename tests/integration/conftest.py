@@ -27,6 +27,15 @@ except ImportError:  # run with tests/integration on sys.path
     from fixtures import SshNodes, kill_pids, processes_with_env  # type: ignore
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/integration is of the integration tier (marked, so that
+    CLUSTER_REQUIRE_INTEGRATION=1 fails its skips), whether or not its file says so."""
+    for item in items:
+        if HERE in Path(item.path).parents:
+            item.add_marker(pytest.mark.integration)
 
 
 def _have(*names: str) -> bool:
