@@ -290,6 +290,10 @@ def test_slurm_cluster(tmp_path, record_property, capsys):
         _report(record_property, capsys, "slurm_2_node_srun_job_s", time.monotonic() - t1)
         assert sc.job_state(job) == "COMPLETED"
         assert sorted(out.read_text().split()) == ["node1", "node2"]
+        r = subprocess.run(["srun", "-N1", "-p", sc.partition, "sh", "-c",
+                            'echo "[${CUDA_VISIBLE_DEVICES-unset}]"'],
+                           env=sc.env, capture_output=True, text=True, timeout=60)
+        assert r.stdout.split() == ["[]"], r      # CPU nodes: a job sees no GPU
         deadline = time.monotonic() + 10
         while f"JobId={job} " not in (open(sc.jobcomp_path).read()
                                       if os.path.exists(sc.jobcomp_path) else ""):
