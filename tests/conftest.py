@@ -3,12 +3,16 @@
     reliability   record(fault=..., does=..., outcome=..., exit=..., figures={...}): one row of
                   docs/RELIABILITY.md, written when the suite runs with
                   CLUSTER_WRITE_RELIABILITY=1 (tests/reliability.py renders it)
+
+With CLUSTER_REQUIRE_INTEGRATION=1 a skipped integration or slurm test fails (tests/require.py).
 """
 from __future__ import annotations
 
 import os
 
 import pytest
+
+from tests.require import pytest_runtest_makereport  # noqa: F401  (a hook)
 
 RELIABILITY: list[dict] = []
 

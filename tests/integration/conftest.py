@@ -4,6 +4,8 @@
     ssh_home     a fresh HOME whose ~/.ssh/known_hosts holds every node's key
     cli          runs `python -m cluster ...` as a user would (cwd: a temp dir, so runs/ lands
                  there; HOME: ssh_home); at teardown kills what it started, here and on the nodes
+    canary       a path, in a folder of the test's own that the nodes' user can write to, that
+                 only an injected command would create
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +30,15 @@ except ImportError:  # run with tests/integration on sys.path
     from fixtures import SshNodes, kill_pids, processes_with_env  # type: ignore
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/integration is of the integration tier (marked, so that
+    CLUSTER_REQUIRE_INTEGRATION=1 fails its skips), whether or not its file says so."""
+    for item in items:
+        if HERE in Path(item.path).parents:
+            item.add_marker(pytest.mark.integration)
 
 
 def _have(*names: str) -> bool:
@@ -159,6 +171,18 @@ class Cli:
                 proc.popen.wait(timeout=10)
         for run_id in self.run_ids():
             kill_pids(processes_with_env("CLUSTER_RUN_ID", run_id))
+
+
+@pytest.fixture
+def canary() -> Path:
+    """A path that only a command smuggled into a shell would create: in a folder of this test's
+    own that any node user can write to (world-writable and sticky, as /tmp), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="cluster-canary-"))
+    folder.chmod(0o1777)
+    try:
+        yield folder / "canary"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

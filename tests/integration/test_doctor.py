@@ -278,6 +278,7 @@ def test_the_tuning_sweep_carries_each_setting_to_every_launch(ssh_nodes4, cli):
 
 
 def test_tune_nccl_on_cpu_nodes_says_why_and_stores_nothing(cli):
+    cli.env["CUDA_VISIBLE_DEVICES"] = ""      # CPU nodes, also on a machine with GPUs
     cache = Path(cli.env["XDG_CACHE_HOME"]) / "cluster" / "nccl-tuning.json"
     doc = cli.run("doctor", "--local", "--nodes", "2", "--tune-nccl", "--json", timeout=180)
     assert doc.popen.returncode == 3, doc.dump()

@@ -24,6 +24,11 @@ pytestmark = [pytest.mark.integration]
 SYNC = ["--sync", str(PROGRAMS), "--", "allreduce.py"]
 KEEPALIVE = 6.0
 GRACE = 3.0
+# A killed process or sshd: the documented time from the kill to every node clean is under a
+# second (docs/RELIABILITY.md; README, "Launching and stopping": 0.8 s at 8 nodes). The tests
+# allow ten times that, for a loaded machine, and no more.
+DOCUMENTED_STOP = 1.0
+STOP_BOUND = 10 * DOCUMENTED_STOP
 
 
 def inventory(ssh_nodes, cli: Cli, **overrides) -> str:
@@ -55,6 +60,24 @@ def clean(ssh_nodes, nodes, timeout: float = 20.0) -> float | None:
     return wait_until(lambda: not any(run_processes_in(ssh_nodes, i) for i in nodes), timeout, 0.1)
 
 
+def exit_within(proc: Proc, seconds: float, since: float) -> tuple[int, float]:
+    """The launcher's exit code and the seconds from `since` to its exit, which must come
+    within `seconds` of `since`."""
+    try:
+        code = proc.wait(max(0.0, since + seconds - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"cluster up did not exit within {seconds:g} s of the fault "
+                             f"(documented: under {DOCUMENTED_STOP:g} s)\n{proc.dump()}")
+    return code, time.monotonic() - since
+
+
+def failure_lines(proc: Proc) -> list[str]:
+    """The launcher's lines that name a failed node: its first word ('failed first: ...') and
+    the final error up to what it did about it (';')."""
+    return [line.split(";")[0] for line in proc.err
+            if re.match(r"cluster: (error: )?node \[\S+ \d+\] failed", line)]
+
+
 def agent_pid(ssh_nodes, node: int, run_id: str) -> int:
     """torchrun's pid on a node: the process group the supervisor recorded."""
     pgid = Path(ssh_nodes.workdir(node)) / ".cluster" / run_id / f"node{node}" / "pgid"
@@ -64,13 +87,26 @@ def agent_pid(ssh_nodes, node: int, run_id: str) -> int:
 # --- processes killed ---------------------------------------------------------------------------
 
 
+# What the launcher says, word for word, when each victim is killed: the node's first word, then
+# the final message's head.
+KILL_9_REPORTS = {
+    # torchrun's own report of a dead worker, then its exit
+    "worker": ["cluster: node [node2 1] failed first: its torchrun reported a failed worker",
+               "cluster: error: node [node2 1] failed: exit code 1"],
+    "agent": ["cluster: node [node2 1] failed first: killed by SIGKILL",
+              "cluster: error: node [node2 1] failed: killed by SIGKILL"],
+    # the supervisor killed too: its ssh session ends without an exit status of its own
+    "master": ["cluster: node [node1 0] failed first: exit code 255",
+               "cluster: error: node [node1 0] failed: exit code 255"],
+}
+
+
 @pytest.mark.parametrize("victim", ["worker", "agent", "master"])
 def test_kill_9(ssh_nodes4, cli, reliability, victim):
     inv = inventory(ssh_nodes4, cli)
     proc = cli.start("up", "-i", inv, "--nodes", "3", *SYNC, "--sleep", "300")
     asleep(proc, 3)
     run_id = proc.run_id()
-    node = 1 if victim == "master" else 2
     if victim == "worker":
         pids = [r["pid"] for r in records(proc) if r.get("node") == "node2" and "pid" in r]
     elif victim == "agent":
@@ -80,12 +116,11 @@ def test_kill_9(ssh_nodes4, cli, reliability, victim):
     t0 = time.monotonic()
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    code = proc.wait(60)
-    detect = time.monotonic() - t0
-    gone = clean(ssh_nodes4, (1, 2, 3))
+    code, detect = exit_within(proc, STOP_BOUND, t0)
+    gone = clean(ssh_nodes4, (1, 2, 3), timeout=STOP_BOUND - detect)
     assert gone is not None, {i: run_processes_in(ssh_nodes4, i) for i in (1, 2, 3)}
-    assert code == 4, proc.dump()
-    assert f"node [node{node} " in proc.stderr and "failed" in proc.stderr, proc.dump()
+    assert code == 4, proc.dump()       # RunFailed
+    assert failure_lines(proc) == KILL_9_REPORTS[victim], proc.dump()
     what = {"worker": "one worker on node2", "agent": "node2's torchrun agent",
             "master": "every process of the run on the master node"}[victim]
     reliability(order=1, fault=f"kill -9 of {what}", does="3-node all_reduce asleep; SIGKILL",
@@ -161,15 +196,17 @@ def test_sshd_killed_mid_run(ssh_nodes4, cli, reliability):
         for pid in ssh_nodes4.network.processes_in(2):
             if Path(f"/proc/{pid}/comm").read_text().strip() == "sshd":
                 os.kill(pid, signal.SIGKILL)
-        code = proc.wait(120)
-        detect = time.monotonic() - t0
-        gone = clean(ssh_nodes4, (1, 2, 3), timeout=30)
+        code, detect = exit_within(proc, STOP_BOUND, t0)
+        gone = clean(ssh_nodes4, (1, 2, 3), timeout=STOP_BOUND - detect)
         assert gone is not None, {i: run_processes_in(ssh_nodes4, i) for i in (1, 2, 3)}
     finally:
         ssh_nodes4.stop_sshd(2)
         ssh_nodes4.start_sshd(2)
-    assert code in (4, 5), proc.dump()
-    assert "node [node2 1] failed" in proc.stderr, proc.dump()
+    assert code == 5, proc.dump()       # NodeLost
+    assert failure_lines(proc) == [
+        "cluster: node [node2 1] failed first: connection lost: no exit status from node2",
+        "cluster: error: node [node2 1] failed: connection lost: no exit status from node2"], \
+        proc.dump()
     reliability(order=4, fault="a node's sshd killed mid-run (daemon and sessions)",
                 does="3-node run asleep; SIGKILL to every sshd process of node2",
                 outcome="node2's supervisor sees its channel close and stops its node; node2 is "
@@ -261,6 +298,7 @@ def final(proc: Proc) -> dict:
     return json.loads(line.split("FINAL", 1)[1])
 
 
+@pytest.mark.timeout(900)    # two 3-epoch trainings and a restart: 264 s measured on a loaded machine
 def test_a_killed_rank_restarts_the_job_which_resumes_and_completes(ssh_nodes4, cli, reliability):
     inv = inventory(ssh_nodes4, cli)
     straight = trainer(cli, inv)

@@ -7,11 +7,13 @@ slurm-wlm and munge.  Bring-up times are printed and recorded as junit propertie
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -161,6 +163,62 @@ def test_ssh_nodes(tmp_path, record_property, capsys):
     _report(record_property, capsys, "ssh_checks_after_teardown_s", time.monotonic() - t2)
 
 
+# What a fixture may change while it lives and must leave byte for byte as it found it.
+SYSTEM_FILES = ["/etc/hosts", "/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow",
+                "/etc/subuid", "/etc/subgid", "/etc/munge/munge.key"]
+
+
+def system_files() -> dict[str, bytes | None]:
+    out: dict[str, bytes | None] = {}
+    for name in SYSTEM_FILES:
+        try:
+            out[name] = Path(name).read_bytes()
+        except FileNotFoundError:
+            out[name] = None
+    return out
+
+
+def changed(before: dict[str, bytes | None]) -> list[str]:
+    after = system_files()
+    return [name for name in SYSTEM_FILES if after[name] != before[name]]
+
+
+@needs_ssh
+def test_ssh_nodes_leave_users_and_hosts_as_they_found_them():
+    """A user the fixture had to create is gone after it, home and all; the root /etc/hosts
+    block is taken out byte for byte; the sessions see no GPU (CPU nodes)."""
+    user = f"cft{os.getpid()}"          # no such user yet
+    with pytest.raises(KeyError):
+        pwd.getpwnam(user)
+    before = system_files()
+    with SshNodes(2, user=user, hosts_in_root=True) as sn:
+        home = sn.home
+        assert pwd.getpwnam(user).pw_dir == home
+        assert f"{sn.nodes[1].address}\tnode2\n" in Path("/etc/hosts").read_text()
+        r = sn.ssh(2, "id -un; echo \"[${CUDA_VISIBLE_DEVICES-unset}]\"; "
+                      "command -v nvidia-smi || echo no-nvidia-smi")
+        assert r.stdout.split() == [user, "[]", "no-nvidia-smi"], r
+        assert changed(before), "the fixture was to add a user and hosts lines"
+    assert changed(before) == []
+    with pytest.raises(KeyError):
+        pwd.getpwnam(user)
+    assert not os.path.exists(home)
+
+
+def test_a_user_in_use_by_another_live_network_is_deleted_by_the_last():
+    user = f"cfu{os.getpid()}"
+    before = system_files()
+    with Network(1) as a:
+        a.claim_user(user)
+        with Network(1) as b:
+            b.claim_user(user)
+            a.close()
+            assert pwd.getpwnam(user), "b still uses it"
+        with pytest.raises(KeyError):
+            pwd.getpwnam(user)
+    assert changed(before) == []
+
+
 @needs_ssh
 def test_ssh_nodes_8_bringup(record_property, capsys):
     t0 = time.monotonic()
@@ -211,6 +269,7 @@ def test_two_networks_at_once():
 
 @needs_slurm
 def test_slurm_cluster(tmp_path, record_property, capsys):
+    before = system_files()     # /etc/hosts gets a block; munged runs on a key of its own
     t0 = time.monotonic()
     with SlurmCluster(2) as sc:
         _report(record_property, capsys, "slurm_bringup_2_nodes_s", time.monotonic() - t0)
@@ -231,6 +290,10 @@ def test_slurm_cluster(tmp_path, record_property, capsys):
         _report(record_property, capsys, "slurm_2_node_srun_job_s", time.monotonic() - t1)
         assert sc.job_state(job) == "COMPLETED"
         assert sorted(out.read_text().split()) == ["node1", "node2"]
+        r = subprocess.run(["srun", "-N1", "-p", sc.partition, "sh", "-c",
+                            'echo "[${CUDA_VISIBLE_DEVICES-unset}]"'],
+                           env=sc.env, capture_output=True, text=True, timeout=60)
+        assert r.stdout.split() == ["[]"], r      # CPU nodes: a job sees no GPU
         deadline = time.monotonic() + 10
         while f"JobId={job} " not in (open(sc.jobcomp_path).read()
                                       if os.path.exists(sc.jobcomp_path) else ""):
@@ -254,3 +317,4 @@ def test_slurm_cluster(tmp_path, record_property, capsys):
     assert not processes_with_env("SLURM_CONF", conf)
     assert not os.path.exists(slurm_dir)
     assert tag not in list_fixture_leftovers()["states"]
+    assert changed(before) == []

@@ -30,8 +30,7 @@ def wheel(tmp_path_factory) -> Path:
     # Built from a copy: setuptools writes build/ and *.egg-info next to the sources.
     src = tmp_path_factory.mktemp("src") / "cluster"
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
-        ".git", "runs", "build", "*.egg-info", "__pycache__", ".*cache", ".hypothesis", ".gpucarry",
-        ".whl"))
+        ".git", "runs", "build", "*.egg-info", "__pycache__", ".*cache", ".hypothesis", ".whl"))
     out = tmp_path_factory.mktemp("wheels")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     str(src), "-w", str(out)], check=True, cwd=out, capture_output=True)

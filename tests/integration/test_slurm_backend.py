@@ -189,10 +189,10 @@ def test_preemption_signal_requeues_and_the_job_completes(slurm, workdir: Path) 
     assert restarts == [0, 0, 1, 1], stdout[-3000:]
 
 
-def test_secret_env_and_a_nasty_job_name_through_real_sbatch(slurm, workdir: Path) -> None:
+def test_secret_env_and_a_nasty_job_name_through_real_sbatch(slurm, workdir: Path, canary: Path) -> None:
     """The secret reaches every rank through sbatch's environment, never the script; a job
     name with quotes, '#' and a backslash reaches SLURM as written (sbatch's own parser)."""
-    secret = f"tok_{os.getpid()}_$(touch /tmp/slurm-canary)'\"#"
+    secret = f"tok_{os.getpid()}_$(touch {canary})'\"#"
     name = "it's \"my\" #1 job\\x"
     inv = workdir / "inventory.yaml"
     inv.write_text(inv.read_text().replace(
@@ -211,7 +211,7 @@ def test_secret_env_and_a_nasty_job_name_through_real_sbatch(slurm, workdir: Pat
         if f.is_file():
             assert secret.encode() not in f.read_bytes(), f
     assert secret not in r.stdout + r.stderr
-    assert not Path("/tmp/slurm-canary").exists()
+    assert not canary.exists()
 
 
 def test_setup_auto_python_torchrun_args_and_extra_options_under_real_slurm(slurm, workdir: Path) -> None:

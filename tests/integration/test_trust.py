@@ -48,8 +48,8 @@ def all_files(root: Path) -> list[Path]:
 # --- secrets ----------------------------------------------------------------------------------
 
 
-def test_secret_env_never_touches_a_disk_a_log_or_a_command_line(ssh_nodes4, cli):
-    secret = f"hf_{os.getpid()}_Zq8$(touch /tmp/canary-{os.getpid()})'\"x"
+def test_secret_env_never_touches_a_disk_a_log_or_a_command_line(ssh_nodes4, cli, canary):
+    secret = f"hf_{os.getpid()}_Zq8$(touch {canary})'\"x"
     cli.env["HF_TOKEN"] = secret
     inv = ssh_nodes4.write_inventory(cli.home / "inv.yaml", secret_env=["HF_TOKEN"])
     proc = cli.start("up", "-i", inv, "--nodes", "2", *SYNC, "allreduce.py",
@@ -75,7 +75,7 @@ def test_secret_env_never_touches_a_disk_a_log_or_a_command_line(ssh_nodes4, cli
             assert secret.encode() not in f.read_bytes(), f
     run = next((cli.cwd / "runs").iterdir())
     assert json.loads((run / "run.json").read_text())["secret_env"] == ["HF_TOKEN"]
-    assert not Path(f"/tmp/canary-{os.getpid()}").exists()
+    assert not canary.exists()
 
 
 # --- a fixed master port, reused at once -------------------------------------------------------

@@ -11,8 +11,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_helpers import load_train_module  # noqa: E402
 
 lifecycle = load_train_module("lifecycle")
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                reason="needs a CUDA GPU"))]
+NEEDS_CUDA = [pytest.mark.cuda,   # a skip allowed under CLUSTER_REQUIRE_INTEGRATION=1
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
 
 
 class Trainee:
@@ -59,6 +60,7 @@ def test_a_half_done_update_is_never_saved():
     assert t.ledger.capture(t.state, wait_s=0.1) is None
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_capture_skips_an_update_stuck_behind_other_work():
     """Step 4 is queued behind a 3-second kernel (as behind a collective whose peer left):

@@ -170,7 +170,9 @@ def test_peer_stopping_first_fails_rank0s_collective_and_rank0_still_saves(unint
     assert_same_as_uninterrupted(final, tmp_path, uninterrupted, loss_rel=STOP_LOSS_REL)
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# `cuda`: this skip is allowed under CLUSTER_REQUIRE_INTEGRATION=1 (tests/require.py)
+CUDA = [pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
@@ -195,7 +197,8 @@ def test_watchdog_saves_when_the_main_thread_is_stuck(tmp_path, device):
     assert saved_on_stop(out, tmp_path) == 12
 
 
-@CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sigterm_on_cuda_saves_and_a_relaunch_finishes(tmp_path):
     """One process on a GPU: SIGTERM mid-run saves the step reached (CUDA events, side-stream
     copy), exit code 143; the relaunch resumes there and runs to the end."""

@@ -3,9 +3,14 @@ CLI (in process, dry runs: nothing is contacted), end in exit 0 or in exit 2 wit
 that names the file, the line and the key (or the option)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
+from collections import Counter
+from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -57,42 +62,69 @@ document = st.fixed_dictionaries({}, optional={
     "stop_grace": scalar, "restarts": scalar, "bogus": scalar})
 
 
-def check_exit(code: int, err: str, where: str) -> None:
-    event(f"exit {code}")
+# What each property test saw, filled in only when every one of its examples passed: the record
+# below reports these counts, and refuses to record a suite that failed or did not run.
+PASSED: dict[str, Counter] = {}
+EXAMPLES = 150
+
+
+def run_quietly(argv: list[str], cwd: Path) -> tuple[int, str]:
+    """The real CLI in process, in `cwd`: (exit code, what it wrote to stderr)."""
+    err = io.StringIO()
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = run_cli(argv)
+    finally:
+        os.chdir(old)
+    return code, err.getvalue()
+
+
+def check_inventory_error(code: int, err: str, path: Path) -> None:
+    """Exit 0, or exit 2 with `cluster: error: FILE:LINE: key: problem` (a YAML syntax error
+    has no key: FILE:LINE: problem); only what is wrong with the whole file has no line."""
     assert code in (0, 2), f"exit {code}: {err}"
     if code == 2:
-        assert err.startswith("cluster: error: ") or err.startswith("Usage:") or "Error:" in err, err
-        if where and err.startswith(f"cluster: error: {where}"):
-            assert re.match(rf"cluster: error: {re.escape(where)}(:\d+)?(: [^:]+)?: ", err), err
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(doc=document, raw=st.booleans())
-def test_random_inventories_never_meet_a_traceback(tmp_path_factory, doc, raw) -> None:
-    tmp = tmp_path_factory.mktemp("inv")
-    canary = tmp / "canary"
-    text = yaml.safe_dump(doc, allow_unicode=True).replace("{canary}", str(canary)) if not raw \
-        else "\n".join(f"{k}: {v!r}" for k, v in doc.items())
-    path = tmp / "inv.yaml"
-    path.write_text(text)
-    cwd = os.getcwd()
-    os.chdir(tmp)
-    try:
-        import contextlib
-        import io
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = run_cli(["up", "-i", str(path), "--dry-run", "--", "t.py"])
-    finally:
-        os.chdir(cwd)
-    check_exit(code, err.getvalue(), str(path))
-    if code == 2 and err.getvalue().startswith(f"cluster: error: {path}"):
-        # file:line: key: problem (a YAML syntax error has no key: file:line: problem); only
-        # what is wrong with the whole file has no line
         whole_file = r": (the file is empty|no hosts found)"
-        assert re.match(rf"cluster: error: {re.escape(str(path))}(:\d+: \S|{whole_file})",
-                        err.getvalue()), err.getvalue()
-    assert not canary.exists()
+        assert re.match(rf"cluster: error: {re.escape(str(path))}(:\d+: \S|{whole_file})", err), err
+
+
+# --sync-exclude refines --sync: the error about both, on a backend without sync, names --sync.
+NAMED_BY = {"--sync-exclude": "--sync"}
+
+
+def check_option_error(code: int, err: str, argv: list[str]) -> None:
+    """Exit 0, or exit 2 with one line of ours or click's that names an option of this command
+    line."""
+    assert code in (0, 2), f"exit {code}: {err}"
+    if code == 2:
+        assert err.startswith(("cluster: error: ", "Usage:", "Error: ")) or "\nError: " in err, err
+        given = {a.split("=", 1)[0] for a in argv[:argv.index("--")] if a.startswith("--")}
+        named = given | {NAMED_BY[o] for o in given if o in NAMED_BY}
+        assert any(re.search(rf"{re.escape(o)}\b(?!-)", err) for o in named), (argv, err)
+
+
+def test_random_inventories_never_meet_a_traceback(tmp_path_factory) -> None:
+    exits: Counter = Counter()
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(doc=document, raw=st.booleans())
+    def example(doc, raw) -> None:
+        tmp = tmp_path_factory.mktemp("inv")
+        canary = tmp / "canary"
+        text = yaml.safe_dump(doc, allow_unicode=True).replace("{canary}", str(canary)) if not raw \
+            else "\n".join(f"{k}: {v!r}" for k, v in doc.items())
+        path = tmp / "inv.yaml"
+        path.write_text(text)
+        code, err = run_quietly(["up", "-i", str(path), "--dry-run", "--", "t.py"], tmp)
+        event(f"exit {code}")
+        check_inventory_error(code, err, path)
+        assert not canary.exists()
+        exits[code] += 1
+
+    example()
+    PASSED["inventories"] = exits
 
 
 OPTIONS = ["--nodes", "--hosts", "--exclude", "--backend", "--nproc-per-node", "--master-port",
@@ -102,39 +134,64 @@ OPTIONS = ["--nodes", "--hosts", "--exclude", "--backend", "--nproc-per-node", "
            "--env-file", "--sync"]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(args=st.lists(st.tuples(st.sampled_from(OPTIONS), st.sampled_from(NASTY + ["2", "gpu[1-3]",
-                                                                                  "slurm", "A=1"])),
-                     max_size=4),
-       local=st.booleans())
-def test_random_command_lines_never_meet_a_traceback(tmp_path_factory, args, local) -> None:
-    tmp = tmp_path_factory.mktemp("cli")
-    canary = tmp / "canary"
-    argv = ["up", "--dry-run"] + (["--local"] if local else ["--hosts", "n[1-2]"])
-    for opt, val in args:
-        argv += [opt, val.replace("{canary}", str(canary))]
-    argv += ["--", "t.py"]
-    cwd = os.getcwd()
-    os.chdir(tmp)
-    try:
-        import contextlib
-        import io
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = run_cli(argv)
-    finally:
-        os.chdir(cwd)
-    check_exit(code, err.getvalue(), "")
-    if code == 2:
-        assert "Invalid value" in err.getvalue() or "error" in err.getvalue().lower(), err.getvalue()
-    assert not canary.exists()
+def test_random_command_lines_never_meet_a_traceback(tmp_path_factory) -> None:
+    exits: Counter = Counter()
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(args=st.lists(st.tuples(st.sampled_from(OPTIONS),
+                                   st.sampled_from(NASTY + ["2", "gpu[1-3]", "slurm", "A=1"])),
+                         max_size=4),
+           local=st.booleans())
+    def example(args, local) -> None:
+        tmp = tmp_path_factory.mktemp("cli")
+        canary = tmp / "canary"
+        argv = ["up", "--dry-run"] + (["--local"] if local else ["--hosts", "n[1-2]"])
+        for opt, val in args:
+            argv += [opt, val.replace("{canary}", str(canary))]
+        argv += ["--", "t.py"]
+        code, err = run_quietly(argv, tmp)
+        event(f"exit {code}")
+        check_option_error(code, err, argv)
+        assert not canary.exists()
+        exits[code] += 1
+
+    example()
+    PASSED["command lines"] = exits
+
+
+def test_a_message_without_file_line_or_option_fails_the_checks(tmp_path: Path) -> None:
+    """The checks above can fail: an exit 2 that does not name the file and line, or no option
+    of its command line, is caught; and so is a traceback's exit 1."""
+    path = tmp_path / "inv.yaml"
+    for code, err in [(2, "cluster: error: something is wrong\n"),
+                      (2, f"cluster: error: {tmp_path}/other.yaml:3: hosts: bad\n"),
+                      (1, "Traceback (most recent call last):\n")]:
+        with pytest.raises(AssertionError):
+            check_inventory_error(code, err, path)
+    check_inventory_error(2, f"cluster: error: {path}:3: hosts[0].port: not a number\n", path)
+    argv = ["up", "--dry-run", "--local", "--nodes", "x", "--", "t.py"]
+    for code, err in [(2, "cluster: error: an error\n"), (2, "cluster: error: --env is bad\n"),
+                      (2, "cluster: error: --nodes-per-rack is bad\n"), (1, "Traceback\n")]:
+        with pytest.raises(AssertionError):
+            check_option_error(code, err, argv)
+    check_option_error(2, "cluster: error: Invalid value for --nodes: not a number\n", argv)
 
 
 def test_record_the_bad_input_suite(reliability) -> None:
+    """Records the row only from what the property tests above saw, and only if both ran in
+    this session and passed."""
+    missing = [name for name in ("inventories", "command lines") if name not in PASSED]
+    assert not missing, (f"the {' and '.join(missing)} property test(s) did not pass in this "
+                         f"session (or were not run): nothing to record")
+    for name, exits in PASSED.items():
+        assert sum(exits.values()) >= EXAMPLES * 0.9, (name, exits)
+        assert exits[0] and exits[2], f"{name}: both outcomes must be reached: {dict(exits)}"
+    seen = {f"{name}, exit 0 / exit 2": f"{exits[0]} / {exits[2]}" for name, exits in PASSED.items()}
     reliability(order=20, fault="bad input: random inventories and command lines",
-                does="hypothesis: 150 random YAML inventories (every key, setup, env_forward, "
-                     "torchrun_args and container included; nasty values: $(...), backquotes, "
-                     "newlines, NUL, quotes, huge numbers) and 150 random command lines, through "
-                     "the real CLI's dry run",
-                outcome="never a traceback: exit 0, or exit 2 naming file, line and key (or the "
-                        "option); no canary file was ever created", exit="0 or 2")
+                does=f"hypothesis: {EXAMPLES} random YAML inventories (every key, setup, "
+                     "env_forward, torchrun_args and container included; nasty values: $(...), "
+                     f"backquotes, newlines, NUL, quotes, huge numbers) and {EXAMPLES} random "
+                     "command lines, through the real CLI's dry run",
+                outcome="never a traceback: exit 0, or exit 2 naming file, line and key (or an "
+                        "option of the command line); no canary file was ever created",
+                exit="0 or 2", figures=seen)

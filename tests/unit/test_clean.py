@@ -71,7 +71,7 @@ def backend():
 
 
 def sweep(backend, workdir: Path, older_than: float, dry_run: bool = False) -> dict[str, tuple]:
-    host = local_inventory(1).hosts[0].replace(workdir=str(workdir))
+    host = local_inventory(1, gpus=[]).hosts[0].replace(workdir=str(workdir))
     decisions, failed = clean_nodes([host], backend, older_than, dry_run)
     assert failed == {}
     return {d.path.split("/")[1]: (d.action, d.why) for d in decisions}

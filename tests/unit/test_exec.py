@@ -30,7 +30,7 @@ def console() -> tuple[Console, io.StringIO, io.StringIO]:
 
 
 def hosts(n: int, tmp_path: Path):
-    return [h.replace(workdir=str(tmp_path)) for h in local_inventory(n).hosts]
+    return [h.replace(workdir=str(tmp_path)) for h in local_inventory(n, gpus=[]).hosts]
 
 
 def marked(marker: str) -> list[int]:
@@ -57,7 +57,7 @@ def backend():
 
 
 def test_arguments_travel_whole_after_the_separator() -> None:
-    host = local_inventory(1).hosts[0]
+    host = local_inventory(1, gpus=[]).hosts[0]
     args = exec_args(host, "exec-1", ["echo", "$(id)", "a b"], 0.0)
     assert args[args.index("--") + 1:] == ["echo", "$(id)", "a b"]
 
@@ -115,7 +115,7 @@ def test_a_missing_command_is_127(backend, tmp_path) -> None:
 
 def test_a_missing_workdir_runs_in_home_with_a_note(backend, tmp_path) -> None:
     con, out, err = console()
-    host = local_inventory(1).hosts[0].replace(workdir=str(tmp_path / "nowhere"))
+    host = local_inventory(1, gpus=[]).hosts[0].replace(workdir=str(tmp_path / "nowhere"))
     run([host], backend, ["pwd"], con)
     assert out.getvalue() == f"[localhost] {os.path.expanduser('~')}\n"
     assert "workdir" in err.getvalue() and "nowhere does not exist" in err.getvalue()

@@ -57,7 +57,7 @@ def test_the_check_phase_reports_every_node_even_when_all_fail(tmp_path) -> None
     heard: list[tuple[str, int, int]] = []
     backend = SupervisedBackend(lambda host: Unreachable())
     backend.progress = lambda *a: heard.append(a)         # set after construction, as up does
-    plan = render(local_inventory(3), Job(run_id="20260101-000000-abcd", script="t.py",
+    plan = render(local_inventory(3, gpus=[]), Job(run_id="20260101-000000-abcd", script="t.py",
                                           node_root=str(tmp_path)), Templates())
     try:
         try:

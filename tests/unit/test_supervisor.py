@@ -194,6 +194,20 @@ def test_probe_reports_port_and_torch(tmp_path: Path) -> None:
         assert facts["torch"].endswith("torch/distributed/run.py")
 
 
+TIME_WAIT = "06"   # the state column of /proc/net/tcp (include/net/tcp_states.h)
+
+
+def tcp_states(port: int) -> list[str]:
+    """The states of this machine's IPv4 TCP sockets whose local port is `port`, read from
+    /proc/net/tcp (the kernel's own table: no `ss`, which a node may lack)."""
+    states = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if int(local.rsplit(":", 1)[1], 16) == port:
+            states.append(state)
+    return states
+
+
 def test_probe_counts_a_port_in_time_wait_as_free(tmp_path: Path) -> None:
     """After a run, the master port's closed connections sit in TIME_WAIT for a minute.
     torchrun's store binds with SO_REUSEADDR and can listen there: so must the probe."""
@@ -208,9 +222,7 @@ def test_probe_counts_a_port_in_time_wait_as_free(tmp_path: Path) -> None:
     conn.close()               # the server side closes first: it is the one left in TIME_WAIT
     client.close()
     server.close()
-    time.sleep(0.1)
-    states = subprocess.run(["ss", "-tan", f"sport = :{port}"], capture_output=True, text=True).stdout
-    assert "TIME-WAIT" in states, states
+    assert wait_for(lambda: TIME_WAIT in tcp_states(port), 5), tcp_states(port)
     facts = sup("probe", str(tmp_path), "--addr", "127.0.0.1", "--port", str(port))
     assert facts["port_free"] is True
 

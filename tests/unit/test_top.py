@@ -1,10 +1,12 @@
 """`cluster top`'s collection and rows, with fakes: a node's answer is what probe_command makes
-a real shell print (run here with a stand-in nvidia-smi on PATH), parsed by pure functions."""
+a real shell print (run here with a PATH of the node's own: a stand-in nvidia-smi on a GPU node,
+none on a CPU node, whatever this machine has), parsed by pure functions."""
 from __future__ import annotations
 
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +38,21 @@ def node_dir(tmp_path: Path, state: dict) -> Path:
     return d
 
 
-def shell(command: str, path_dir: Path | None = None) -> Result:
-    env = dict(os.environ)
-    env["PATH"] = f"{path_dir}:/usr/bin:/bin" if path_dir else "/usr/bin:/bin"
+def node_bin(tmp_path: Path, smi: str | None) -> Path:
+    """A node's PATH: the one program the probe line runs besides shell builtins and the
+    node's python (given by its full path), and nvidia-smi only when `smi` is given, so that a
+    CPU node stays one on a machine that has GPUs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "tail").symlink_to(shutil.which("tail"))
+    if smi is not None:
+        (bin_dir / "nvidia-smi").write_text(smi)
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    return bin_dir
+
+
+def shell(command: str, bin_dir: Path) -> Result:
+    env = dict(os.environ, PATH=str(bin_dir))
     p = subprocess.run(["/bin/sh", "-c", command], capture_output=True, env=env)
     return Result(p.returncode, p.stdout, p.stderr)
 
@@ -57,11 +71,7 @@ def test_one_round_trip_reads_status_gpus_and_metrics(tmp_path: Path) -> None:
                        '{"type": "step", "step": 40, "loss": 0.5, "images_per_s": 1200.0}\n'
                        '{"type": "step", "step": 50, "loss": 0.25, "images_per_s": 1300.5}\n'
                        '{"type": "step", "st')                         # a write in progress
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "nvidia-smi").write_text(SMI)
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    answer = shell(probe_command(sys.executable, str(d), str(metrics)), bin_dir)
+    answer = shell(probe_command(sys.executable, str(d), str(metrics)), node_bin(tmp_path, SMI))
     row = row_from({"rank": 0, "name": "gpu1"}, answer)
     assert row.state == "exited" and row.detail == "exit code 0"
     assert row.gpus == (Gpu(0, 97.0, 40960.0, 81920.0), Gpu(1, None, 1024.0, 81920.0))
@@ -71,14 +81,16 @@ def test_one_round_trip_reads_status_gpus_and_metrics(tmp_path: Path) -> None:
 
 def test_a_cpu_node_without_metrics_shows_dashes(tmp_path: Path) -> None:
     d = node_dir(tmp_path, {})
-    answer = shell(probe_command(sys.executable, str(d), str(tmp_path / "none.jsonl")))
+    answer = shell(probe_command(sys.executable, str(d), str(tmp_path / "none.jsonl")),
+                   node_bin(tmp_path, None))
     row = row_from({"rank": 0, "name": "cpu1"}, answer)
     assert row.gpus is None and row.metrics is None
     assert cells(row)[4:9] == ["-", "-", "-", "-", "-"]
 
 
 def test_a_removed_run_folder_reads_gone(tmp_path: Path) -> None:
-    answer = shell(probe_command(sys.executable, str(tmp_path / "removed"), None))
+    answer = shell(probe_command(sys.executable, str(tmp_path / "removed"), None),
+                   node_bin(tmp_path, None))
     assert row_from({"rank": 1, "name": "n2"}, answer).state == "gone"
 
 
