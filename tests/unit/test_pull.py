@@ -137,7 +137,7 @@ class Unreachable3:
 
 
 def recorded(tmp_path: Path, names: tuple[str, ...], **meta: object) -> RunDir:
-    base = local_inventory(len(names))
+    base = local_inventory(len(names), gpus=[])           # CPU nodes, whatever this machine has
     hosts = tuple(dataclasses.replace(h, name=n, workdir=str(tmp_path / n))
                   for h, n in zip(base.hosts, names))
     inv = dataclasses.replace(base, hosts=hosts)
@@ -188,6 +188,7 @@ def test_a_dry_run_and_a_slurm_run_say_why_nothing_is_pulled(tmp_path: Path, mon
                                                             capsys) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CLUSTER_RUNS_DIR", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")               # two CPU nodes, even on a GPU box
     assert run_cli(["up", "--local", "--nodes", "2", "--dry-run", "--", "t.py"]) == 0
     capsys.readouterr()
     assert run_cli(["pull", "out"]) == 2

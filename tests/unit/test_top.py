@@ -211,7 +211,9 @@ def test_top_once_into_a_pipe_is_as_wide_as_the_table_not_80_columns(tmp_path: P
     out = capsys.readouterr().out
     row = next((line for line in out.splitlines() if "gone" in line), None)
     assert row is not None and LONG_NAME in row, out
-    assert row and row.rstrip().endswith("-       │    - │    - │     - │"), row
+    # The whole row, to its last column (step, loss, images/s); the GPU columns before them
+    # are whatever this machine has.
+    assert row and row.rstrip().endswith("│    - │    - │     - │"), row
 
 
 def test_fit_keeps_a_terminals_own_width_and_reads_a_dumb_ones(monkeypatch) -> None:
