@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from ..errors import BackendError, ClusterError, PreflightError
 from ..plan import LaunchPlan, NodePlan, python_command, render, shpath
@@ -54,7 +54,8 @@ class Channel(Protocol):
 
 
 class Transport(Protocol):
-    """One node: run a shell command, start a streaming one, write a file."""
+    """One node: run a shell command, start a streaming one, write a file, copy files both
+    ways (--sync's SyncTarget and `cluster pull`'s PullSource are parts of this)."""
     label: str
 
     def open(self) -> None:
@@ -65,6 +66,10 @@ class Transport(Protocol):
     def spawn(self, command: str) -> Channel: ...
 
     def put(self, data: bytes, path: str, mode: int) -> None: ...
+
+    def upload(self, local: Path, path: str, mode: int, mtime: int) -> None: ...
+
+    def download(self, path: str, into: BinaryIO) -> int: ...
 
     def close(self) -> None: ...
 
