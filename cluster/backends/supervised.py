@@ -668,13 +668,15 @@ class SupervisedBackend:
              follow: bool = False) -> Iterator[tuple[str, bytes]]:
         """Saved output node by node; following, every node at once, interleaved as lines
         arrive (one reader per node)."""
-        chosen = [(rec, remote, err) for rec, remote, err in self._recorded_safe(run)
-                  if not node or rec["name"] == node]
-        for rec, remote, err in chosen:
+        chosen: list[tuple[dict[str, Any], SupervisedNode]] = []
+        for rec, remote, err in self._recorded_safe(run):
+            if node and rec["name"] != node:
+                continue
             if remote is None:
                 raise ClusterError(f"{rec['name']} {rec['rank']}: {err}")
+            chosen.append((rec, remote))
         if not follow:
-            for rec, remote, _ in chosen:
+            for rec, remote in chosen:
                 ch = remote.logs(False)
                 while data := ch.read():
                     yield f"{rec['name']} {rec['rank']}", data
@@ -691,7 +693,7 @@ class SupervisedBackend:
                 ch.wait()
             finally:
                 chunks.put(None)
-        for rec, remote, _ in chosen:
+        for rec, remote in chosen:
             threading.Thread(target=read, args=(rec, remote), daemon=True).start()
         running = len(chosen)
         while running:
