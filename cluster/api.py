@@ -218,10 +218,11 @@ class Run:
 
     @classmethod
     def start(cls, prepared: Prepared, echo: bool = True) -> "Run":
-        prepared.options = dataclasses.replace(prepared.options, stop=threading.Event())
+        stop = threading.Event()
+        prepared.options = dataclasses.replace(prepared.options, stop=stop)
         sink = None if echo else open(os.devnull, "w")
         run = cls(prepared, Console(out=sink, err=sink, color=False) if sink else Console())
-        run._stop = prepared.options.stop                  # type: ignore[assignment]
+        run._stop = stop
         _owned(run)
         run._thread.start()
         run._created.wait()
@@ -394,6 +395,7 @@ def _owned(run: Run) -> None:
             # threading's own exit hooks run before the interpreter joins its threads and
             # before concurrent.futures refuses new work (which every stop needs). They run
             # last-registered first, so this one runs before concurrent.futures' own.
+            # The ignore: a private function, which typeshed does not declare.
             threading._register_atexit(_program_exits)       # type: ignore[attr-defined]
             _hooked = True
         _live.add(run)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import hostlist
 
@@ -198,8 +198,12 @@ def collective_env(sizes: Sequence[int], iters: int,
     return env
 
 
-def collective(inventory: Inventory, backend: Any,
-               templates: Templates) -> Callable[[Mapping[str, str], Sequence[int], int], dict[str, Any]]:
+class Measure(Protocol):
+    def __call__(self, env: Mapping[str, str], sizes: Sequence[int] = ...,
+                 iters: int = ...) -> dict[str, Any]: ...
+
+
+def collective(inventory: Inventory, backend: Any, templates: Templates) -> Measure:
     """measure(env, sizes, iters): one run of the collective on the inventory's nodes with env
     added, started and recorded like any run, through cluster.launch: as runs/doctor-<id>/,
     which status, logs, down and top pass over when no RUN is named."""

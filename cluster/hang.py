@@ -104,18 +104,14 @@ def summary(stacks: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
 
 
 def _ranges(ranks: Sequence[int]) -> str:
-    parts, start, prev = [], None, None
+    """0,1,2,5 -> '0-2,5'."""
+    runs: list[list[int]] = []          # [first, last] of each run of consecutive ranks
     for r in sorted(ranks):
-        if start is None:
-            start = prev = r
-        elif r == prev + 1:
-            prev = r
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
         else:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = r
-    if start is not None:
-        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ",".join(parts)
+            runs.append([r, r])
+    return ",".join(f"{first}" if first == last else f"{first}-{last}" for first, last in runs)
 
 
 def last_lines(tails: dict[str, list[str]]) -> str:

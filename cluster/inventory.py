@@ -410,7 +410,7 @@ class _Parser:
 
     def slurm_extra(self, m: _Map) -> tuple[tuple[str, str | None], ...]:
         extra = self.mapping(m["extra"], m, "extra")
-        out = []
+        out: list[tuple[str, str | None]] = []
         for key, value in sorted(extra.items()):
             if not _SBATCH_KEY.match(key):
                 raise self.fail(extra, key, f"{key!r} is not an sbatch option name",

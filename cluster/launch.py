@@ -157,7 +157,7 @@ def _retry(result: WatchResult, plan: Any, options: Options,
         return None
     why_not = _configuration(result, options)
     if why_not:
-        result.not_retried = why_not                              # type: ignore[attr-defined]
+        result.not_retried = why_not
         return None
     left = options.restarts - len(history) + 1
     return (f"{_ending(result)}; restarting the whole job on a fresh rendezvous "
@@ -205,7 +205,7 @@ def _outcome(result: Any, plan: Any, console: Console) -> int:
         what = "; ".join(summaries) or (f"every node of run {plan.run_id} was stopped"
                                        + (f" except {left}" if left else ""))
         raise Interrupted(f"interrupted ({name}); {what}", signum=result.signum)
-    not_retried = getattr(result, "not_retried", None)
+    not_retried = result.not_retried
     why_not = (f"; not restarted: {not_retried}, which is configuration (a torchrun option, "
                f"the python, torch, the environment, the master's address) and would fail "
                f"again") if not_retried else ""

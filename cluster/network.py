@@ -38,6 +38,8 @@ class NetworkPolicy:
 def policy(host: Host, resolved: str | None = None) -> NetworkPolicy:
     user = {**dict(host.env), **dict.fromkeys(host.secret_env, "")}
     manual = host.network.ifname
+    nccl: str | None
+    gloo: str | None
     if manual:
         nccl, gloo = manual, manual if PLAIN_IFNAME.match(manual) else None
     elif resolved:

@@ -192,8 +192,9 @@ class Templates:
             if not override.is_dir():
                 raise InputError(f"Invalid value for --templates: {override} is not a directory")
             dirs.insert(0, str(override))
+        self.loader = jinja2.FileSystemLoader(dirs)
         self.env = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(dirs), undefined=jinja2.StrictUndefined,
+            loader=self.loader, undefined=jinja2.StrictUndefined,
             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False)
         self.env.filters["shquote"] = shquote
         self.env.filters["shpath"] = shpath
@@ -207,10 +208,12 @@ class Templates:
         try:
             return self.env.get_template(name).render(**context)
         except jinja2.TemplateNotFound:
-            raise InputError(f"template {name!r} not found in {self.env.loader.searchpath}") from None
-        except jinja2.TemplateError as exc:
-            where = f"{exc.filename}:{exc.lineno}" if getattr(exc, "lineno", None) else name
+            raise InputError(f"template {name!r} not found in {self.loader.searchpath}") from None
+        except jinja2.TemplateSyntaxError as exc:
+            where = f"{exc.filename}:{exc.lineno}" if exc.lineno else name
             raise InputError(f"template {where}: {exc.message}") from None
+        except jinja2.TemplateError as exc:      # no line to show: undefined names, raised errors
+            raise InputError(f"template {name}: {exc.message}") from None
 
 
 # --- render --------------------------------------------------------------------------------

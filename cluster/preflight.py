@@ -206,10 +206,16 @@ def reach_finding(name: str, r: Mapping[str, Any], plan: LaunchPlan) -> Finding:
 # --- doctor's deeper look ---------------------------------------------------------------------
 
 
+def listed_gpus(f: Mapping[str, Any]) -> list[Any]:
+    """The GPUs a node's facts list (none when the probe could not list them)."""
+    found = f.get("gpus")
+    return found if isinstance(found, list) else []
+
+
 def deep_findings(node: Any, f: Mapping[str, Any], clock: Clock | None) -> list[Finding]:
     name, out = node.host.name, []
     rt = f.get("torch_runtime") or {}
-    gpus = f.get("gpus") if isinstance(f.get("gpus"), list) else []
+    gpus = listed_gpus(f)
     if node.host.container:
         if "inside" in f:
             out += inside_findings(name, node.host.container, gpus, f["inside"])
@@ -291,7 +297,7 @@ def fingerprint(facts: Facts, *, deep: bool = False) -> dict[str, dict[str, list
             put("torch CUDA", node, torch.get("cuda"))
         if deep:
             rt = inside if box else (f.get("torch_runtime") or {})
-            gpus = f.get("gpus") if isinstance(f.get("gpus"), list) else []
+            gpus = listed_gpus(f)
             put("NCCL", node, rt.get("nccl"))
             put("cuDNN", node, rt.get("cudnn"))
             put("driver", node, gpus[0]["driver"] if gpus else None)

@@ -145,9 +145,9 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
             raise InputError(f"Invalid value for slurm.extra.{key}: --{key} is also set by {by}; "
                              "keep one")
         opts[key] = value
-    for key, value in opts.items():
-        if value is not None:
-            check_sbatch_value(key, value)
+    for key, given in opts.items():
+        if given is not None:
+            check_sbatch_value(key, given)
     options = tuple(sorted(f"--{k}" if v is None else f"--{k}={sbatch_quote(v)}"
                            for k, v in opts.items()))
 

@@ -200,9 +200,9 @@ class Inventory:
             chosen = [by_name[n] for n in names]
         if exclude:
             drop = set(expand_names(exclude, "--exclude"))
-            unknown = drop - set(by_name)
-            if unknown:
-                raise InputError(f"Invalid value for --exclude: {', '.join(sorted(unknown))} "
+            absent = drop - set(by_name)
+            if absent:
+                raise InputError(f"Invalid value for --exclude: {', '.join(sorted(absent))} "
                                  f"not in {self.source or 'the inventory'}")
             chosen = [h for h in chosen if h.name not in drop]
         if nodes is not None:

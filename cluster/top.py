@@ -18,11 +18,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .nodes import NodeStatus
 from .plan import python_command, shpath
 from .runs import RunDir
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 GPU_QUERY = "index,utilization.gpu,memory.used,memory.total"
 GPU_MARK, METRICS_MARK = "@@cluster-gpu", "@@cluster-metrics"
@@ -252,7 +255,7 @@ def _uptime(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def render(rows: Sequence[Row], title: str) -> Any:
+def render(rows: Sequence[Row], title: str) -> Table:
     """A rich Table of the rows; the detail column only when a row has one."""
     from rich.table import Table
     table = Table(title=title, title_justify="left")

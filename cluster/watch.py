@@ -120,6 +120,7 @@ class WatchResult:
     nodes: list[str] = field(default_factory=list)   # the nodes a scheduler gave the job
     hang: Hang | None = None
     started: float = 0.0                              # monotonic time the watch began
+    not_retried: str | None = None   # why a failed run is not restarted (cluster.launch decides)
 
     @property
     def ok(self) -> bool:

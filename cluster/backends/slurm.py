@@ -131,10 +131,12 @@ def cli_settings(base: SlurmSettings, *, nodes: int | None = None, partition: st
     """The inventory's `slurm:` settings with the command line's options on top."""
     if nodes is not None and nodes < 1:
         raise InputError("Invalid value for --nodes: must be at least 1")
-    changes = {k: v for k, v in (("nodes", nodes), ("partition", partition), ("time", time),
-                                 ("account", account), ("max_requeues", max_requeues))
-               if v is not None}
-    return dataclasses.replace(base, **changes)
+    return dataclasses.replace(
+        base, nodes=base.nodes if nodes is None else nodes,
+        partition=base.partition if partition is None else partition,
+        time=base.time if time is None else time,
+        account=base.account if account is None else account,
+        max_requeues=base.max_requeues if max_requeues is None else max_requeues)
 
 
 def _exit(text: str) -> tuple[int | None, int | None]:

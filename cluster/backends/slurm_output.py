@@ -116,7 +116,7 @@ class JobProcess:
                 if info is not None and info.nodes and list(info.nodes) != labeller.names:
                     labeller.names = self.nodes = list(info.nodes)
                     yield {"nodes": self.nodes}
-                if changed:
+                if info is not None and changed:
                     last_state = info.state
                     yield {"info": f"job {self.job_id}: {info.state}"
                                    + (f" ({info.reason})" if info.reason else "")}

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from ..errors import BackendError, ClusterError, PreflightError
 from ..plan import LaunchPlan, NodePlan, python_command, render, shpath
@@ -54,7 +54,8 @@ class Channel(Protocol):
 
 
 class Transport(Protocol):
-    """One node: run a shell command, start a streaming one, write a file."""
+    """One node: run a shell command, start a streaming one, write a file, copy files both
+    ways (--sync's SyncTarget and `cluster pull`'s PullSource are parts of this)."""
     label: str
 
     def open(self) -> None:
@@ -65,6 +66,10 @@ class Transport(Protocol):
     def spawn(self, command: str) -> Channel: ...
 
     def put(self, data: bytes, path: str, mode: int) -> None: ...
+
+    def upload(self, local: Path, path: str, mode: int, mtime: int) -> None: ...
+
+    def download(self, path: str, into: BinaryIO) -> int: ...
 
     def close(self) -> None: ...
 
@@ -663,13 +668,15 @@ class SupervisedBackend:
              follow: bool = False) -> Iterator[tuple[str, bytes]]:
         """Saved output node by node; following, every node at once, interleaved as lines
         arrive (one reader per node)."""
-        chosen = [(rec, remote, err) for rec, remote, err in self._recorded_safe(run)
-                  if not node or rec["name"] == node]
-        for rec, remote, err in chosen:
+        chosen: list[tuple[dict[str, Any], SupervisedNode]] = []
+        for rec, remote, err in self._recorded_safe(run):
+            if node and rec["name"] != node:
+                continue
             if remote is None:
                 raise ClusterError(f"{rec['name']} {rec['rank']}: {err}")
+            chosen.append((rec, remote))
         if not follow:
-            for rec, remote, _ in chosen:
+            for rec, remote in chosen:
                 ch = remote.logs(False)
                 while data := ch.read():
                     yield f"{rec['name']} {rec['rank']}", data
@@ -686,7 +693,7 @@ class SupervisedBackend:
                 ch.wait()
             finally:
                 chunks.put(None)
-        for rec, remote, _ in chosen:
+        for rec, remote in chosen:
             threading.Thread(target=read, args=(rec, remote), daemon=True).start()
         running = len(chosen)
         while running:

@@ -7,12 +7,20 @@ runs `up`. The verbs parse options and call the library, nothing more.
 """
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from ..errors import ClusterError, StopRequested
 from ..spec import control_char
+
+if TYPE_CHECKING:
+    from click.shell_completion import CompletionItem
+
+Command = TypeVar("Command", bound=Callable[..., Any])
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 _ARGV: list[str] | None = None      # the command line as given, recorded in the run directory
@@ -26,7 +34,8 @@ class SafePath(click.Path):
     """click.Path that refuses a control character (a NUL would reach os.stat as a traceback,
     a newline a script) with the usual 'Invalid value for ...' and exit 2."""
 
-    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+    def convert(self, value: str | os.PathLike[str], param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
         bad = control_char(str(value))
         if bad:
             self.fail(f"control character {bad} in {str(value)!r}", param, ctx)
@@ -38,7 +47,8 @@ class SafeText(click.ParamType):
     reaches a script), else the usual 'Invalid value for ...' and exit 2."""
     name = "text"
 
-    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+    def convert(self, value: object, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
         bad = control_char(str(value))
         if bad or not str(value):
             self.fail(f"control character {bad} in {str(value)!r}" if bad else "must not be empty",
@@ -46,7 +56,7 @@ class SafeText(click.ParamType):
         return str(value)
 
 
-def host_options(command):  # type: ignore[no-untyped-def]
+def host_options(command: Command) -> Command:
     """--python, --user, --port, --identity: one setting for every host, over the inventory's
     (and with --hosts alone, the only way to give them). cluster.resolve.host_settings applies them."""
     for option in reversed((
@@ -108,7 +118,7 @@ def entry() -> None:
     sys.exit(run_cli())
 
 
-def complete_run(ctx, param, incomplete: str) -> list:  # type: ignore[no-untyped-def]
+def complete_run(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
     """Shell completion of a RUN argument: the run ids in ./runs (CLUSTER_RUNS_DIR), newest
     first, that start with what was typed."""
     from click.shell_completion import CompletionItem

@@ -1,6 +1,8 @@
 """`cluster pull [RUN] PATH [PATH...]`: files from every node of a run into runs/<id>/pulled/."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from .. import resolve
@@ -9,8 +11,11 @@ from ..pull import check_path, pull as pull_files, split_args
 from ..runs import RunDir
 from .main import CONTEXT, complete_run, main
 
+if TYPE_CHECKING:
+    from click.shell_completion import CompletionItem
 
-def _complete(ctx, param, incomplete: str) -> list:  # type: ignore[no-untyped-def]
+
+def _complete(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
     """The first argument may be a RUN: run ids complete there."""
     return [] if ctx.params.get("args") else complete_run(ctx, param, incomplete)
 

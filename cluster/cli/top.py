@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import click
 
 from .. import resolve
 from .main import CONTEXT, complete_run, main
 from ..runs import RunDir
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 @main.command(context_settings=CONTEXT)
@@ -26,7 +30,7 @@ def top(run: str | None, interval: float, once: bool) -> None:
     backend = resolve.recorded_backend(rd)
     collect = tp.collect_slurm if name == "slurm" else tp.collect
 
-    def table():  # type: ignore[no-untyped-def]
+    def table() -> tuple[list[tp.Row], Table]:
         rows = collect(rd, backend)
         return rows, tp.render(rows, tp.title(rd.run_id, name))
     out = RichConsole()

@@ -31,13 +31,13 @@ FRESH = 600.0
 def main(argv):
     opts = parse(argv)
     root = os.path.join(os.path.expanduser(opts["workdir"]), ".cluster")
-    out = {"root": root, "runs": []}
+    runs = []
     if os.path.isdir(root):
         now = time.time()
         for name in sorted(os.listdir(root)):
             if RUN_ID.match(name):
-                out["runs"].append(decide(os.path.join(root, name), name, now, opts))
-    print(json.dumps(out))
+                runs.append(decide(os.path.join(root, name), name, now, opts))
+    print(json.dumps({"root": root, "runs": runs}))
     return 0
 
 

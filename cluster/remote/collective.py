@@ -88,7 +88,7 @@ def max_over_ranks(value, device):
 def leaders():
     """The global rank of each node's first process, and each node's name, in node order."""
     me = (dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), os.environ.get("CLUSTER_NODE", ""))
-    everyone = [None] * dist.get_world_size()
+    everyone = [None] * dist.get_world_size()  # type: list
     dist.all_gather_object(everyone, me)
     return [(r, name) for r, local, name in everyone if local == 0]
 
@@ -130,7 +130,7 @@ def pairs(size, iters, device, local):
                 found.append({"a": nodes[a][1], "b": nodes[b][1], "bytes": size,
                               "gbps": 2 * size / seconds / 1e9})
         dist.barrier()
-    gathered = [None] * dist.get_world_size()
+    gathered = [None] * dist.get_world_size()  # type: list
     dist.all_gather_object(gathered, found)
     return [p for part in gathered for p in part]
 

@@ -121,7 +121,7 @@ def terminate(ident, grace):
 
 def watch(child, ident, out, opts):
     stopping, stopped = threading.Event(), threading.Event()
-    report = {}
+    report = {}  # type: dict[str, object]
 
     def stop(reason):
         if stopping.is_set():

@@ -137,7 +137,7 @@ def members(root, procs=None):
     own = procs.get(root)
     if own is None:
         return []
-    children = {}
+    children = {}  # type: dict[int, list[int]]
     for pid, st in procs.items():
         children.setdefault(st[1], []).append(pid)
     found, todo = [], list(children.get(root, ()))

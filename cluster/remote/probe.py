@@ -140,9 +140,8 @@ def torch_facts():
     if not spec or not spec.origin:
         return None
     base = os.path.dirname(spec.origin)
-    info = {"run_py": os.path.join(base, "distributed", "run.py"), "version": None, "cuda": None}
-    if not os.path.exists(info["run_py"]):
-        info["run_py"] = None
+    run_py = os.path.join(base, "distributed", "run.py")
+    info = {"run_py": run_py if os.path.exists(run_py) else None, "version": None, "cuda": None}
     try:
         with open(os.path.join(base, "version.py")) as f:
             text = f.read()

@@ -319,7 +319,7 @@ def terminate_container(ident, box, grace):
 def probe(args):
     import importlib.util
     facts = {"home": os.path.expanduser("~"), "python": sys.version.split()[0],
-             "executable": sys.executable, "hostname": socket.gethostname()}
+             "executable": sys.executable, "hostname": socket.gethostname()}  # type: dict[str, object]
     spec = importlib.util.find_spec("torch")
     facts["torch"] = None
     if spec and spec.origin:
@@ -456,7 +456,7 @@ def run(args, user_umask=0o022):
     # (and `cluster down`'s, in the exit record), with how the stop went: every process
     # ended within the grace after SIGTERM ("term"), or the grace ran out ("kill").
     final = {key: sorted({pid for r in done + [leftovers] for pid in r[key]})
-             for key in ("signalled", "killed")}
+             for key in ("signalled", "killed")}  # type: dict[str, object]
     final["left"] = leftovers["left"]
     had = max(r.get("workers", 0) for r in done + [leftovers])
     if had:

@@ -1,7 +1,7 @@
 """The hang watchdog's evidence read from stacks as faulthandler and py-spy print them."""
 from __future__ import annotations
 
-from cluster.hang import last_lines, main_thread, summary, where
+from cluster.hang import Group, last_lines, main_thread, summary, where
 
 FAULTHANDLER = """Thread 0x00007f1 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 320 in wait
@@ -38,6 +38,14 @@ def test_where_names_the_wait_and_the_users_line_that_made_it() -> None:
     assert where(main_thread(FAULTHANDLER)) == "all_reduce in train.py:212 (step)"
     assert where(main_thread(PY_SPY)) == "__next__ in data.py:88"
     assert where([]).startswith("no Python stack")
+
+
+def test_a_group_shows_its_ranks_as_ranges() -> None:
+    def text(*ranks: int) -> str:
+        return Group("wait", ranks, ("gpu1",)).text()
+    assert text(0, 1, 2, 5, 7, 8) == "ranks 0-2,5,7-8 (gpu1): wait"
+    assert text(3) == "rank 3 (gpu1): wait"
+    assert text(4, 6) == "ranks 4,6 (gpu1): wait"
 
 
 def test_the_summary_groups_ranks_and_names_the_odd_one() -> None:

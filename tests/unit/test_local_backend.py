@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from cluster.backends.local import LocalTransport, local_inventory
 from cluster.backends.supervised import SupervisedBackend
-from cluster.errors import BackendError
+from cluster.errors import BackendError, ClusterError
 from cluster.plan import Job, Templates, render
 
 from .test_supervisor import tagged_pids, wait_for
@@ -102,3 +103,48 @@ def test_the_open_files_limit_is_raised_for_many_nodes_or_refused_clearly() -> N
     with pytest.raises(InputError, match="ulimit -Hn"):
         ensure_open_files(1000, (get, set_))
     assert resource.RLIMIT_NOFILE is not None
+
+
+class _Saved:
+    """A `supervisor.py logs` channel: one chunk of saved output, then its end."""
+    def __init__(self, data: bytes) -> None:
+        self.chunks = [data, b""]
+
+    def read(self) -> bytes:
+        return self.chunks.pop(0)
+
+    def wait(self) -> int:
+        return 0
+
+
+class _SavedOutput(LocalTransport):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def spawn(self, command: str):  # type: ignore[override]
+        return _Saved(f"{self.name} said\n".encode())
+
+
+class _Recorded:
+    """A recorded run of nodes a and b, as RunDir shows it to a backend."""
+    def hosts(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(name=n, python="python3", setup=()) for n in "ab"]
+
+    def meta(self) -> dict:
+        return {"nodes": [{"name": n, "rank": r, "run_dir": "/r"} for r, n in enumerate("ab")]}
+
+
+def test_logs_name_a_node_that_cannot_be_reached_unless_another_node_is_asked_for() -> None:
+    def connect(host: SimpleNamespace) -> LocalTransport:
+        if host.name == "b":
+            raise ClusterError("b: connection refused")
+        return _SavedOutput(host.name)
+    backend = SupervisedBackend(connect)
+    try:
+        assert list(backend.logs(_Recorded(), node="a")) == [("a 0", b"a said\n")]
+        with pytest.raises(ClusterError, match="^b 1: b: connection refused$"):
+            list(backend.logs(_Recorded()))
+        with pytest.raises(ClusterError, match="^b 1: b: connection refused$"):
+            list(backend.logs(_Recorded(), node="b", follow=True))
+    finally:
+        backend.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster import inventory
+from cluster.errors import InputError
 from cluster.plan import Job, Templates, render, shpath
 
 from .golden import check_golden
@@ -84,6 +85,18 @@ def test_template_override_by_name(tmp_path: Path) -> None:
     (tmp_path / "node.sh.j2").write_text("#!/bin/bash\necho {{ host.name | shquote }} {{ rank }}\n")
     plan = render(inventory.load(GOLDEN / "inputs" / "static.yaml"), JOB, Templates(tmp_path))
     assert plan.nodes[1].script == "#!/bin/bash\necho gpu-b 1\n"
+
+
+def test_a_broken_template_is_named_with_its_line(tmp_path: Path) -> None:
+    inv = inventory.load(GOLDEN / "inputs" / "static.yaml")
+    (tmp_path / "node.sh.j2").write_text("#!/bin/bash\n{% if rank %}\necho\n")
+    with pytest.raises(InputError, match=r"template .*node\.sh\.j2:3: Unexpected end of template"):
+        render(inv, JOB, Templates(tmp_path))
+    (tmp_path / "node.sh.j2").write_text("#!/bin/bash\necho {{ nowhere }}\n")
+    with pytest.raises(InputError, match=r"^template node\.sh\.j2: 'nowhere' is undefined$"):
+        render(inv, JOB, Templates(tmp_path))
+    with pytest.raises(InputError, match=r"template 'gone\.j2' not found in \["):
+        Templates(tmp_path).render("gone.j2")
 
 
 def test_derived_port_is_stable_and_differs_between_runs() -> None:

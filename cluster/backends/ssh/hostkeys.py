@@ -194,6 +194,7 @@ class StrictPolicy(paramiko.MissingHostKeyPolicy):
 class AcceptNewPolicy(StrictPolicy):
     """As strict, except that an unknown key is accepted and recorded in known_hosts (like
     OpenSSH's accept-new). Revoked and changed keys are still refused."""
+    known: KnownHosts          # always given: an accepted key is recorded there
 
     def __init__(self, known: KnownHosts, warn: Callable[[str], None]) -> None:
         super().__init__(known)

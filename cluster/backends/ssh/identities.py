@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import paramiko
-from paramiko.auth_strategy import AuthFailure, AuthResult, AuthStrategy, InMemoryPrivateKey
+from paramiko.auth_strategy import AuthFailure, AuthStrategy, InMemoryPrivateKey, SourceResult
 
 DEFAULT_IDENTITIES = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ed25519")
 OPENSSH_MAGIC = b"openssh-key-v1\x00"
@@ -232,7 +232,7 @@ class BatchAuth(AuthStrategy):
         for offer in self.offers:
             yield _Offered(self.username, offer)
 
-    def authenticate(self, transport: paramiko.Transport) -> AuthResult:
+    def authenticate(self, transport: paramiko.Transport) -> list[SourceResult]:
         socket = self.agent_socket()
         agent = paramiko.Agent() if socket else None
         try:

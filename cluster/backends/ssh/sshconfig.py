@@ -35,10 +35,18 @@ def merged_lookup(config: SSHConfig, name: str, address: str) -> SSHConfigDict:
     by_address = config.lookup(address)
     merged = SSHConfigDict(by_address)
     merged.update(by_name)
-    keys = list(dict.fromkeys(by_name.get("identityfile", []) + by_address.get("identityfile", [])))
+    keys = list(dict.fromkeys(identity_files(by_name) + identity_files(by_address)))
     if keys:
-        merged["identityfile"] = keys
+        # A list, as paramiko keeps this option; its stubs type every value as a str.
+        merged["identityfile"] = keys  # type: ignore[assignment]
     return merged
+
+
+def identity_files(options: SSHConfigDict) -> list[str]:
+    """The IdentityFile lines: paramiko keeps them as a list (the option may come many times),
+    though its stubs type every option as a str."""
+    value: object = options.get("identityfile")
+    return list(value) if isinstance(value, list) else []
 
 
 def host_config(config: SSHConfig, name: str, address: str) -> HostConfig:
