@@ -1,6 +1,7 @@
 """The supervisor's view of torchrun's workers on one node (standard library only, 3.8+).
 
-Imported by supervisor.py, which sits beside it in the node's run directory.
+Imported by supervisor.py, which sits beside it in the node's run directory, with family.py
+(the /proc reading they share).
 
 - Workers: torchrun's worker processes among the run's (they carry GROUP_RANK and RANK).
   torchrun starts them only once its rendezvous is complete, so a node that has them proves
@@ -20,6 +21,8 @@ import signal
 import subprocess
 import threading
 import time
+
+import family  # beside this file on the node (its folder is on sys.path)
 
 BEAT_EVERY = 1.0
 PROC = "/proc"          # where the processes are read; a test gives a folder of its own
@@ -185,7 +188,7 @@ def dump_stacks(ident, tap, wait=5.0):
             tap.start()
             ident.signal(pid, signal.SIGABRT)
             deadline = time.time() + wait
-            while time.time() < deadline and alive_pid(pid):
+            while time.time() < deadline and family.alive(pid):
                 time.sleep(0.05)
             time.sleep(0.2)                     # what it wrote last is still in the pipe
             out.append((rank, pid, "faulthandler", tap.stop().decode("utf-8", "replace")))
@@ -197,21 +200,8 @@ def dump_stacks(ident, tap, wait=5.0):
 
 def parent(pid):
     """The parent of pid, or None."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            data = f.read().decode("ascii", "replace")
-        return int(data[data.rfind(")") + 2:].split()[1]) or None
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def alive_pid(pid):
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            state = f.read().decode("ascii", "replace")
-    except OSError:
-        return False
-    return state[state.rfind(")") + 2:].split()[0] not in ("Z", "X")
+    st = family.stat(pid)
+    return (st[1] or None) if st else None
 
 
 def py_spy(spy, pid):

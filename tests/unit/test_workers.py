@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from cluster.backends.supervised import SUPERVISOR
 
+sys.path.insert(0, str(SUPERVISOR.parent))   # as on the node: family.py beside it
 _spec = importlib.util.spec_from_file_location("node_workers", SUPERVISOR.parent / "workers.py")
 workers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(workers)
