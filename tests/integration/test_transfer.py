@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.files import tree
+
 try:
     from tests.integration.conftest import Cli
 except ImportError:  # run with tests/integration on sys.path
@@ -27,14 +29,6 @@ def inventory(ssh_nodes4, cli: Cli, sub: str) -> tuple[str, dict[int, Path]]:
     path = cli.home / f"{sub}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return str(path), {i: Path(ssh_nodes4.workdir(i)) / sub for i in NODES}
-
-
-def tree(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-    return root
 
 
 def test_sync_delete_removes_what_was_deleted_here_on_every_node(ssh_nodes4, cli, tmp_path):

@@ -20,14 +20,7 @@ from cluster.errors import ClusterError, InputError, PreflightError
 from cluster.plan import Job, Templates, render
 from cluster.pull import check_path, pull, split_args
 from cluster.runs import RunDir
-
-
-def tree(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-    return root
+from tests.files import tree
 
 
 # --- PATH rules ------------------------------------------------------------------------------

@@ -11,14 +11,7 @@ import pytest
 from cluster.backends.local import LocalTransport
 from cluster.backends.supervised import Result
 from cluster.backends.sync import local_files, preview, summary, sync_dir
-
-
-def tree(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-    return root
+from tests.files import tree
 
 
 def test_a_file_named_like_an_option_stays_a_file_name(tmp_path: Path) -> None:
