@@ -187,3 +187,36 @@ def test_no_worker_error_leaves_the_exit_alone(tmp_path: Path) -> None:
     res = Watcher([FakeNode("b 1", [b"Traceback (most recent call last):\n",
                                     b"  File \"x\", line 1\n"], NodeExit(code=3))], c, {}).run()
     assert res.causes == {}
+
+
+class ClosedPipe(io.StringIO):
+    """A console stream whose reader went away (`cluster up 2>&1 | head -3`)."""
+
+    def __init__(self, lines_before_close: int) -> None:
+        super().__init__()
+        self.left = lines_before_close
+
+    def write(self, text: str) -> int:
+        if self.left <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.left -= 1
+        return super().write(text)
+
+
+def test_a_closed_console_stops_the_display_not_the_watch(tmp_path: Path) -> None:
+    """Output and notes piped into `head`: once the pipe is closed, lines are no longer shown,
+    but every node is still watched to its end and every line still reaches its log file (the
+    launcher used to wait forever, its pumps dead on the broken pipe, after the nodes ended)."""
+    pipe = ClosedPipe(lines_before_close=3)
+    c = Console(pipe, pipe, color=False)
+    lines = [f"line {i}\n".encode() for i in range(10)]
+    nodes = [FakeNode("a 0", lines, NodeExit(code=0)), FakeNode("b 1", lines, NodeExit(code=0))]
+    logs = {"a 0": tmp_path / "a.log", "b 1": tmp_path / "b.log"}
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(Watcher(nodes, c, logs).run()), daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert done, "the watch did not end after every node had ended"
+    assert done[0].ok and set(done[0].exits) == {"a 0", "b 1"}
+    assert all(p.read_bytes() == b"".join(lines) for p in logs.values())
+    c.info("after the pipe closed")            # a note is dropped too, never raised
