@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from cluster.backends import NodeExit
-from cluster.watch import Console, LineSplitter, Watcher
+from cluster.watch import TORCHRUN_FAILED, Console, LineSplitter, Watcher, WorkerErrors
 
 
 class FakeNode:
@@ -180,6 +180,32 @@ def test_python_that_cannot_start_the_script_or_import_is_the_lead(tmp_path: Pat
     _, final = run_failure("import_error.log", tmp_path)
     assert final.splitlines()[0].startswith(
         "node [b 1] failed: ModuleNotFoundError: No module named 'not_a_module_anywhere'"), final
+
+
+def test_a_worker_that_exits_without_a_word_is_named_with_its_code(tmp_path: Path) -> None:
+    """A rank that calls os._exit(7) right after init_process_group prints no traceback:
+    torchrun's root-cause report (rank 1, exitcode 7) is then the worker's own word, not
+    torchrun's exit code 1 alone (tried on three SSH nodes: 'failed: exit code 1')."""
+    _, final = run_failure("worker_exit_code.log", tmp_path)
+    # Only the final error: the note said at once comes from torchrun's banner, before the
+    # root-cause report that names the code has been read.
+    assert final.splitlines()[0].startswith(
+        "node [b 1] failed: worker rank 1 exited with code 7 (exit code 1)"), final
+
+
+def test_a_worker_killed_by_a_signal_is_named_with_the_signal() -> None:
+    errors = WorkerErrors()
+    for line in ["Root Cause (first observed failure):", "[0]:", "  rank      : 3 (local_rank: 1)",
+                 "  exitcode  : -9 (pid: 123)",
+                 "  traceback : Signal 9 (SIGKILL) received by PID 123"]:
+        errors.feed(line)
+    assert errors.cause() is None                # torchrun's banner was not seen: not a report
+    errors = WorkerErrors()
+    errors.feed(TORCHRUN_FAILED)
+    for line in ["Root Cause (first observed failure):", "[0]:", "  rank      : 3 (local_rank: 1)",
+                 "  exitcode  : -9 (pid: 123)"]:
+        errors.feed(line)
+    assert errors.cause() == "worker rank 3 was killed by SIGKILL"
 
 
 def test_no_worker_error_leaves_the_exit_alone(tmp_path: Path) -> None:
