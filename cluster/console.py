@@ -35,24 +35,45 @@ class Console:
             color = self.out.isatty() and "NO_COLOR" not in os.environ
         self.color = color
         self.lock = threading.Lock()
+        self.gone: set[int] = set()            # streams whose reader went away
 
     def node_line(self, label: str, index: int, text: str) -> None:
         prefix = f"[{label}]"
         if self.color:
             prefix = f"\x1b[{COLORS[index % len(COLORS)]}m{prefix}\x1b[0m"
-        with self.lock:
-            self.out.write(f"{prefix} {text}\n")
-            self.out.flush()
+        self._write(self.out, f"{prefix} {text}\n")
 
     def info(self, text: str) -> None:
-        with self.lock:
-            self.err.write(f"cluster: {text}\n")
-            self.err.flush()
+        self._write(self.err, f"cluster: {text}\n")
 
     def raw(self, text: str) -> None:
+        self._write(self.out, text)
+
+    def _write(self, stream: IO[str], text: str) -> None:
+        """Show `text`; a stream whose reader went away (`cluster up | head`) is let go. The
+        display is not the work: the nodes are still watched and their logs still written."""
         with self.lock:
-            self.out.write(text)
-            self.out.flush()
+            if id(stream) in self.gone:
+                return
+            try:
+                stream.write(text)
+                stream.flush()
+            except (OSError, ValueError):      # EPIPE, or a stream already closed
+                self.gone.add(id(stream))
+                _silence(stream)
+
+
+def _silence(stream: IO[str]) -> None:
+    """Point a broken stream's file descriptor at /dev/null, so that what is still buffered
+    or written later (the final error, the interpreter's flush at exit) goes nowhere instead
+    of raising again (the recipe of Python's own signal documentation for SIGPIPE)."""
+    try:
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):   # an in-memory stream has no descriptor
+        return
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 class NodeProgress:

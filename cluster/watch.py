@@ -35,6 +35,7 @@ TORCHRUN_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedE
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")
 PYTHON_SAYS = re.compile(r"can't open file |: No module named |Error while finding module specification")
 ROOT_RANK = re.compile(r"^\s*rank\s*: (\d+)")
+ROOT_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d+)")
 
 
 class WorkerErrors:
@@ -49,6 +50,7 @@ class WorkerErrors:
         self.torchrun_failed = False
         self.in_root_cause = False
         self.root_rank: int | None = None
+        self.root_exit: int | None = None                   # torchrun's exitcode of that rank
 
     def feed(self, line: str) -> None:
         if self.torchrun_failed:
@@ -72,14 +74,24 @@ class WorkerErrors:
             self.in_root_cause = True
         elif self.in_root_cause and self.root_rank is None and (m := ROOT_RANK.match(line)):
             self.root_rank = int(m.group(1))
+        elif self.in_root_cause and self.root_exit is None and (m := ROOT_EXIT.match(line)):
+            self.root_exit = int(m.group(1))
 
     def cause(self) -> str | None:
         """The root-cause rank's last error (a chained exception ends with the one raised),
-        else the first rank's that said one; None when no worker said one."""
+        else the first rank's that said one; else, for a worker that printed no error (an
+        os._exit, a signal), how torchrun's report says it ended; None when nothing says."""
         if not self.found:
-            return None
+            return self._silent_exit()
         rank = self.root_rank if any(r == self.root_rank for r, _ in self.found) else self.found[0][0]
         return [text for r, text in self.found if r == rank][-1]
+
+    def _silent_exit(self) -> str | None:
+        if self.root_rank is None or self.root_exit is None:
+            return None
+        if self.root_exit < 0:                  # torchrun writes a signal as its negative
+            return f"worker rank {self.root_rank} was killed by {signal_name(-self.root_exit)}"
+        return f"worker rank {self.root_rank} exited with code {self.root_exit}"
 
 class Watched(Protocol):
     """What the watcher needs of a running node (backends.NodeProcess has this shape)."""

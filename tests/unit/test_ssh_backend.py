@@ -15,6 +15,7 @@ from cluster.backends.ssh import (AcceptNewPolicy, Attempt, AuthFailed, HostKeyC
                                   StrictPolicy, Unreachable, UnknownKey, known_hosts_for,
                                   sftp_path, translate)
 from cluster.errors import ClusterError, PreflightError
+from cluster.backends.ssh.identities import AgentState, KeysRefused
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +230,15 @@ def test_one_connection_per_jump_host_opened_once_and_a_failure_shared(monkeypat
     assert down.opened == 1 and errors == ["jump host unreachable"] * 5   # tried once, told to all
     gateways.close()
     assert not hops[0].is_connected
+
+
+@pytest.mark.parametrize("exc", [
+    paramiko.AuthenticationException("Authentication failed."),
+    KeysRefused("alice", [], [], AgentState(None)),
+])
+def test_a_refused_login_names_the_command_line_options_too(exc):
+    """`cluster doctor --hosts a,b` has no inventory to set user/identity_file in: the fix
+    names --user and --identity as well (tried as a newcomer: the hint named only the
+    inventory and ~/.ssh/config)."""
+    text = str(translate(exc, AT))
+    assert "--user" in text and "--identity" in text, text

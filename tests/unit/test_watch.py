@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from cluster.backends import NodeExit
-from cluster.watch import Console, LineSplitter, Watcher
+from cluster.watch import TORCHRUN_FAILED, Console, LineSplitter, Watcher, WorkerErrors
 
 
 class FakeNode:
@@ -182,8 +182,67 @@ def test_python_that_cannot_start_the_script_or_import_is_the_lead(tmp_path: Pat
         "node [b 1] failed: ModuleNotFoundError: No module named 'not_a_module_anywhere'"), final
 
 
+def test_a_worker_that_exits_without_a_word_is_named_with_its_code(tmp_path: Path) -> None:
+    """A rank that calls os._exit(7) right after init_process_group prints no traceback:
+    torchrun's root-cause report (rank 1, exitcode 7) is then the worker's own word, not
+    torchrun's exit code 1 alone (tried on three SSH nodes: 'failed: exit code 1')."""
+    _, final = run_failure("worker_exit_code.log", tmp_path)
+    # Only the final error: the note said at once comes from torchrun's banner, before the
+    # root-cause report that names the code has been read.
+    assert final.splitlines()[0].startswith(
+        "node [b 1] failed: worker rank 1 exited with code 7 (exit code 1)"), final
+
+
+def test_a_worker_killed_by_a_signal_is_named_with_the_signal() -> None:
+    errors = WorkerErrors()
+    for line in ["Root Cause (first observed failure):", "[0]:", "  rank      : 3 (local_rank: 1)",
+                 "  exitcode  : -9 (pid: 123)",
+                 "  traceback : Signal 9 (SIGKILL) received by PID 123"]:
+        errors.feed(line)
+    assert errors.cause() is None                # torchrun's banner was not seen: not a report
+    errors = WorkerErrors()
+    errors.feed(TORCHRUN_FAILED)
+    for line in ["Root Cause (first observed failure):", "[0]:", "  rank      : 3 (local_rank: 1)",
+                 "  exitcode  : -9 (pid: 123)"]:
+        errors.feed(line)
+    assert errors.cause() == "worker rank 3 was killed by SIGKILL"
+
+
 def test_no_worker_error_leaves_the_exit_alone(tmp_path: Path) -> None:
     c, _, _ = console()
     res = Watcher([FakeNode("b 1", [b"Traceback (most recent call last):\n",
                                     b"  File \"x\", line 1\n"], NodeExit(code=3))], c, {}).run()
     assert res.causes == {}
+
+
+class ClosedPipe(io.StringIO):
+    """A console stream whose reader went away (`cluster up 2>&1 | head -3`)."""
+
+    def __init__(self, lines_before_close: int) -> None:
+        super().__init__()
+        self.left = lines_before_close
+
+    def write(self, text: str) -> int:
+        if self.left <= 0:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.left -= 1
+        return super().write(text)
+
+
+def test_a_closed_console_stops_the_display_not_the_watch(tmp_path: Path) -> None:
+    """Output and notes piped into `head`: once the pipe is closed, lines are no longer shown,
+    but every node is still watched to its end and every line still reaches its log file (the
+    launcher used to wait forever, its pumps dead on the broken pipe, after the nodes ended)."""
+    pipe = ClosedPipe(lines_before_close=3)
+    c = Console(pipe, pipe, color=False)
+    lines = [f"line {i}\n".encode() for i in range(10)]
+    nodes = [FakeNode("a 0", lines, NodeExit(code=0)), FakeNode("b 1", lines, NodeExit(code=0))]
+    logs = {"a 0": tmp_path / "a.log", "b 1": tmp_path / "b.log"}
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(Watcher(nodes, c, logs).run()), daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert done, "the watch did not end after every node had ended"
+    assert done[0].ok and set(done[0].exits) == {"a 0", "b 1"}
+    assert all(p.read_bytes() == b"".join(lines) for p in logs.values())
+    c.info("after the pipe closed")            # a note is dropped too, never raised

@@ -75,7 +75,7 @@ def translate(exc: BaseException, at: Attempt, known: KnownHosts | None = None) 
         extra = " and the ssh agent" if at.agent else ""
         return AuthFailed(f"{at.where}: authentication failed for user {at.user!r} "
                           f"(keys tried: {keys}{extra}; no password prompts in batch mode): {exc}. "
-                          f"Set 'user'/'identity_file' in the inventory or ~/.ssh/config")
+                          f"Set 'user'/'identity_file' in the inventory (--user/--identity on the command line) or ~/.ssh/config")
     if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
         codes = {getattr(e, "errno", None) for e in exc.errors.values()}
         why = "connection refused (is sshd running there?)" if errno.ECONNREFUSED in codes \
@@ -156,4 +156,4 @@ def _keys_refused(exc: KeysRefused, at: Attempt) -> AuthFailed:
             f"or password prompts). Offered: {offered}.")
     if exc.notes:
         text += " Not offered: " + "; ".join(exc.notes) + "."
-    return AuthFailed(text + " Set 'user'/'identity_file' in the inventory or ~/.ssh/config")
+    return AuthFailed(text + " Set 'user'/'identity_file' in the inventory (--user/--identity on the command line) or ~/.ssh/config")
