@@ -6,7 +6,9 @@ What is copied:
   `.clusterignore` at the top of DIR if there is one, else DIR's `.gitignore` (gitignore
   syntax, as rsync-based launchers do), plus each --sync-exclude PATTERN;
 - never version-control data, caches, virtual environments or conda environments (DEFAULT_SKIP,
-  and any directory holding pyvenv.cfg or conda-meta), nor the local run records (top-level runs/);
+  and any directory holding pyvenv.cfg or conda-meta), nor the local run records (top-level runs/)
+  nor the reference trainer's checkpoints (top-level checkpoints/, where `cluster up` here
+  writes them): a run on the nodes must never resume from a run of this machine;
 - a symbolic link is followed only while it stays inside DIR: one leading out of the tree is
   skipped and reported, never copied from wherever it points.
 
@@ -40,7 +42,7 @@ from .supervised import Result
 
 DEFAULT_SKIP = ("__pycache__/", ".git/", ".hg/", ".svn/", ".cluster/", ".mypy_cache/",
                 ".pytest_cache/", ".ruff_cache/", ".tox/", ".ipynb_checkpoints/", "*.pyc", "*.pyo",
-                "/runs/")
+                "/runs/", "/checkpoints/")
 ENV_MARKERS = ("pyvenv.cfg", "conda-meta")   # a directory holding one is an environment
 IGNORE_FILES = (".clusterignore", ".gitignore")
 MANIFEST_DIR = ".cluster"

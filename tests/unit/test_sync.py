@@ -29,13 +29,16 @@ def test_a_file_named_like_an_option_stays_a_file_name(tmp_path: Path) -> None:
 
 
 def test_defaults_skip_vcs_caches_and_environments(tmp_path: Path) -> None:
+    """...and what `cluster up` writes here: run records, and the reference trainer's
+    checkpoints (a run on the nodes would resume from a run of this machine)."""
     src = tree(tmp_path, {"a.py": "", ".git/config": "", "pkg/__pycache__/m.pyc": "",
                           "pkg/m.py": "", "venv/pyvenv.cfg": "", "venv/lib/x.py": "",
                           "env/conda-meta/history": "", "env/lib/y.py": "", "runs/r/run.json": "",
-                          "sub/runs/keep.txt": ""})
+                          "sub/runs/keep.txt": "", "checkpoints/ckpt_step00000220.pt": "",
+                          "sub/checkpoints/keep.pt": ""})
     os.chmod(src / "a.py", 0o755)
     files = {f.rel: f for f in local_files(src).files}
-    assert list(files) == ["a.py", "pkg/m.py", "sub/runs/keep.txt"]
+    assert list(files) == ["a.py", "pkg/m.py", "sub/checkpoints/keep.pt", "sub/runs/keep.txt"]
     assert files["a.py"].mode == 0o755 and files["a.py"].size == 0
 
 
