@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import click
 
@@ -103,6 +104,12 @@ STOP_HOW = {"term": "; every one ended within the grace after SIGTERM",
             "kill": "; SIGKILL after the grace"}
 
 
+def _end(ended: dict[str, Any]) -> str:
+    if ended.get("signal"):
+        return f"killed by signal {ended['signal']}"
+    return "exit code ?" if ended.get("code") is None else f"exit code {ended['code']}"
+
+
 @main.command(context_settings=CONTEXT)
 @click.argument("run", required=False, shell_complete=complete_run)
 def down(run: str | None) -> None:
@@ -124,6 +131,8 @@ def down(run: str | None) -> None:
             console.info(f"[{name}] still alive after SIGKILL: {rep['left']}")
         elif "state" in rep:       # a scheduler job: its state after the cancel
             console.info(f"[{name}] {rep['state']}")
+        elif rep.get("ended"):     # nothing of it was running: it had ended by itself
+            console.info(f"[{name}] had already ended ({_end(rep['ended'])}): nothing to stop")
         else:
             console.info(f"[{name}] stopped ({len(rep.get('signalled', []))} process(es) signalled"
                          f"{STOP_HOW.get(rep.get('how'), '')})")

@@ -596,8 +596,9 @@ def dump(d, tap, out):
 # --- stop, status, logs ------------------------------------------------------------------------
 
 def stop(d, grace):
+    ended = read_json(d, "exit")      # the run had ended before this stop: say so with its end
     # Tell the running supervisor (another process) that this end was asked for, and with
-    # which grace (`cluster down --stop-grace` may differ from the run's own).
+    # which grace (a stop's own may differ from the run's).
     write_atomic(d, "stop-requested", json.dumps({"at": time.time(), "grace": grace}))
     asked = ask_supervisor(d, grace)
     # Then by identity: a supervisor that is gone (or did not answer) stops nothing.
@@ -615,6 +616,8 @@ def stop(d, grace):
         write_atomic(d, "exit", json.dumps({"code": None, "signal": None, "ended": time.time(),
                                             "leftovers": report["signalled"], "stopped": True,
                                             "reason": "stopped after its supervisor was lost"}))
+    if ended is not None and not report["signalled"]:
+        report["ended"] = {"code": ended.get("code"), "signal": ended.get("signal")}
     return report
 
 
