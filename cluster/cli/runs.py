@@ -49,10 +49,14 @@ def run_notes(meta: dict, started: bool) -> list[str]:
     """What the record says beyond the nodes' rows: why it was stopped, how the launch ended,
     or that no node has started yet (it is being checked, or its check failed)."""
     notes = []
+    error = meta.get("error") or ""
     if meta.get("stopped_because"):
-        notes.append(f"stopped because {meta['stopped_because']}")
-    if meta.get("error"):
-        notes.append(f"ended with exit code {meta.get('exit_code')}: {meta['error']}")
+        notes.append(f"stopped because {meta['stopped_because']}"
+                     + (f" (exit code {meta['exit_code']})" if meta.get("exit_code") else ""))
+        if error.startswith("interrupted"):
+            error = ""             # that stop, not a signal from someone else: said above
+    if error:
+        notes.append(f"ended with exit code {meta.get('exit_code')}: {error}")
     elif not started:
         notes.append("no node has started yet (the nodes are being checked)")
     return notes

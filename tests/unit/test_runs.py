@@ -124,3 +124,16 @@ def test_a_detached_runs_end_is_read_from_its_nodes_final_states() -> None:
     assert detached_error(rows(("lost", None), ("stopped", None)), "r").exit_code == 5
     assert detached_error(rows(("stopped", None), ("exited", 0)), "r").exit_code == 143
     assert detached_error(rows(("failed", 1)), "r").exit_code == 4                # SLURM's word
+
+
+def test_a_run_stopped_by_its_owner_reads_as_that_not_as_someone_elses_signal() -> None:
+    """The Python API stops an attached run whose program exited: status says why, once, not
+    also "interrupted (SIGTERM)" as if someone had signalled it; a real failure still shows."""
+    from cluster.cli.runs import run_notes
+    owner = "the program that started it exited (pid 42)"
+    assert run_notes({"stopped_because": owner, "error": "interrupted (SIGTERM); 2 node(s) stopped",
+                      "exit_code": 143}, started=True) == [f"stopped because {owner} (exit code 143)"]
+    assert run_notes({"error": "interrupted (SIGTERM); 2 node(s) stopped", "exit_code": 143},
+                     started=True) == ["ended with exit code 143: interrupted (SIGTERM); 2 node(s) stopped"]
+    assert run_notes({"stopped_because": owner, "error": "node [a 0] failed: exit code 1",
+                      "exit_code": 4}, started=True)[1] == "ended with exit code 4: node [a 0] failed: exit code 1"
