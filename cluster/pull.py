@@ -105,6 +105,6 @@ def totals(results: dict[str, Any], into: Path) -> tuple[str, list[str]]:
     done = [r for r in results.values() if not isinstance(r, Exception)]
     failed = sorted(n for n, r in results.items() if isinstance(r, Exception) or r.missing)
     line = (f"pulled {sum(r.files for r in done)} file(s) "
-            f"({human_bytes(sum(r.bytes for r in done))}) from {len(results) - len(failed)} of "
-            f"{len(results)} node(s) into {into}/")
+            f"({human_bytes(sum(r.bytes for r in done))}) into {into}/; every PATH from "
+            f"{len(results) - len(failed)} of {len(results)} node(s)")
     return line, failed

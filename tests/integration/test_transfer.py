@@ -95,7 +95,7 @@ def test_pull_brings_each_nodes_files_into_its_own_folder(ssh_nodes4, cli, tmp_p
         assert (pulled / name / "writer.py").read_text() == WRITER
         assert sorted(p.name for p in (pulled / name / "out" / "deep").iterdir()) == [f"{name}.txt"]
         assert f"cluster: [{name}] " in done.stderr
-    assert "from 3 of 3 node(s)" in done.stderr, done.dump()
+    assert "every PATH from 3 of 3 node(s)" in done.stderr, done.dump()
     for p in [pulled, *pulled.rglob("*")]:
         assert stat.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), p
     missing = cli.run("pull", "nope", "--node", "node2", timeout=120)

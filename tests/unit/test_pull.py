@@ -155,7 +155,7 @@ def test_every_node_reports_and_the_others_are_fetched(tmp_path: Path) -> None:
     assert lines[0] == f"cluster: [node1] 1 file(s) (5 B) into {run.path}/pulled/node1/"
     assert lines[1] == f"cluster: [node2] 0 file(s) (0 B) into {run.path}/pulled/node2/; not on this node: out"
     assert lines[2].startswith("cluster: [node3] failed: node3 (10.0.0.3:22): cannot connect")
-    assert str(info.value) == (f"pulled 1 file(s) (5 B) from 1 of 3 node(s) into {run.path}/pulled/; "
+    assert str(info.value) == (f"pulled 1 file(s) (5 B) into {run.path}/pulled/; every PATH from 1 of 3 node(s); "
                                f"incomplete from node2, node3")
     assert info.value.exit_code == 3, "a node could not be reached"
     assert (run.path / "pulled" / "node1" / "out" / "who.txt").read_text() == "node1"
@@ -170,7 +170,7 @@ def test_pull_of_a_local_run_through_the_cli(tmp_path: Path, monkeypatch, capsys
         tree(tmp_path / n, {"ckpt/last.pt": n})
     assert run_cli(["pull", run.run_id[:12], "ckpt/", "--node", "local1"]) == 0
     err = capsys.readouterr().err
-    assert f"pulled 1 file(s) (6 B) from 1 of 1 node(s) into runs/{run.run_id}/pulled/" in err
+    assert f"pulled 1 file(s) (6 B) into runs/{run.run_id}/pulled/; every PATH from 1 of 1 node(s)" in err
     assert (run.path / "pulled" / "local1" / "ckpt" / "last.pt").read_text() == "local1"
     assert not (run.path / "pulled" / "local0").exists()
     assert run_cli(["pull", "ckpt", "--node", "gpu9"]) == 2
