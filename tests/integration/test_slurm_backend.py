@@ -125,7 +125,9 @@ def test_failing_rank_ends_failed_with_exit_code(slurm, workdir: Path) -> None:
     assert "line(s):\n  | [" in r.stderr                          # the tail, as evidence
     status = cluster(slurm, workdir, "status")
     assert status.returncode == 0
-    rows = [line for line in status.stdout.splitlines() if "failed" in line]
+    # The table's rows (the note under it also says the run failed, and why)
+    rows = [line for line in status.stdout.splitlines() if line.startswith("│") and "failed" in line]
+    assert "ended with exit code 4: node [job" in status.stdout, status.stdout
     assert len(rows) == 2 and all(re.search(r"failed\s*\S\s*[1-9]\d*", row) for row in rows), status.stdout
 
 
