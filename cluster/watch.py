@@ -77,12 +77,14 @@ class WorkerErrors:
         elif self.in_root_cause and self.root_exit is None and (m := ROOT_EXIT.match(line)):
             self.root_exit = int(m.group(1))
 
-    def cause(self) -> str | None:
+    def cause(self, printed_only: bool = False) -> str | None:
         """The root-cause rank's last error (a chained exception ends with the one raised),
         else the first rank's that said one; else, for a worker that printed no error (an
-        os._exit, a signal), how torchrun's report says it ended; None when nothing says."""
+        os._exit, a signal), how torchrun's report says it ended; None when nothing says.
+        printed_only: only what the workers printed before torchrun's banner, which has all
+        arrived when the banner does (its report comes after it, maybe not yet)."""
         if not self.found:
-            return self._silent_exit()
+            return None if printed_only else self._silent_exit()
         rank = self.root_rank if any(r == self.root_rank for r, _ in self.found) else self.found[0][0]
         return [text for r, text in self.found if r == rank][-1]
 
@@ -218,7 +220,8 @@ class Watcher:
         others = pending - {label}
         if result.first_failure is not None or label not in pending or not others:
             return False
-        self._report_failure(label, "its torchrun reported a failed worker", len(others))
+        self._report_failure(label, "its torchrun reported a failed worker", len(others),
+                             early=True)
         result.stops = self.stop_all(others)
         ex = self._exit_of(label, pending, result)
         if ex is None:
@@ -338,10 +341,12 @@ class Watcher:
                 self.console.info(f"[{label}] stop failed: {rep['error']}")
         return out
 
-    def _report_failure(self, label: str, what: str, others: int) -> None:
+    def _report_failure(self, label: str, what: str, others: int, early: bool = False) -> None:
         """Said at once, with the worker's own error when it said one before; its last lines
-        come with the final error (cluster.launch)."""
-        cause = self.errors[label].cause() if label in self.errors else None
+        come with the final error (cluster.launch). Early (on torchrun's banner), the same
+        words whenever the rest of its report arrives: only what preceded the banner."""
+        errors = self.errors.get(label)
+        cause = errors.cause(printed_only=early) if errors else None
         self.console.info(f"node [{label}] failed first: {what}" + (f": {cause}" if cause else ""))
         if others:
             self.console.info(f"stopping the other {others} node(s)")

@@ -90,9 +90,9 @@ def agent_pid(ssh_nodes, node: int, run_id: str) -> int:
 # What the launcher says, word for word, when each victim is killed: the node's first word, then
 # the final message's head.
 KILL_9_REPORTS = {
-    # torchrun's own report of a dead worker (which rank, how it died), then its exit
-    "worker": ["cluster: node [node2 1] failed first: its torchrun reported a failed worker: "
-               "worker rank 1 was killed by SIGKILL",
+    # torchrun's banner for a dead worker (its report of which rank and how may come after the
+    # first word, so only the final error has it), then its exit
+    "worker": ["cluster: node [node2 1] failed first: its torchrun reported a failed worker",
                "cluster: error: node [node2 1] failed: worker rank 1 was killed by SIGKILL "
                "(exit code 1)"],
     "agent": ["cluster: node [node2 1] failed first: killed by SIGKILL",

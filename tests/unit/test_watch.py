@@ -208,6 +208,26 @@ def test_a_worker_killed_by_a_signal_is_named_with_the_signal() -> None:
     assert errors.cause() == "worker rank 3 was killed by SIGKILL"
 
 
+def test_the_word_said_at_once_does_not_depend_on_how_much_of_torchruns_report_came() -> None:
+    """The first word is said on torchrun's banner; its root-cause report comes after, maybe
+    already read, maybe not. printed_only (what the first word uses) gives the same answer
+    either way: the workers' own printed error, or nothing; the final error has the report."""
+    silent, chatty = WorkerErrors(), WorkerErrors()
+    for line in ["[rank3]: Traceback (most recent call last):", '[rank3]:   File "t.py", line 1',
+                 "[rank3]: RuntimeError: boom"]:
+        chatty.feed(line)
+    for errors in (silent, chatty):
+        errors.feed(TORCHRUN_FAILED)
+        banner_only = errors.cause(printed_only=True)
+        for line in ["Root Cause (first observed failure):", "[0]:",
+                     "  rank      : 3 (local_rank: 1)", "  exitcode  : -9 (pid: 123)"]:
+            errors.feed(line)
+        assert errors.cause(printed_only=True) == banner_only
+    assert silent.cause(printed_only=True) is None
+    assert silent.cause() == "worker rank 3 was killed by SIGKILL"
+    assert chatty.cause(printed_only=True) == chatty.cause() == "RuntimeError: boom"
+
+
 def test_no_worker_error_leaves_the_exit_alone(tmp_path: Path) -> None:
     c, _, _ = console()
     res = Watcher([FakeNode("b 1", [b"Traceback (most recent call last):\n",
