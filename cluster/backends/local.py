@@ -70,6 +70,9 @@ def local_inventory(nodes: int = 1, nproc_per_node: int | None = None,
     return Inventory(hosts=tuple(hosts), source=None, backend="local")
 
 
+CLOSE_WAIT = 5.0      # seconds a closed channel's process is given to end before close returns
+
+
 class LocalChannel:
     def __init__(self, command: str) -> None:
         # Its own session: Ctrl-C reaches `cluster up` alone, which then stops every node in
@@ -95,9 +98,17 @@ class LocalChannel:
         return code if code >= 0 else 128 - code
 
     def close(self) -> None:
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream:
-                stream.close()
+        """End its input, then let it end (a staged node exits at once on that end of input)
+        before this returns, so that a caller who then looks finds nothing of ours; bounded,
+        since a supervisor that was running stops its node first (and goes on doing so)."""
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=CLOSE_WAIT)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.proc.stdout:
+            self.proc.stdout.close()
 
 
 class LocalTransport:
