@@ -99,3 +99,26 @@ class Backend(Protocol):
     #     each node's files under its workdir copied into into/<node>/ (backends/pull.py).
     # note: a callable(str) the launch flow points at the run's console, for what the backend
     #     has to tell the user (ssh: --sync's summary line).
+
+
+# --- capabilities -------------------------------------------------------------------------------
+# What a backend can do beyond the contract above, asked by name (SkyPilot's `supports()`),
+# never by asking which backend it is.
+NODE_CHECKS = "node_checks"            # every node is checked (python, run dir, master port) before start
+RESTARTS = "restarts"                  # the launcher restarts a failed attempt (SLURM requeues instead)
+EXEC = "exec"                          # runs cluster's node-side programs on each node: exec, top, clean, doctor
+SHARED_FILESYSTEM = "shared_filesystem"  # every node sees the submitting folder (no copying needed)
+SYNC = "sync"                          # --sync copies a local folder to every node's workdir
+REMOTE_NODES = "remote_nodes"          # nodes are other machines, reached over a login (not simulated here)
+
+CAPABILITIES: dict[str, frozenset[str]] = {
+    "local": frozenset({NODE_CHECKS, RESTARTS, EXEC, SHARED_FILESYSTEM}),
+    "ssh": frozenset({NODE_CHECKS, RESTARTS, EXEC, SYNC, REMOTE_NODES}),
+    "slurm": frozenset({SHARED_FILESYSTEM, REMOTE_NODES}),
+}
+
+
+def supports(backend: "Backend | str", capability: str) -> bool:
+    """Whether a backend (or a backend's name) has a capability."""
+    name = backend if isinstance(backend, str) else backend.name
+    return capability in CAPABILITIES.get(name, frozenset())
