@@ -25,7 +25,7 @@ from ..plan import Templates
 @click.option("--deep", is_flag=True, help="Also run a collective across all nodes: sum, bandwidth, slow links.")
 @click.option("--tune-nccl", is_flag=True,
               help="Measure NCCL's socket settings across the nodes and keep the best for `cluster up`.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (schema in the README).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (schema in docs/commands.md).")
 def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exclude: str | None,
            python: str | None, user: str | None, port: int | None, identity_file: str | None,
            force_local: bool, master_port: int | None, host_key_policy: str | None, deep: bool,

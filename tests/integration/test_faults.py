@@ -25,8 +25,8 @@ SYNC = ["--sync", str(PROGRAMS), "--", "allreduce.py"]
 KEEPALIVE = 6.0
 GRACE = 3.0
 # A killed process or sshd: the documented time from the kill to every node clean is under a
-# second (docs/RELIABILITY.md; README, "Launching and stopping": 0.8 s at 8 nodes). The tests
-# allow ten times that, for a loaded machine, and no more.
+# second (docs/RELIABILITY.md; docs/performance.md, "Launching and stopping": 0.8 s at 8
+# nodes). The tests allow ten times that, for a loaded machine, and no more.
 DOCUMENTED_STOP = 1.0
 STOP_BOUND = 10 * DOCUMENTED_STOP
 

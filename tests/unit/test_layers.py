@@ -1,4 +1,5 @@
-"""The README's map holds: each layer of cluster/ imports only the layers below it.
+"""The module map (docs/architecture.md) holds: each layer of cluster/ imports only the layers
+below it.
 
 A test over the import graph, read from the sources (nothing is imported), so that a new import
 that points upward fails here with the two modules named.
@@ -10,8 +11,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "cluster"
 
-# Top to bottom (README, Architecture). A module may import those below its own layer, and
-# modules of its own package (cli.*, backends.*).
+# Top to bottom (docs/architecture.md, "Module map": tests/unit/test_docs.py holds the map to this
+# list). A module may import those below its own layer, and modules of its own package (cli.*,
+# backends.*).
 LAYERS = [
     ["cluster.__main__"],
     ["cluster.cli"],
