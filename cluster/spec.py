@@ -249,12 +249,12 @@ def dump(inv: Inventory) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-def container_dict(box: Container | None) -> dict[str, Any] | None:
+def container_dict(container: Container | None) -> dict[str, Any] | None:
     """A container as plain YAML values (mounts as the strings the inventory takes)."""
-    if box is None:
+    if container is None:
         return None
-    return {"runtime": box.runtime, "image": box.image, "python": box.python,
-            "mounts": [str(m) for m in box.mounts], "options": list(box.options)}
+    return {"runtime": container.runtime, "image": container.image, "python": container.python,
+            "mounts": [str(m) for m in container.mounts], "options": list(container.options)}
 
 
 def container_from_dict(d: Mapping[str, Any] | None) -> Container | None:
