@@ -78,7 +78,7 @@ def check_text(value: str, what: str) -> str:
 
 # --- inventory keys --------------------------------------------------------------------------
 # Each key of an inventory file is declared once, on its field below, with key(): its default,
-# one line of help, the check that reads it (a reader of cluster.inventory.parser, with its
+# one line of help, the check that reads it (a reader of cluster.inventory.checks, with its
 # arguments), how a host's value meets the defaults' and where it may be written. The parser
 # walks these declarations, and `python -m cluster.inventory.keys` writes the key table of
 # docs/inventory.md from them. A field without key() is not an inventory key.
@@ -101,7 +101,7 @@ class Key:
     args: tuple[Any, ...] = ()        # the reader's arguments
     merge: str = REPLACE
     scope: str = EVERYWHERE
-    example: str = ""                 # the hint of a problem with a list's type
+    example: str = ""                 # the hint when a section lacks this required key
     kind: str = ""                    # for the key table; empty: the reader says
     shown: str = ""                   # the table's default where the field has none
 
@@ -164,12 +164,11 @@ class Container:
     python: str = key("python3", "the interpreter inside the image whose torchrun runs",
                       "string")
     mounts: tuple[Mount, ...] = key((), "more bind mounts, SRC:DST[:FLAGS] (the workdir is "
-                                    "always mounted)", "mounts", example="[/datasets:/datasets:ro]",
+                                    "always mounted)", "mounts",
                                     kind="list of SRC:DST[:FLAGS]")
     options: tuple[str, ...] = key((), "more RUNTIME run arguments, one word each, after "
                                    "cluster's own (not the ones cluster sets itself)",
-                                   "run_options", kind="list of strings",
-                                   example="one word each, e.g. [--ulimit, stack=67108864]")
+                                   "run_options", kind="list of strings")
 
 
 def container_name(run_id: str, node: str, attempt: int = 0) -> str:
@@ -207,19 +206,16 @@ class Host:
         kind="mapping of strings")
     secret_env: tuple[str, ...] = key(
         (), "names whose values come from the launching shell and never touch a disk",
-        "secret_names", merge=ADD, kind="list of names", example="e.g. [HF_TOKEN, WANDB_API_KEY]")
+        "secret_names", merge=ADD, kind="list of names")
     env_forward: tuple[str, ...] = key(
         (), "names and globs whose values are copied from the launching shell at cluster up",
-        "forward_names", merge=ADD, kind="list of names or globs",
-        example="[WANDB_API_KEY, 'NCCL_*']")
+        "forward_names", merge=ADD, kind="list of names or globs")
     setup: tuple[str, ...] = key(
         (), "shell lines run on the node before torchrun, in order (checked with bash -n)",
-        "setup", kind="list of strings",
-        example="['module load cuda/12.4', 'source ~/venvs/a/bin/activate']")
+        "setup", kind="list of strings")
     torchrun_args: tuple[str, ...] = key(
         (), "torchrun options cluster does not model, after its own (not the ones it sets)",
-        "torchrun_args", kind="list of strings",
-        example="['--monitor-interval=1', '--log-dir=logs']")
+        "torchrun_args", kind="list of strings")
     gpus: int | None = key(None, "GPUs on the host (what a hostfile's slots= sets)",
                            "integer", 0)
     container: Container | None = key(None, "run torchrun in an image on the node (runtime, "

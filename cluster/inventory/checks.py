@@ -34,7 +34,8 @@ class Checks:
 
     def mapping(self, value: Any, where: Any, key: str) -> Map:
         if not isinstance(value, Map):
-            raise self.fail(where, key, f"must be a mapping, got {type(value).__name__}")
+            got = "list" if isinstance(value, List) else type(value).__name__
+            raise self.fail(where, key, f"must be a mapping, got {got}")
         return value
 
     # -- scalars --
