@@ -11,7 +11,7 @@ from pathlib import Path
 from . import inventory as inv_mod
 from .errors import InputError
 from .runs import RunDir
-from .spec import check_text, reserved_env
+from .spec import ENV_KEY, Host, Inventory, check_text, expand_names, reserved_env
 
 CHECKPOINTS = "checkpoints"          # the reference trainer's, in the working directory
 
@@ -36,7 +36,7 @@ def parse_env(pairs: tuple[str, ...], files: tuple[str, ...] = (),
         env.update(inv_mod.load_env_file(path))
     for pair in pairs:
         key, eq, value = pair.partition("=")
-        if not inv_mod.ENV_KEY.match(key):
+        if not ENV_KEY.match(key):
             raise InputError(f"Invalid value for --env: {pair!r} (expected KEY=VALUE, or NAME to "
                              f"pass NAME's value from this shell; KEY an identifier)")
         why = reserved_env(key)
@@ -53,7 +53,7 @@ def parse_env(pairs: tuple[str, ...], files: tuple[str, ...] = (),
 
 def parse_secret_names(names: tuple[str, ...], env: dict[str, str]) -> tuple[str, ...]:
     for name in names:
-        if not inv_mod.ENV_KEY.match(name):
+        if not ENV_KEY.match(name):
             raise InputError(f"Invalid value for --secret-env: {name!r} is not an environment "
                              f"variable name (give the NAME; its value comes from this shell)")
         why = reserved_env(name) or (f"{name} is also given with --env" if name in env else None)
@@ -62,8 +62,8 @@ def parse_secret_names(names: tuple[str, ...], env: dict[str, str]) -> tuple[str
     return tuple(dict.fromkeys(names))
 
 
-def settings(inventory: inv_mod.Inventory, secrets: tuple[str, ...], stop_grace: float | None,
-              keepalive: float | None, host_key_policy: str | None) -> inv_mod.Inventory:
+def settings(inventory: Inventory, secrets: tuple[str, ...], stop_grace: float | None,
+              keepalive: float | None, host_key_policy: str | None) -> Inventory:
     """Command-line settings over the inventory's; recorded with the run, so that status,
     logs and down later connect and stop the same way."""
     ssh = inventory.ssh
@@ -83,9 +83,9 @@ def settings(inventory: inv_mod.Inventory, secrets: tuple[str, ...], stop_grace:
                                stop_grace=stop_grace or inventory.stop_grace)
 
 
-def host_settings(inventory: inv_mod.Inventory, python: str | None = None,
+def host_settings(inventory: Inventory, python: str | None = None,
                   user: str | None = None, port: int | None = None,
-                  identity_file: str | None = None) -> inv_mod.Inventory:
+                  identity_file: str | None = None) -> Inventory:
     """--python, --user, --port, --identity over every host's own value (the only way to give
     them with --hosts alone); the inventory's rules for these keys hold."""
     changes: dict[str, object] = {}
@@ -109,7 +109,7 @@ def host_settings(inventory: inv_mod.Inventory, python: str | None = None,
 
 def inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: int | None,
               backend: str | None, nproc: int | None, extra_env: dict[str, str],
-              environ: Mapping[str, str] = os.environ) -> inv_mod.Inventory:
+              environ: Mapping[str, str] = os.environ) -> Inventory:
     if backend == "local" or (path is None and hosts is None and backend in (None, "local")):
         if path:
             raise InputError("--local runs on this machine; leave out -i/--inventory")
@@ -120,7 +120,7 @@ def inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: i
         hosts = None
     elif path is None:
         if backend == "slurm":
-            inventory = inv_mod.Inventory(hosts=(inv_mod.Host(name="slurm", address="slurm"),),
+            inventory = Inventory(hosts=(Host(name="slurm", address="slurm"),),
                                           backend="slurm", hosts_given=False)
             return override(slurm_nodes(inventory, nodes, None, exclude), nproc, extra_env, environ)
         raise InputError(f"the {backend} backend needs -i/--inventory or --hosts")
@@ -132,8 +132,8 @@ def inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: i
                     environ)
 
 
-def slurm_nodes(inventory: inv_mod.Inventory, nodes: int | None, hosts: str | None,
-                 exclude: str | None) -> inv_mod.Inventory:
+def slurm_nodes(inventory: Inventory, nodes: int | None, hosts: str | None,
+                 exclude: str | None) -> Inventory:
     """Which nodes SLURM may use. Hosts the inventory lists (narrowed by --hosts, --exclude and
     --nodes, as over SSH) become --nodelist; with none listed SLURM chooses, --hosts becomes
     --nodelist, --exclude --exclude and --nodes the count."""
@@ -146,17 +146,17 @@ def slurm_nodes(inventory: inv_mod.Inventory, nodes: int | None, hosts: str | No
                                     nodes=len(names))
         return dataclasses.replace(chosen, slurm=slurm)
     if hosts:
-        names = inv_mod.expand_names(hosts, "--hosts")
+        names = expand_names(hosts, "--hosts")
         slurm = dataclasses.replace(slurm, nodelist=hostlist.collect_hostlist(names),
                                     nodes=max(len(names), nodes or slurm.nodes or 1))
     if exclude:
         slurm = dataclasses.replace(slurm, exclude=hostlist.collect_hostlist(
-            inv_mod.expand_names(exclude, "--exclude")))
+            expand_names(exclude, "--exclude")))
     return dataclasses.replace(inventory, slurm=slurm)
 
 
-def override(inventory: inv_mod.Inventory, nproc: int | None, extra_env: dict[str, str],
-             environ: Mapping[str, str] = os.environ) -> inv_mod.Inventory:
+def override(inventory: Inventory, nproc: int | None, extra_env: dict[str, str],
+             environ: Mapping[str, str] = os.environ) -> Inventory:
     """The inventory's env, then what its env_forward copies from this shell, then --env."""
     inventory = inv_mod.forward_env(inventory, environ)
     hosts = []
@@ -206,7 +206,7 @@ def backend_name(chosen: str | None, force_local: bool) -> str | None:
     return chosen
 
 
-def backend(name: str, inventory: inv_mod.Inventory, sync: list[tuple[str, str]],
+def backend(name: str, inventory: Inventory, sync: list[tuple[str, str]],
             sync_exclude: tuple[str, ...] = (), sync_delete: bool = False):
     if name == "local":
         from .backends.local import LocalBackend

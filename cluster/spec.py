@@ -76,10 +76,64 @@ def check_text(value: str, what: str) -> str:
     return value
 
 
+# --- inventory keys --------------------------------------------------------------------------
+# Each key of an inventory file is declared once, on its field below, with key(): its default,
+# one line of help, the check that reads it (a reader of cluster.inventory.checks, with its
+# arguments), how a host's value meets the defaults' and where it may be written. The parser
+# walks these declarations, and `python -m cluster.inventory.keys` writes the key table of
+# docs/inventory.md from them. A field without key() is not an inventory key.
+
+REPLACE = "replaces"         # a host's value replaces the defaults'
+MERGE = "merges"             # a host's names over the defaults' (env)
+ADD = "adds"                 # a host's names added to the defaults' (secret_env, env_forward)
+KEY_BY_KEY = "key by key"    # a section: each key a host gives over the defaults' one
+
+EVERYWHERE = "defaults, host"   # host settings: under defaults or on one host
+JOB_WIDE = "defaults"           # the same for every node of a job (one rendezvous)
+HOST_ONLY = "host"              # what names one host
+
+
+@dataclass(frozen=True)
+class Key:
+    """One inventory key as its field declares it (see key())."""
+    help: str
+    check: str | None                 # the parser's reader; None: read by the file's structure
+    args: tuple[Any, ...] = ()        # the reader's arguments
+    merge: str = REPLACE
+    scope: str = EVERYWHERE
+    example: str = ""                 # the hint when a section lacks this required key
+    kind: str = ""                    # for the key table; empty: the reader says
+    shown: str = ""                   # the table's default where the field has none
+
+
+def key(default: Any, help: str, check: str | None, *args: Any, merge: str = REPLACE,
+        scope: str = EVERYWHERE, example: str = "", kind: str = "", shown: str = "") -> Any:
+    """A dataclass field that is an inventory key (default dataclasses.MISSING: required)."""
+    meta = {"key": Key(help, check, args, merge, scope, example, kind, shown)}
+    return field(default=default, metadata=meta)
+
+
+def keys_of(cls: type) -> dict[str, Key]:
+    """The inventory keys a model class declares, in declaration order."""
+    return {f.name: f.metadata["key"] for f in dataclasses.fields(cls) if "key" in f.metadata}
+
+
+IFNAME = re.compile(r"^[=^]?[A-Za-z0-9_.:@-]+(,[A-Za-z0-9_.:@-]+)*$")
+# An image reference as docker and podman take it (registry/path:tag@digest), or pyxis's
+# forms (registry#path, a squashfs file): never a word the runtime would read as an option.
+IMAGE = re.compile(r"^[A-Za-z0-9/.][A-Za-z0-9._/:@#+-]*$")
+BACKENDS = ("ssh", "slurm", "local")
+HOST_KEY_POLICIES = ("strict", "accept-new", "off")
+
+
 @dataclass(frozen=True)
 class Network:
-    ifname: str | None = None     # None: chosen on the node at start (the one holding its address)
-    ib: str = "auto"              # auto | on | off
+    ifname: str | None = key(
+        None, "interface for NCCL and Gloo (a plain name sets both; an NCCL list such as "
+        "^docker0,lo goes to NCCL only); omitted: the one holding the node's address",
+        "matching", IFNAME, "an interface name or NCCL list", "e.g. eth0, ib0, ^docker0,lo")
+    ib: str = key("auto", "InfiniBand for NCCL: on, off, or auto (on when "
+                  "/sys/class/infiniband has devices)", "switch", kind="auto, on or off")
 
 
 CONTAINER_RUNTIMES = ("docker", "podman")
@@ -100,11 +154,21 @@ class Mount:
 @dataclass(frozen=True)
 class Container:
     """Run torchrun inside an image on the node (inventory key `container`)."""
-    image: str
-    runtime: str = "docker"           # docker | podman (SLURM uses pyxis whatever this says)
-    python: str = "python3"           # the interpreter inside the image whose torchrun runs
-    mounts: tuple[Mount, ...] = ()
-    options: tuple[str, ...] = ()     # more `RUNTIME run` arguments, each one word
+    image: str = key(dataclasses.MISSING, "the image; it must be on every node before "
+                     "cluster up", "matching", IMAGE, "an image reference",
+                     "e.g. nvcr.io/nvidia/pytorch:24.05-py3",
+                     example="e.g. container: {runtime: docker, image: "
+                     "nvcr.io/nvidia/pytorch:24.05-py3}")
+    runtime: str = key("docker", "the container runtime on the node (under SLURM, pyxis "
+                       "whatever this says)", "choice", CONTAINER_RUNTIMES)
+    python: str = key("python3", "the interpreter inside the image whose torchrun runs",
+                      "string")
+    mounts: tuple[Mount, ...] = key((), "more bind mounts, SRC:DST[:FLAGS] (the workdir is "
+                                    "always mounted)", "mounts",
+                                    kind="list of SRC:DST[:FLAGS]")
+    options: tuple[str, ...] = key((), "more RUNTIME run arguments, one word each, after "
+                                   "cluster's own (not the ones cluster sets itself)",
+                                   "run_options", kind="list of strings")
 
 
 def container_name(run_id: str, node: str, attempt: int = 0) -> str:
@@ -116,24 +180,47 @@ def container_name(run_id: str, node: str, attempt: int = 0) -> str:
 
 @dataclass(frozen=True)
 class Host:
-    name: str
-    address: str
-    user: str | None = None
-    port: int | None = None       # None: ~/.ssh/config or 22
-    identity_file: str | None = None
-    workdir: str = "~/cluster-runs"
-    python: str = "python3"
-    nproc_per_node: int | str = "auto"
-    master_port: int | None = None  # None: derived from the run id
-    rendezvous: str = "c10d"
-    network: Network = Network()
-    env: tuple[tuple[str, str], ...] = ()
-    secret_env: tuple[str, ...] = ()  # names only: values come from the launching shell
-    env_forward: tuple[str, ...] = ()  # names or globs copied from the launching shell at up
-    setup: tuple[str, ...] = ()       # shell lines run on the node before torchrun, as written
-    torchrun_args: tuple[str, ...] = ()  # options cluster does not model, passed to torchrun
-    gpus: int | None = None
-    container: Container | None = None   # None: torchrun runs on the node itself
+    name: str = key(dataclasses.MISSING, "host name; a hostlist (gpu[01-04]) makes several "
+                    "hosts", None, scope=HOST_ONLY, kind="string or hostlist")
+    address: str = key(dataclasses.MISSING, "how the launcher and the other nodes reach it "
+                       "(default: the name)", None, scope=HOST_ONLY, kind="IP address or name",
+                       shown="the name")
+    user: str | None = key(None, "SSH login name (unset: ~/.ssh/config, then yours)", "string")
+    port: int | None = key(None, "SSH port (unset: ~/.ssh/config or 22)", "port")
+    identity_file: str | None = key(None, "SSH private key file (unset: the agent's keys and "
+                                    "~/.ssh/config's)", "string")
+    workdir: str = key("~/cluster-runs", "the node's working directory: scripts run there, "
+                       "--sync copies there", "string")
+    python: str = key("python3", "the interpreter whose torchrun runs (auto: the python3 that "
+                      "setup leaves on PATH)", "string")
+    nproc_per_node: int | str = key("auto", "processes per node (auto: gpus, else the GPUs "
+                                    "nvidia-smi sees, else 1)", "nproc")
+    master_port: int | None = key(None, "the rendezvous port on the first host (unset: derived "
+                                  "from the run id)", "port", scope=JOB_WIDE)
+    rendezvous: str = key("c10d", "c10d (ranks by address) or static (ranks in inventory "
+                          "order)", "choice", ("c10d", "static"), scope=JOB_WIDE)
+    network: Network = key(Network(), "the network NCCL and Gloo use (ifname, ib)", "section",
+                           Network, merge=KEY_BY_KEY)
+    env: tuple[tuple[str, str], ...] = key(
+        (), "environment for the training processes, written shell-quoted", "env", merge=MERGE,
+        kind="mapping of strings")
+    secret_env: tuple[str, ...] = key(
+        (), "names whose values come from the launching shell and never touch a disk",
+        "secret_names", merge=ADD, kind="list of names")
+    env_forward: tuple[str, ...] = key(
+        (), "names and globs whose values are copied from the launching shell at cluster up",
+        "forward_names", merge=ADD, kind="list of names or globs")
+    setup: tuple[str, ...] = key(
+        (), "shell lines run on the node before torchrun, in order (checked with bash -n)",
+        "setup", kind="list of strings")
+    torchrun_args: tuple[str, ...] = key(
+        (), "torchrun options cluster does not model, after its own (not the ones it sets)",
+        "torchrun_args", kind="list of strings")
+    gpus: int | None = key(None, "GPUs on the host (what a hostfile's slots= sets)",
+                           "integer", 0)
+    container: Container | None = key(None, "run torchrun in an image on the node (runtime, "
+                                      "image, python, mounts, options)", "section", Container,
+                                      merge=KEY_BY_KEY)
     line: int | None = None       # where it was defined, for later messages
 
     def replace(self, **changes: Any) -> "Host":
@@ -142,41 +229,53 @@ class Host:
 
 @dataclass(frozen=True)
 class SshSettings:
-    host_key_policy: str = "strict"
-    connect_timeout: float = 10.0
-    config: str | None = "~/.ssh/config"
-    keepalive: float = DEFAULT_KEEPALIVE
+    host_key_policy: str = key("strict", "known_hosts: strict (must match), accept-new (records "
+                               "unknown keys) or off (warns)", "choice", HOST_KEY_POLICIES)
+    connect_timeout: float = key(10.0, "seconds to wait for a connection", "seconds")
+    config: str | None = key("~/.ssh/config", "the OpenSSH client configuration read for "
+                             "hosts", "string")
+    keepalive: float = key(DEFAULT_KEEPALIVE, "seconds of silence after which a node, or the "
+                           "launcher, counts as lost (--keepalive)", "seconds")
 
 
 @dataclass(frozen=True)
 class SlurmSettings:
-    partition: str | None = None
-    account: str | None = None
-    time: str | None = None
-    nodes: int | None = None
-    gpus_per_node: int | None = None
-    cpus_per_task: int | None = None
-    gpu_style: str = "gpus"        # gpus: --gpus-per-node; gres: --gres=gpu:N (older clusters)
-    signal: str = "USR2@90"
-    max_requeues: int = 3
-    output_dir: str = "slurm-logs"
-    job_name: str | None = None
-    constraint: str | None = None
+    partition: str | None = key(None, "#SBATCH --partition", "string")
+    account: str | None = key(None, "#SBATCH --account", "string")
+    time: str | None = key(None, "#SBATCH --time, the job's time limit", "string")
+    nodes: int | None = key(None, "#SBATCH --nodes when the inventory lists no hosts", "integer", 1)
+    gpus_per_node: int | None = key(None, "GPUs per node, as gpu_style writes it", "integer", 1)
+    cpus_per_task: int | None = key(None, "#SBATCH --cpus-per-task", "integer", 1)
+    gpu_style: str = key("gpus", "gpus: --gpus-per-node; gres: --gres=gpu:N (older clusters)",
+                         "choice", ("gpus", "gres"))
+    signal: str = key("USR2@90", "--signal sent ahead of the time limit to requeue (not USR1, "
+                      "NCCL's)", "slurm_signal", kind="SLURM signal")
+    max_requeues: int = key(3, "requeues after a time limit or preemption", "integer", 0)
+    output_dir: str = key("slurm-logs", "where the job's output files go", "string")
+    job_name: str | None = key(None, "#SBATCH --job-name (unset: the run id)", "string")
+    constraint: str | None = key(None, "#SBATCH --constraint", "string")
     nodelist: str | None = None    # hostlist of the nodes to run on (--hosts, or the inventory's)
     exclude: str | None = None     # hostlist of nodes never to use (--exclude)
-    extra: tuple[tuple[str, str | None], ...] = ()   # any other #SBATCH option (None: a flag)
+    extra: tuple[tuple[str, str | None], ...] = key(
+        (), "any other #SBATCH option: name (no dashes) to value, or true for a flag",
+        "slurm_extra", kind="mapping")
 
 
 @dataclass(frozen=True)
 class Inventory:
-    hosts: tuple[Host, ...]
+    hosts: tuple[Host, ...] = key(dataclasses.MISSING, "the hosts, in order: names or mappings "
+                                  "of host keys (not needed with backend: slurm)", None,
+                                  kind="list")
     source: str | None = None
-    backend: str = "ssh"
-    ssh: SshSettings = SshSettings()
-    slurm: SlurmSettings = SlurmSettings()
-    stop_grace: float = DEFAULT_STOP_GRACE
-    restarts: int = 0              # whole-job restarts after a failure (--max-restarts)
-    hang_timeout: float = 0.0      # no progress this long: stacks, then stop (0: off)
+    backend: str = key("ssh", "how nodes are reached: ssh, slurm or local", "choice", BACKENDS)
+    ssh: SshSettings = key(SshSettings(), "SSH settings (see ssh below)", "section", SshSettings)
+    slurm: SlurmSettings = key(SlurmSettings(), "SLURM settings (see slurm below)", "section",
+                               SlurmSettings)
+    stop_grace: float = key(DEFAULT_STOP_GRACE, "seconds from SIGTERM to SIGKILL when a run is "
+                            "stopped (--stop-grace)", "seconds")
+    restarts: int = key(0, "whole-job restarts after a failure (--max-restarts)", "integer", 0)
+    hang_timeout: float = key(0.0, "seconds without progress before the stacks are taken and "
+                              "the run stopped (0: off)", "seconds")
     text: str = ""                 # the file as read, recorded in the run directory
     hosts_given: bool = True       # False: SLURM chooses the nodes (one placeholder host)
     # NCCL settings `cluster up` took from `cluster doctor --tune-nccl`'s cache (cluster.tuning)
@@ -249,12 +348,12 @@ def dump(inv: Inventory) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-def container_dict(box: Container | None) -> dict[str, Any] | None:
+def container_dict(container: Container | None) -> dict[str, Any] | None:
     """A container as plain YAML values (mounts as the strings the inventory takes)."""
-    if box is None:
+    if container is None:
         return None
-    return {"runtime": box.runtime, "image": box.image, "python": box.python,
-            "mounts": [str(m) for m in box.mounts], "options": list(box.options)}
+    return {"runtime": container.runtime, "image": container.image, "python": container.python,
+            "mounts": [str(m) for m in container.mounts], "options": list(container.options)}
 
 
 def container_from_dict(d: Mapping[str, Any] | None) -> Container | None:

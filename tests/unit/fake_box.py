@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.inventory import Container, Host, Inventory, Mount, Network
+from cluster.spec import Container, Host, Inventory, Mount, Network
 from cluster.plan import Job, NodePlan, Templates, render
 
 FAKE_RUNTIME = Path(__file__).with_name("fake_runtime.py")

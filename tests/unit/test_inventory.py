@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import inventory
+from cluster import inventory, spec
 from cluster.cli import run_cli
 from cluster.errors import InputError, InventoryError
 
@@ -243,7 +243,7 @@ def test_container_survives_the_run_record() -> None:
     import yaml as _yaml
     inv = inventory.parse_yaml("defaults:\n  container: {image: 'x:1', mounts: ['/a:/b:ro,z']}\n"
                                "hosts: [a]\n", "x.yaml")
-    back = inventory.host_from_dict(_yaml.safe_load(inventory.dump(inv))["hosts"][0])
+    back = spec.host_from_dict(_yaml.safe_load(spec.dump(inv))["hosts"][0])
     assert back.container == inv.hosts[0].container
 
 

@@ -28,11 +28,12 @@ LAYERS = [
     ["cluster.sbatch"],
     ["cluster.plan"],
     ["cluster.network", "cluster.inventory"],
-    ["cluster.spec"],
+    ["cluster.spec", "cluster.torchrun_options", "cluster.sbatch_options",
+     "cluster.container_options"],
     ["cluster.console", "cluster.nodes"],
     ["cluster.errors"],
 ]
-PACKAGES = ("cluster.cli", "cluster.backends")
+PACKAGES = ("cluster.cli", "cluster.backends", "cluster.inventory")
 
 
 def module_name(path: Path) -> str:

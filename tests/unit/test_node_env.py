@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from cluster import inventory
+from cluster import inventory, spec
 from cluster.cli import run_cli
 from cluster.errors import InputError, InventoryError
 from cluster.plan import Job, Templates, python_command, render
 from cluster.runs import RunDir
 
 
-def parse(text: str) -> inventory.Inventory:
+def parse(text: str) -> spec.Inventory:
     return inventory.parse_yaml(text, "inv.yaml")
 
 
@@ -52,8 +52,8 @@ def test_python_auto_needs_setup_lines() -> None:
     assert parse("defaults: {python: auto, setup: ['true']}\nhosts: [a]\n").hosts[0].python == "auto"
 
 
-def run_script(tmp_path: Path, host: inventory.Host) -> subprocess.CompletedProcess:
-    plan = render(inventory.Inventory(hosts=(host,)), Job(run_id="r", script="t.py"), Templates())
+def run_script(tmp_path: Path, host: spec.Host) -> subprocess.CompletedProcess:
+    plan = render(spec.Inventory(hosts=(host,)), Job(run_id="r", script="t.py"), Templates())
     script = tmp_path / "launch.sh"
     script.write_text(plan.nodes[0].script)
     return subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path,
@@ -76,7 +76,7 @@ def fake_venv(tmp_path: Path) -> Path:
 
 def test_setup_runs_in_the_script_shell_and_auto_takes_the_python_it_leaves(tmp_path: Path) -> None:
     venv = fake_venv(tmp_path)
-    host = inventory.Host(name="n", address="127.0.0.1", workdir=str(tmp_path), python="auto",
+    host = spec.Host(name="n", address="127.0.0.1", workdir=str(tmp_path), python="auto",
                           setup=(f"source {venv}/activate",), nproc_per_node=1,
                           torchrun_args=("--monitor-interval=1",))
     res = run_script(tmp_path, host)
@@ -88,7 +88,7 @@ def test_setup_runs_in_the_script_shell_and_auto_takes_the_python_it_leaves(tmp_
 
 
 def test_a_failing_setup_line_stops_the_node_with_its_number_and_text(tmp_path: Path) -> None:
-    host = inventory.Host(name="n", address="127.0.0.1", workdir=str(tmp_path), python="auto",
+    host = spec.Host(name="n", address="127.0.0.1", workdir=str(tmp_path), python="auto",
                           setup=("true", "module load no-such-module"), nproc_per_node=1)
     res = run_script(tmp_path, host)
     assert res.returncode == 2

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.inventory import Host, Inventory, Network
+from cluster.spec import Host, Inventory, Network
 from cluster.plan import Job, Templates, render
 
 NASTY = ["$(touch {canary})", "`touch {canary}`", "'; touch {canary}; '", "\"$HOME\"", "a b\tc",
@@ -270,7 +270,7 @@ def test_hetjob_words_are_refused_in_sbatch_values(field: str) -> None:
 
 # --- a node in a container (fake runtime on PATH: fake_runtime.py) ------------------------------
 
-from cluster.inventory import Mount  # noqa: E402
+from cluster.spec import Mount  # noqa: E402
 
 from .fake_box import FakeBox  # noqa: E402
 

@@ -13,7 +13,7 @@ from cluster import launch
 from cluster.backends.slurm import (Completed, Labeller, OutputReader, Retry, SlurmBackend,
                                     cli_settings)
 from cluster.errors import BackendError, InputError, Interrupted, RunFailed
-from cluster.inventory import Host, Inventory, SlurmSettings
+from cluster.spec import Host, Inventory, SlurmSettings
 from cluster.plan import Job, Templates
 from cluster.runs import RunDir
 from cluster.watch import Console

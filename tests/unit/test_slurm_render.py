@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cluster.errors import InputError
-from cluster.inventory import Container, Host, Inventory, Mount, Network, SlurmSettings
+from cluster.spec import Container, Host, Inventory, Mount, Network, SlurmSettings
 from cluster.plan import Job, Templates
 from cluster.sbatch import pyxis_image, render_sbatch, signal_parts
 

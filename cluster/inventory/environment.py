@@ -1,0 +1,100 @@
+"""Values from the launching shell: env_forward, and dotenv files (--env-file)."""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..errors import InputError, InventoryError
+from ..spec import ENV_KEY, Inventory, control_char, reserved_env
+
+
+def forward_env(inventory: Inventory, environ: Mapping[str, str]) -> Inventory:
+    """Each host's env_forward names and globs, copied from the launching shell into its env
+    (over the inventory's own values). A plain name that is not set is an error; a glob may
+    match nothing. Never the secret names (their values go over the connection), never a name
+    cluster sets itself."""
+    hosts = []
+    for host in inventory.hosts:
+        if not host.env_forward:
+            hosts.append(host)
+            continue
+        where = f"{inventory.source or 'inventory'}" + (f":{host.line}" if host.line else "")
+        values: dict[str, str] = {}
+        for pattern in host.env_forward:
+            if not any(c in pattern for c in "*?"):
+                if pattern in host.secret_env:
+                    raise InputError(f"{where}: env_forward: {pattern} is also a secret_env name; "
+                                     "keep it in secret_env only (never written to a file)")
+                if pattern not in environ:
+                    raise InputError(f"{where}: env_forward: {pattern} is not set in this shell "
+                                     f"(host {host.name}); export it, or take it out of env_forward")
+                values[pattern] = environ[pattern]
+                continue
+            for name in sorted(environ):
+                if (fnmatch.fnmatchcase(name, pattern) and ENV_KEY.match(name)
+                        and name not in host.secret_env and not reserved_env(name)):
+                    values[name] = environ[name]
+        hosts.append(host.replace(env=tuple({**dict(host.env), **values}.items())))
+    return dataclasses.replace(inventory, hosts=tuple(hosts))
+
+
+_DOTENV = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
+_DOUBLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\", "$": "$"}
+
+
+def load_env_file(path: str | Path) -> dict[str, str]:
+    """A dotenv file: KEY=VALUE lines (`export ` allowed), # comments, blank lines; a value is
+    as written, or in '…' (literal) or "…" (with \\n \\t \\" \\\\ escapes); nothing is expanded,
+    so $HOME stays $HOME. Errors name the file and line."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"Invalid value for --env-file: cannot read {source}: {exc}") from None
+    out: dict[str, str] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        m = _DOTENV.match(line)
+        if not m:
+            raise InventoryError(source, lineno, None, "expected KEY=VALUE (KEY letters, digits "
+                                 "and '_', not starting with a digit)")
+        key, raw = m.groups()
+        why = reserved_env(key)
+        if why:
+            raise InventoryError(source, lineno, key, why)
+        out[key] = _dotenv_value(raw, source, lineno, key)
+    return out
+
+
+def _dotenv_value(raw: str, source: str, lineno: int, key: str) -> str:
+    if raw[:1] in ("'", '"'):
+        quote = raw[0]
+        end = _closing_quote(raw, quote)
+        rest = raw[end + 1:].strip() if end is not None else ""
+        if end is None or (rest and not rest.startswith("#")):
+            raise InventoryError(source, lineno, key, f"unterminated or trailing text after {quote}…{quote}")
+        body = raw[1:end]
+        if quote == "'":
+            return body
+        return re.sub(r"\\(.)", lambda e: _DOUBLE_ESCAPES.get(e.group(1), "\\" + e.group(1)), body)
+    value = re.split(r"\s+#", raw, maxsplit=1)[0]         # an unquoted value ends at ' #'
+    bad = control_char(value)
+    if bad:
+        raise InventoryError(source, lineno, key, f"control character {bad}")
+    return value
+
+
+def _closing_quote(raw: str, quote: str) -> int | None:
+    i = 1
+    while i < len(raw):
+        if raw[i] == "\\" and quote == '"':
+            i += 2
+            continue
+        if raw[i] == quote:
+            return i
+        i += 1
+    return None
