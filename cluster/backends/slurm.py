@@ -35,11 +35,9 @@ from ..plan import Job, Templates
 from ..runs import RunDir
 from ..sbatch import SbatchPlan, render_sbatch
 from . import NodeStatus
-from .slurm_output import JobProcess, Labeller, OutputReader, remember_nodes
+from .slurm_output import (TERMINAL, JobInfo, JobProcess, Labeller, OutputReader,
+                           remember_nodes)
 
-# States after which a job never runs again (REQUEUED and PREEMPTED may come back).
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                      "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
 SCRIPT_NAME = "sbatch.sh"
 
 
@@ -100,29 +98,6 @@ class SlurmCommands:
 
 
 # --- what SLURM says about a job -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class JobInfo:
-    job_id: str
-    state: str                       # SLURM's word: PENDING, RUNNING, COMPLETED, FAILED, ...
-    exit_code: int | None = None
-    signal: int | None = None        # the signal that ended the batch script, if one did
-    nodes: tuple[str, ...] = ()
-    reason: str = ""
-    source: str = ""                 # squeue | sacct | sacct -c | jobcomp | scontrol | none
-
-    @property
-    def done(self) -> bool:
-        return self.state in TERMINAL
-
-    def describe(self) -> str:
-        text = f"job {self.job_id} {self.state}"
-        if self.exit_code is not None:
-            text += f", exit code {self.exit_code}"
-        if self.signal:
-            text += f", signal {self.signal}"
-        return text
 
 
 def cli_settings(base: SlurmSettings, *, nodes: int | None = None, partition: str | None = None,
