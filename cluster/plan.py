@@ -11,7 +11,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 
@@ -79,6 +79,36 @@ class Recording:
     logs: tuple[str, ...] = ()               # logs/<name> to create, empty and private
 
 
+class Plan(Protocol):
+    """What every backend's plan offers the launch flow (LaunchPlan here, sbatch.SbatchPlan):
+    str() of it is what would run; recording() what the run directory keeps of it."""
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def master_port(self) -> int: ...
+
+    @property
+    def stop_grace(self) -> float: ...
+
+    @property
+    def logs_hint(self) -> str: ...
+
+    @property
+    def node_names(self) -> list[str]: ...
+
+    @property
+    def node_count(self) -> int: ...
+
+    @property
+    def log_names(self) -> dict[str, str]: ...
+
+    def dry_run_note(self, run_path: Path) -> str: ...
+
+    def recording(self) -> Recording: ...
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     run_id: str
@@ -120,7 +150,7 @@ class LaunchPlan:
         """Each node's label -> its log file under runs/<id>/logs/."""
         return {n.label: f"{n.rank}-{n.host.name}.log" for n in self.nodes}
 
-    def dry_run_note(self, run_path: Any) -> str:
+    def dry_run_note(self, run_path: Path) -> str:
         return f"{len(self.nodes)} node script(s) in {run_path}; nothing was contacted"
 
     def recording(self) -> Recording:

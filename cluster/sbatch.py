@@ -57,7 +57,7 @@ class SbatchPlan:
     def node_count(self) -> int:
         return self.nodes
 
-    def dry_run_note(self, run_path: Any) -> str:
+    def dry_run_note(self, run_path: Path) -> str:
         return f"batch script in {run_path}/scripts/{self.SCRIPT_NAME}; nothing was submitted"
 
     def recording(self) -> Recording:

@@ -18,7 +18,7 @@ LAYERS = [
     ["cluster.api"],
     ["cluster.doctor", "cluster.nodes_exec", "cluster.clean", "cluster.top", "cluster.pull"],
     ["cluster.launch", "cluster.resolve", "cluster.tuning"],
-    ["cluster.prepare"],
+    ["cluster.check"],
     ["cluster.watch", "cluster.hang"],
     ["cluster.backends"],
     ["cluster.preflight"],
@@ -26,7 +26,7 @@ LAYERS = [
     ["cluster.sbatch"],
     ["cluster.plan"],
     ["cluster.network", "cluster.inventory"],
-    ["cluster.spec"],
+    ["cluster.spec", "cluster.request"],
     ["cluster.console", "cluster.nodes"],
     ["cluster.errors"],
 ]

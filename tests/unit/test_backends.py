@@ -1,0 +1,65 @@
+"""The backend registry: one entry per backend (its module, imported when chosen, and its
+capabilities), the backend chosen once, and capabilities asked instead of names."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster import backends
+from cluster.backends import (EXEC, NODE_CHECKS, REGISTRY, SYNC, choose, node_checks,
+                              supports)
+from cluster.errors import InputError
+from cluster.spec import Host, Inventory
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_entry_names_a_module_with_the_hooks() -> None:
+    for name, entry in REGISTRY.items():
+        module = entry.load()
+        for hook in ("nodes", "configure", "create", "recorded"):
+            assert callable(getattr(module, hook)), f"{name}: no {hook}()"
+
+
+def test_a_backend_module_loads_only_when_chosen() -> None:
+    code = ("import sys, cluster.api, cluster.cli.main; "
+            "print(sorted(m for m in sys.modules if m.startswith('cluster.backends.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    assert "cluster.backends.ssh" not in out and "cluster.backends.slurm'" not in out, out
+
+
+def test_supports_by_name_and_by_backend() -> None:
+    assert supports("ssh", SYNC) and not supports("local", SYNC)
+    assert supports("local", NODE_CHECKS) and not supports("slurm", NODE_CHECKS)
+    assert not supports("nosuch", EXEC)
+    local = backends.create("local", Inventory(hosts=(Host(name="a", address="a"),)))
+    slurm = backends.create("slurm", Inventory(hosts=(Host(name="a", address="a"),)))
+    try:
+        assert supports(local, EXEC) and node_checks(local) is local
+        assert node_checks(slurm) is None
+        assert not hasattr(slurm, "check") and not hasattr(slurm, "push")
+    finally:
+        local.close()
+        slurm.close()
+
+
+def test_the_backend_is_chosen_once() -> None:
+    inv = Inventory(hosts=(Host(name="a", address="a"),), backend="slurm")
+    assert choose(None, False, None) == "local"
+    assert choose(None, False, inv) == "slurm"
+    assert choose("ssh", False, inv) == "ssh"
+    assert choose(None, True, inv) == "local"
+    with pytest.raises(InputError, match="contradict"):
+        choose("ssh", True, None)
+    with pytest.raises(InputError, match="valid: local, ssh, slurm"):
+        choose("k8s", False, None)
+
+
+def test_cluster_up_offers_the_registry_s_names() -> None:
+    from cluster.cli.up import up
+    choice = next(p for p in up.params if p.name == "backend").type
+    assert list(choice.choices) == list(backends.NAMES)
