@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,7 +144,7 @@ class Watcher:
 
     def __init__(self, procs: Sequence[NodeProcess], console: Console,
                  log_paths: dict[str, Path], settle: float = 30.0, hang_timeout: float = 0.0,
-                 clock: Any = time.monotonic, stop: threading.Event | None = None,
+                 clock: Callable[[], float] = time.monotonic, stop: threading.Event | None = None,
                  poll: float = 0.5) -> None:
         self.procs = list(procs)
         self.console = console
