@@ -89,7 +89,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     r = request
     secrets = _checked(r)
     templates = Templates(r.templates_dir)
-    name, inventory = resolve.nodes(r, secrets, environ)
+    name, inventory = resolve.where(r, secrets, environ)
     inventory = backends.entry(name).load().configure(inventory, r)
     if supports(name, EXEC) and not r.no_tuning:      # measured by `cluster doctor`, which execs
         inventory = tuning.applied(inventory, tuning.Cache(tuning.cache_path(environ)))

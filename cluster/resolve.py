@@ -122,7 +122,7 @@ def loaded(path: str | None, hosts: str | None) -> inv_mod.Inventory | None:
     return inv_mod.from_hostnames(hosts) if hosts is not None else None
 
 
-def nodes(request: Request, secrets: tuple[str, ...] = (),
+def where(request: Request, secrets: tuple[str, ...] = (),
           environ: Mapping[str, str] = os.environ) -> tuple[str, inv_mod.Inventory]:
     """The request's backend (chosen once, from the registry) and its nodes, the command
     line's settings laid over the inventory's: loaded (or made from hostnames), narrowed by
@@ -139,13 +139,10 @@ def nodes(request: Request, secrets: tuple[str, ...] = (),
 def inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: int | None,
               backend: str | None, nproc: int | None, extra_env: dict[str, str],
               environ: Mapping[str, str] = os.environ) -> inv_mod.Inventory:
-    """The nodes of -i/--hosts/--nodes/--exclude for a command that takes no other option
-    (cluster doctor); backend None: the inventory's, else this machine."""
+    """where() of a command that names its options one by one (cluster doctor)."""
     request = Request(inventory_path=path, hosts=hosts, exclude=exclude, nodes=nodes,
                       backend=backend, nproc_per_node=nproc, env=extra_env)
-    found = loaded(path, hosts)
-    name = backends.choose(backend, False, found)
-    return override(backends.entry(name).load().nodes(found, request), nproc, extra_env, environ)
+    return where(request, (), environ)[1]
 
 
 def override(inventory: inv_mod.Inventory, nproc: int | None, extra_env: dict[str, str],

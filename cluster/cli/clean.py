@@ -37,7 +37,7 @@ def clean(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
         request = Request(inventory_path=inventory_path, nodes=nodes, hosts=hosts,
                           exclude=exclude, python=python, user=user, port=port,
                           identity_file=identity_file, host_key_policy=host_key_policy)
-        name, inventory = resolve.nodes(request)
+        name, inventory = resolve.where(request)
         if not supports(name, EXEC):
             console.info("SLURM nodes keep no run folders of cluster's: their runs' files are "
                          "in the records here")

@@ -34,7 +34,7 @@ def exec_(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
     request = Request(inventory_path=inventory_path, nodes=nodes, hosts=hosts, exclude=exclude,
                       python=python, user=user, port=port, identity_file=identity_file,
                       force_local=force_local, host_key_policy=host_key_policy)
-    name, inventory = resolve.nodes(request)
+    name, inventory = resolve.where(request)
     if not supports(name, EXEC):
         raise InputError("cluster exec runs over SSH or on this machine; under SLURM, run "
                          "`srun --nodes N --ntasks-per-node 1 CMD` inside an allocation, or "
