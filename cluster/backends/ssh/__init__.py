@@ -52,7 +52,8 @@ __all__ = ["AcceptNewPolicy", "Attempt", "AuthFailed", "BatchAuth", "ChangedKey"
            "HostKeyChanged", "HostKeyRevoked", "HostKeyUnknown", "KeysRefused", "KnownHosts",
            "OffPolicy", "RevokedKey", "SshBackend", "SshChannel", "SshError", "SshTransport",
            "StrictPolicy", "UnknownKey", "Unreachable", "known_hosts_for", "local_files",
-           "sftp_path", "translate"]
+           "sftp_path", "translate",
+           "nodes", "configure", "create", "recorded"]      # the module's hooks (backends.BackendModule)
 
 
 def _stderr_warn(text: str) -> None:
@@ -162,7 +163,8 @@ def recorded(run: RunDir) -> SshBackend:
 
 
 
-if TYPE_CHECKING:       # mypy holds its class to the contract (the hooks: test_backends.py)
-    from .. import Backend, NodeChecks
+if TYPE_CHECKING:       # mypy holds this module and its class to the contract
+    from .. import Backend, BackendModule, NodeChecks, ssh as _module
+    _hooks: BackendModule = _module
     _backend: Backend[LaunchPlan] = SshBackend()
     _checks: NodeChecks = SshBackend()
