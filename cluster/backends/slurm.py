@@ -36,8 +36,7 @@ from ..plan import Job, Templates
 from ..runs import RunDir
 from ..sbatch import SbatchPlan, render_sbatch
 from . import Backend, NodeProcess, NodeStatus, Record
-from .slurm_output import (TERMINAL, JobInfo, JobProcess, Labeller, OutputReader,
-                           remember_nodes)
+from .slurm_output import JobInfo, JobProcess, Labeller, OutputReader, remember_nodes
 
 SCRIPT_NAME = "sbatch.sh"
 
