@@ -18,59 +18,23 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import launch, resolve, tuning
-from .backends import Backend
-from .backends.slurm import TERMINAL, cli_settings
+from . import backends, launch, resolve, tuning
+from .backends import EXEC, REMOTE_NODES, SHARED_FILESYSTEM, SYNC, Backend, supports
+from .backends.slurm_output import TERMINAL
 from .console import Console, NodeProgress
 from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
 from .nodes import NodeStatus
 from .plan import Job, Templates
+from .request import Request
 from .runs import RunDir, new_run_id
 from .spec import Inventory, check_text
 
-
-@dataclass(frozen=True)
-class Request:
-    """Everything `cluster up` can be asked, by the names of its options."""
-    inventory_path: str | None = None          # None: this machine
-    command: tuple[str, ...] = ()              # SCRIPT ARGS...; () the reference trainer
-    nodes: int | None = None
-    hosts: str | None = None
-    exclude: str | None = None
-    python: str | None = None                  # over every host's (resolve.host_settings)
-    user: str | None = None
-    port: int | None = None                    # SSH
-    identity_file: str | None = None
-    backend: str | None = None
-    force_local: bool = False
-    dry_run: bool = False
-    detach: bool = False
-    no_preflight: bool = False
-    no_tuning: bool = False                    # ignore `cluster doctor --tune-nccl`'s cache
-    templates_dir: str | None = None
-    nproc_per_node: int | None = None
-    master_port: int | None = None
-    env: Mapping[str, str] = field(default_factory=dict)   # over the inventory's and forwarded
-    secret_names: tuple[str, ...] = ()
-    max_restarts: int | None = None
-    restart_after: float | None = None
-    min_nodes: int | None = None
-    hang_timeout: float | None = None
-    stop_grace: float | None = None
-    keepalive: float | None = None
-    sync_dir: str | None = None
-    sync_exclude: tuple[str, ...] = ()
-    sync_delete: bool = False
-    host_key_policy: str | None = None
-    partition: str | None = None
-    time_limit: str | None = None
-    account: str | None = None
-    max_requeues: int | None = None
+__all__ = ["Prepared", "Request", "Run", "detached_error", "prepare", "up"]
 
 
 @dataclass
@@ -79,12 +43,13 @@ class Prepared:
     inventory: Inventory
     job: Job
     templates: Templates
-    backend: Backend
+    backend: Backend[Any]
     backend_name: str
     options: launch.Options
     dry_run: bool
 
-    def run(self, console: Console, argv: list[str], created: Any = None) -> int:
+    def run(self, console: Console, argv: list[str],
+            created: Callable[[RunDir], object] | None = None) -> int:
         """Record the run, then check, start and watch it (or only print it, for a dry run).
         created(run_dir) is called once the run directory (and its run.json) exists. An
         error is recorded in run.json too (`error`, `exit_code`): the record says why."""
@@ -96,7 +61,7 @@ class Prepared:
             run = RunDir.create(self.job.run_id, meta={"backend": self.backend_name,
                                                        "command": argv, "cwd": os.getcwd()})
             job = self.job
-            if self.backend_name == "local":
+            if not supports(self.backend, REMOTE_NODES):    # simulated nodes: one folder here
                 job = dataclasses.replace(job, node_root=run.node_root())
             if created is not None:
                 created(run)
@@ -117,37 +82,30 @@ class Prepared:
 
 
 def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepared:
-    """Every check that needs no node: the inventory, the options over it, the secrets'
-    presence, the rendered scripts. Raises InputError; creates and contacts nothing."""
+    """Every check that needs no node, in one pass: the request's own values, the backend
+    (chosen once) and its nodes with the command line over the inventory, the backend's own
+    options, the secrets' presence, the rendered scripts. Raises InputError; creates and
+    contacts nothing."""
     r = request
-    secrets = resolve.parse_secret_names(r.secret_names, dict(r.env))
-    for what, value in (("--partition", r.partition), ("--time", r.time_limit),
-                        ("--account", r.account), ("SCRIPT", r.command[0] if r.command else None)):
-        if value is not None:
-            check_text(value, what)
+    secrets = _checked(r)
     templates = Templates(r.templates_dir)
-    name = resolve.backend_name(r.backend, r.force_local)
-    inventory = resolve.inventory(r.inventory_path, r.hosts, r.exclude, r.nodes, name,
-                                  r.nproc_per_node, dict(r.env), environ)
-    inventory = resolve.settings(inventory, secrets, r.stop_grace, r.keepalive, r.host_key_policy)
-    inventory = resolve.host_settings(inventory, r.python, r.user, r.port, r.identity_file)
-    name = name or inventory.backend
-    if name == "slurm":
-        inventory = _slurm(inventory, r)
-    elif not r.no_tuning:
+    name, inventory = resolve.where(r, secrets, environ)
+    inventory = backends.entry(name).load().configure(inventory, r)
+    if supports(name, EXEC) and not r.no_tuning:      # measured by `cluster doctor`, which execs
         inventory = tuning.applied(inventory, tuning.Cache(tuning.cache_path(environ)))
     launch.secret_values(inventory, environ)     # a missing secret stops here: nothing is created
-    if (r.sync_dir or r.sync_exclude or r.sync_delete) and name != "ssh":
-        raise InputError("--sync is for the ssh backend (local and SLURM nodes see this filesystem)")
+    if (r.sync_dir or r.sync_exclude or r.sync_delete) and not supports(name, SYNC):
+        raise InputError(f"--sync is for the {' and '.join(_with(SYNC))} backend "
+                         f"({' and '.join(_with(SHARED_FILESYSTEM))} "
+                         f"nodes see this filesystem)")
     if r.sync_delete and not r.sync_dir:
         raise InputError("--sync-delete goes with --sync DIR (it removes what DIR no longer has)")
     run_id = new_run_id()
     script, args, code_dir = resolve.command(r.command, name, run_id)
     job = Job(run_id=run_id, script=script, args=args, master_port=r.master_port)
     # --sync DIR lands in each node's workdir; the built-in trainer in <workdir>/cluster-train.
-    sync = [(d, sub) for d, sub in ((r.sync_dir, "."), (code_dir, "cluster-train")) if d]
-    backend = resolve.backend(name, inventory, sync=sync, sync_exclude=r.sync_exclude,
-                              sync_delete=r.sync_delete)
+    sync = [(d, sub) for d, sub in ((r.sync_dir, "."), (code_dir, resolve.TRAINER_SUBDIR)) if d]
+    backend = backends.create(name, inventory, r, sync)
     try:
         backend.plan(inventory, job, templates)  # bad input fails here, before anything is written
     except BaseException:
@@ -161,16 +119,18 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     return Prepared(inventory, job, templates, backend, name, options, r.dry_run)
 
 
-def _slurm(inventory: Inventory, r: Request) -> Inventory:
-    """The request's SLURM options over the inventory's; what SLURM itself does instead
-    (requeues, its own node choice) refused where cluster's version would not apply."""
-    if r.max_restarts or r.min_nodes or r.hang_timeout or inventory.restarts or inventory.hang_timeout:
-        raise InputError("--max-restarts, --min-nodes and --hang-timeout are for local and SSH "
-                         "runs; under SLURM a job requeues itself (--max-requeues)")
-    count = None if inventory.slurm.nodelist else r.nodes      # a nodelist fixed the count
-    settings = cli_settings(inventory.slurm, nodes=count, partition=r.partition,
-                            time=r.time_limit, account=r.account, max_requeues=r.max_requeues)
-    return dataclasses.replace(inventory, slurm=settings)
+def _checked(r: Request) -> tuple[str, ...]:
+    """The request's own values, before any file is read: its texts, the secrets' names."""
+    secrets = resolve.parse_secret_names(r.secret_names, dict(r.env))
+    for what, value in (("--partition", r.partition), ("--time", r.time_limit),
+                        ("--account", r.account), ("SCRIPT", r.command[0] if r.command else None)):
+        if value is not None:
+            check_text(value, what)
+    return secrets
+
+
+def _with(capability: str) -> list[str]:
+    return [name for name in backends.NAMES if supports(name, capability)]
 
 
 # --- the handle ------------------------------------------------------------------------------
@@ -301,7 +261,7 @@ class Run:
 
     def _node_rows(self) -> list[NodeStatus]:
         assert self._dir is not None
-        backend = resolve.recorded_backend(self._dir)
+        backend = backends.recorded(self._dir)
         try:
             return list(backend.status(self._dir))
         finally:
@@ -312,7 +272,7 @@ class Run:
         wait for that to be confirmed; the exit code, as wait()."""
         if self._running_detached:            # no launcher: as `cluster down` does
             assert self._dir is not None
-            backend = resolve.recorded_backend(self._dir)
+            backend = backends.recorded(self._dir)
             try:
                 backend.stop_run(self._dir)
             finally:

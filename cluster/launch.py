@@ -1,4 +1,4 @@
-"""The one flow of every backend (local, SSH, SLURM): plan, record, check (prepare.py), start,
+"""The one flow of every backend (local, SSH, SLURM): plan, record, check (check.py), start,
 watch, and what came of it; a whole-job restart after a failure while restarts are left."""
 from __future__ import annotations
 
@@ -7,24 +7,24 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backends import Backend
+from .backends import Backend, NodeProcess, Record, node_checks
+from .check import checked_plan
 from .console import Console
 from .errors import InputError, Interrupted, NodeLost, RunFailed
 from .hang import save as save_hang
-from .plan import Job, Templates
-from .prepare import prepare
+from .plan import Job, Plan, Templates
 from .runs import RunDir
 from .spec import Inventory
 from .watch import Watcher, WatchResult
 
 def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
-            backend: Backend, argv: list[str], console: Console) -> Any:
+            backend: Backend[Any], argv: list[str], console: Console) -> Plan:
     """Render and record the plan, print it; contact nothing."""
-    plan = backend.plan(inventory, job, templates)
+    plan: Plan = backend.plan(inventory, job, templates)
     run.record(plan, inventory, backend.name, argv, {"dry_run": True})
     console.raw(str(plan))
     preview = getattr(backend, "preview", None)     # an optional capability (backends/__init__)
@@ -54,7 +54,11 @@ def secret_values(inventory: Inventory,
 FILES_PER_NODE = 4
 
 
-def ensure_open_files(nodes: int, limits: Any = None) -> None:
+# (getrlimit, setrlimit): resource's, or a test's
+Limits = tuple[Callable[[int], tuple[int, int]], Callable[[int, tuple[int, int]], None]]
+
+
+def ensure_open_files(nodes: int, limits: Limits | None = None) -> None:
     """Raise this process's soft limit on open files to what `nodes` need (up to the hard
     limit): 1024, the usual soft default, runs out near 250 nodes. Raises InputError, before
     anything is contacted, when even the hard limit is too low."""
@@ -85,7 +89,7 @@ class Options:
     stop: threading.Event | None = field(default=None, compare=False)
 
 
-def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, run: RunDir,
+def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[Any], run: RunDir,
        argv: list[str], console: Console, options: Options = Options(),
        environ: Mapping[str, str] = os.environ) -> int:
     """Check, start, watch; after a failure, with restarts left, the whole job again on a
@@ -95,13 +99,15 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, r
     ensure_open_files(len(inventory.hosts))
     if hasattr(backend, "note"):        # what the backend tells the user goes where the run's does
         backend.note = console.info
-    history: list[dict[str, Any]] = []
+    history: list[Record] = []
     while True:
         job = dataclasses.replace(job, attempt=len(history))
-        inventory, plan = prepare(inventory, job, templates, backend, run, argv, console,
-                                  options, history)
+        inventory, plan = checked_plan(inventory, job, templates, backend, run, argv, console,
+                                       options, history)
         if options.stop is not None and options.stop.is_set():
-            backend.release()                  # checked, not started: the staged nodes let go
+            checks = node_checks(backend)
+            if checks is not None:
+                checks.release()               # checked, not started: the staged nodes let go
             raise Interrupted(f"stopped before run {plan.run_id} started; nothing was started",
                               signum=signal.SIGTERM)
         t0 = time.monotonic()
@@ -125,13 +131,13 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend, r
         inventory = _without_lost(inventory, result, options)
 
 
-def _record(run: RunDir, plan: Any, backend: Backend, procs: list[Any], result: WatchResult,
-            history: list[dict[str, Any]], console: Console) -> None:
+def _record(run: RunDir, plan: Plan, backend: Backend[Any], procs: list[NodeProcess],
+            result: WatchResult, history: list[Record], console: Console) -> None:
     """run.json: this attempt's exits and how it ended; the hang evidence under hang/."""
     if result.hang is not None:
         save_hang(run, result.hang, console)
     history.append({"attempt": len(history), "nodes": plan.node_names or result.nodes,
-                    "master_port": getattr(plan, "master_port", None),
+                    "master_port": plan.master_port,
                     "ended": _ending(result), "joined": sorted(joined(result)),
                     "seconds": round(time.monotonic() - result.started, 1)})
     run.update(exits={k: dataclasses.asdict(v) for k, v in result.exits.items()},
@@ -150,8 +156,8 @@ def _ending(result: WatchResult) -> str:
     return "finished"
 
 
-def _retry(result: WatchResult, plan: Any, options: Options,
-           history: list[dict[str, Any]]) -> str | None:
+def _retry(result: WatchResult, plan: Plan, options: Options,
+           history: list[Record]) -> str | None:
     """Why the job starts again, or None when it does not."""
     if result.ok or result.interrupted or len(history) > options.restarts:
         return None
@@ -195,7 +201,7 @@ def _without_lost(inventory: Inventory, result: WatchResult, options: Options) -
     return inventory
 
 
-def _outcome(result: Any, plan: Any, console: Console) -> int:
+def _outcome(result: WatchResult, plan: Plan, console: Console) -> int:
     left = result.leftovers()
     if left:
         console.info(f"WARNING: processes of run {plan.run_id} still alive: {left}")

@@ -11,7 +11,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 
@@ -79,6 +79,36 @@ class Recording:
     logs: tuple[str, ...] = ()               # logs/<name> to create, empty and private
 
 
+class Plan(Protocol):
+    """What every backend's plan offers the launch flow (LaunchPlan here, sbatch.SbatchPlan):
+    str() of it is what would run; recording() what the run directory keeps of it."""
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def master_port(self) -> int: ...
+
+    @property
+    def stop_grace(self) -> float: ...
+
+    @property
+    def logs_hint(self) -> str: ...
+
+    @property
+    def node_names(self) -> list[str]: ...
+
+    @property
+    def node_count(self) -> int: ...
+
+    @property
+    def log_names(self) -> dict[str, str]: ...
+
+    def dry_run_note(self, run_path: Path) -> str: ...
+
+    def recording(self) -> Recording: ...
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     run_id: str
@@ -120,7 +150,7 @@ class LaunchPlan:
         """Each node's label -> its log file under runs/<id>/logs/."""
         return {n.label: f"{n.rank}-{n.host.name}.log" for n in self.nodes}
 
-    def dry_run_note(self, run_path: Any) -> str:
+    def dry_run_note(self, run_path: Path) -> str:
         return f"{len(self.nodes)} node script(s) in {run_path}; nothing was contacted"
 
     def recording(self) -> Recording:
@@ -246,21 +276,21 @@ def rank_order(inventory: Inventory) -> tuple[Host, ...]:
 def _node(rank: int, host: Host, inv: Inventory, job: Job, templates: Templates,
           port: int, resolved: str | None) -> NodePlan:
     net = network.policy(host, resolved)
-    box_name = container_name(job.run_id, host.name, job.attempt) if host.container else None
+    name = container_name(job.run_id, host.name, job.attempt) if host.container else None
     text = templates.render(
         "node.sh.j2", run_id=job.run_id, rdzv_id=job.rdzv_id, attempt=job.attempt, rank=rank,
         nnodes=len(inv.hosts), host=host,
         master_addr=inv.master.address, master_port=port, rendezvous=inv.master.rendezvous,
         net=net, env=host.env, secret_env=host.secret_env, nproc=_nproc(host),
-        script=job.script, args=job.args, box=host.container, box_name=box_name,
-        box_env=container_env(host))
+        script=job.script, args=job.args, container=host.container, container_name=name,
+        container_env=container_env(host))
     decided = [("CLUSTER_RUN_ID", job.run_id), ("CLUSTER_NODE", host.name),
                ("CLUSTER_NODE_RANK", str(rank)), ("CLUSTER_NNODES", str(len(inv.hosts))),
                ("CLUSTER_RESTART_COUNT", str(job.attempt)),
                ("MASTER_ADDR", inv.master.address), ("MASTER_PORT", str(port))]
     script_file = None if templates.overrides("node.sh.j2") else script_file_of(host, job.script)
     return NodePlan(rank=rank, host=host, script=text, run_dir=node_run_dir(host, job),
-                    env=tuple(decided + network.decided_env(net)) + host.env, container=box_name,
+                    env=tuple(decided + network.decided_env(net)) + host.env, container=name,
                     script_file=script_file)
 
 
@@ -289,8 +319,8 @@ def container_check(host: Host, name: str, templates: Templates, code: str) -> s
     a run starts it (cluster doctor's look inside the image)."""
     if host.container is None:
         raise InputError(f"{host.name} has no container")
-    return templates.render("container_check.sh.j2", host=host, box=host.container,
-                            box_name=name, code=code)
+    return templates.render("container_check.sh.j2", host=host, container=host.container,
+                            container_name=name, code=code)
 
 
 def container_env(host: Host) -> tuple[str, ...]:

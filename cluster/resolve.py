@@ -1,19 +1,28 @@
 """From what a user asks (command-line options, or the Python API's arguments) to what the
-library takes: the inventory (with the options laid over it), the job's script, and the
-backend; and the backend of a recorded run."""
+library takes: the backend (chosen once, from the registry) and its nodes with the options laid
+over the inventory's, and the job's script."""
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from . import backends
 from . import inventory as inv_mod
+from .backends import Backend
 from .errors import InputError
+from .request import Request
 from .runs import RunDir
-from .spec import ENV_KEY, Host, Inventory, check_text, expand_names, reserved_env
+
+from .spec import ENV_KEY, Inventory, check_text, reserved_env
+
+if TYPE_CHECKING:
+    from .backends.supervised import SupervisedBackend
 
 CHECKPOINTS = "checkpoints"          # the reference trainer's, in the working directory
+TRAINER_SUBDIR = "cluster-train"     # where the trainer lands in a node's workdir when copied
 
 
 def default_train_dir() -> Path:
@@ -107,52 +116,34 @@ def host_settings(inventory: Inventory, python: str | None = None,
     return dataclasses.replace(inventory, hosts=hosts)
 
 
+def loaded(path: str | None, hosts: str | None) -> Inventory | None:
+    """The inventory file, or one made from --hosts' names; None when neither is given."""
+    if path is not None:
+        return inv_mod.load(path)
+    return inv_mod.from_hostnames(hosts) if hosts is not None else None
+
+
+def where(request: Request, secrets: tuple[str, ...] = (),
+          environ: Mapping[str, str] = os.environ) -> tuple[str, Inventory]:
+    """The request's backend (chosen once, from the registry) and its nodes, the command
+    line's settings laid over the inventory's: loaded (or made from hostnames), narrowed by
+    the backend, the environment and the host settings applied."""
+    r = request
+    found = loaded(r.inventory_path, r.hosts)
+    name = backends.choose(r.backend, r.force_local, found)
+    inventory = backends.entry(name).load().nodes(found, r)
+    inventory = override(inventory, r.nproc_per_node, dict(r.env), environ)
+    inventory = settings(inventory, secrets, r.stop_grace, r.keepalive, r.host_key_policy)
+    return name, host_settings(inventory, r.python, r.user, r.port, r.identity_file)
+
+
 def inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: int | None,
               backend: str | None, nproc: int | None, extra_env: dict[str, str],
               environ: Mapping[str, str] = os.environ) -> Inventory:
-    if backend == "local" or (path is None and hosts is None and backend in (None, "local")):
-        if path:
-            raise InputError("--local runs on this machine; leave out -i/--inventory")
-        from .backends.local import local_inventory
-        return local_inventory(1 if nodes is None else nodes, nproc_per_node=nproc, env=extra_env)
-    if path is None and hosts is not None:
-        inventory = inv_mod.from_hostnames(hosts)
-        hosts = None
-    elif path is None:
-        if backend == "slurm":
-            inventory = Inventory(hosts=(Host(name="slurm", address="slurm"),),
-                                          backend="slurm", hosts_given=False)
-            return override(slurm_nodes(inventory, nodes, None, exclude), nproc, extra_env, environ)
-        raise InputError(f"the {backend} backend needs -i/--inventory or --hosts")
-    else:
-        inventory = inv_mod.load(path)
-    if backend == "slurm" or (backend is None and inventory.backend == "slurm"):
-        return override(slurm_nodes(inventory, nodes, hosts, exclude), nproc, extra_env, environ)
-    return override(inventory.select(nodes=nodes, hosts=hosts, exclude=exclude), nproc, extra_env,
-                    environ)
-
-
-def slurm_nodes(inventory: Inventory, nodes: int | None, hosts: str | None,
-                 exclude: str | None) -> Inventory:
-    """Which nodes SLURM may use. Hosts the inventory lists (narrowed by --hosts, --exclude and
-    --nodes, as over SSH) become --nodelist; with none listed SLURM chooses, --hosts becomes
-    --nodelist, --exclude --exclude and --nodes the count."""
-    import hostlist
-    slurm = inventory.slurm
-    if inventory.hosts_given:
-        chosen = inventory.select(nodes=nodes, hosts=hosts, exclude=exclude)
-        names = [h.name for h in chosen.hosts]
-        slurm = dataclasses.replace(slurm, nodelist=hostlist.collect_hostlist(names),
-                                    nodes=len(names))
-        return dataclasses.replace(chosen, slurm=slurm)
-    if hosts:
-        names = expand_names(hosts, "--hosts")
-        slurm = dataclasses.replace(slurm, nodelist=hostlist.collect_hostlist(names),
-                                    nodes=max(len(names), nodes or slurm.nodes or 1))
-    if exclude:
-        slurm = dataclasses.replace(slurm, exclude=hostlist.collect_hostlist(
-            expand_names(exclude, "--exclude")))
-    return dataclasses.replace(inventory, slurm=slurm)
+    """where() of a command that names its options one by one (cluster doctor)."""
+    request = Request(inventory_path=path, hosts=hosts, exclude=exclude, nodes=nodes,
+                      backend=backend, nproc_per_node=nproc, env=extra_env)
+    return where(request, (), environ)[1]
 
 
 def override(inventory: Inventory, nproc: int | None, extra_env: dict[str, str],
@@ -173,60 +164,36 @@ def override(inventory: Inventory, nproc: int | None, extra_env: dict[str, str],
 
 
 def command(command: tuple[str, ...], backend: str,
-             run_id: str) -> tuple[str, tuple[str, ...], str | None]:
-    """The script and its arguments; with none given, the reference trainer. For SSH the
-    trainer's directory is synced to the nodes, so the path is relative to the workdir."""
+            run_id: str) -> tuple[str, tuple[str, ...], str | None]:
+    """The script and its arguments, and the directory to copy to every node (None: none);
+    with no script, the reference trainer. Nodes that do not see this filesystem get the
+    trainer's directory copied into their workdir, so its path is relative to that."""
     train_dir = default_train_dir()
+    here = backends.supports(backend, backends.SHARED_FILESYSTEM)
     # `cluster up -- --epochs 3`: no script can start with '-', so these are the reference
     # trainer's own options, after its defaults (argparse takes the last, so yours win).
     extra = command if command and command[0].startswith("-") else ()
     if command and not extra:
         # `-- cluster-train/train.py ARGS` over SSH: the built-in trainer with your arguments.
-        synced = str(train_dir) if backend == "ssh" and command[0].startswith("cluster-train/") else None
-        return command[0], tuple(command[1:]), synced
+        copied = not here and command[0].startswith(f"{TRAINER_SUBDIR}/")
+        return command[0], tuple(command[1:]), str(train_dir) if copied else None
     # Checkpoints go to a place that outlives one run (checkpoints/, git-ignored), so that
     # every attempt of a restarted job, and the next `cluster up`, resumes an unfinished run
     # from its newest one; the trainer starts anew over a finished run's (train/train.py).
-    if backend == "ssh":
-        return "cluster-train/train.py", ("--out", f".cluster/{run_id}/train", "--checkpoint-dir",
-                                          CHECKPOINTS, *extra), str(train_dir)
-    if backend == "slurm":
-        return str(train_dir / "train.py"), ("--out", f"runs/{run_id}/train", "--checkpoint-dir",
-                                             str(Path(CHECKPOINTS).resolve()), *extra), None
+    if not here:
+        return f"{TRAINER_SUBDIR}/train.py", ("--out", f".cluster/{run_id}/train",
+                                             "--checkpoint-dir", CHECKPOINTS, *extra), str(train_dir)
     out = (Path(os.environ.get("CLUSTER_RUNS_DIR", "runs")) / run_id / "train").resolve()
     return str(train_dir / "train.py"), ("--out", str(out), "--checkpoint-dir",
                                          str(Path(CHECKPOINTS).resolve()), *extra), None
 
 
-def backend_name(chosen: str | None, force_local: bool) -> str | None:
-    if force_local:
-        if chosen not in (None, "local"):
-            raise InputError(f"--local and --backend {chosen} contradict each other")
-        return "local"
-    return chosen
+def backend(name: str, inventory: Inventory,
+            sync: Sequence[tuple[str, str]] = ()) -> SupervisedBackend:
+    """The backend that runs cluster's programs on these nodes (cluster doctor; the EXEC
+    capability); sync: (dir, subdir of the workdir) to copy there first."""
+    return backends.with_exec(backends.create(name, inventory, Request(), sync))
 
 
-def backend(name: str, inventory: Inventory, sync: list[tuple[str, str]],
-            sync_exclude: tuple[str, ...] = (), sync_delete: bool = False):
-    if name == "local":
-        from .backends.local import LocalBackend
-        return LocalBackend()
-    if name == "slurm":
-        from .backends.slurm import SlurmBackend
-        return SlurmBackend(cwd=os.getcwd())
-    from .backends.ssh import SshBackend
-    return SshBackend(inventory.ssh, sync=sync, sync_exclude=sync_exclude, sync_delete=sync_delete)
-
-
-def recorded_backend(run: RunDir):
-    name = run.meta()["backend"]
-    if name == "slurm":
-        from .backends.slurm import SlurmBackend
-        return SlurmBackend()
-    if name == "local":
-        from .backends.local import LocalBackend
-        return LocalBackend()
-    from .backends.ssh import SshBackend
-    return SshBackend(run.inventory().ssh)
-
-
+def recorded_backend(run: RunDir) -> Backend[Any]:
+    return backends.recorded(run)

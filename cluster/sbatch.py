@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from . import network
 from .errors import InputError
@@ -57,7 +56,7 @@ class SbatchPlan:
     def node_count(self) -> int:
         return self.nodes
 
-    def dry_run_note(self, run_path: Any) -> str:
+    def dry_run_note(self, run_path: Path) -> str:
         return f"batch script in {run_path}/scripts/{self.SCRIPT_NAME}; nothing was submitted"
 
     def recording(self) -> Recording:
@@ -153,9 +152,9 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
 
     net = network.policy(host)
     user_env = {**dict(host.env), **dict.fromkeys(host.secret_env, "")}
-    box = host.container
-    python = box.python if box else host.python
-    if box and re.search(r"[:,]", cwd):
+    container = host.container
+    python = container.python if container else host.python
+    if container and re.search(r"[:,]", cwd):
         raise InputError(f"the job's working directory {cwd!r} holds ':' or ',' and cannot be "
                          f"mounted into the container (pyxis splits --container-mounts on them)")
     text = templates.render(
@@ -164,8 +163,8 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
         env=host.env, secret_env=host.secret_env, user_sets=user_env.__contains__, nproc=nproc,
         python=python, setup=host.setup, torchrun_args=host.torchrun_args,
         script=job.script, args=job.args, signal=signal,
-        signal_option=signal_option, max_requeues=settings.max_requeues, box=box, cwd=cwd,
-        pyxis_image=pyxis_image(box.image) if box else None)
+        signal_option=signal_option, max_requeues=settings.max_requeues, container=container,
+        cwd=cwd, pyxis_image=pyxis_image(container.image) if container else None)
 
     decided = [("CLUSTER_RUN_ID", job.run_id), ("MASTER_PORT", str(port))]
     decided += network.decided_env(net)

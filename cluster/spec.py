@@ -122,7 +122,8 @@ IFNAME = re.compile(r"^[=^]?[A-Za-z0-9_.:@-]+(,[A-Za-z0-9_.:@-]+)*$")
 # An image reference as docker and podman take it (registry/path:tag@digest), or pyxis's
 # forms (registry#path, a squashfs file): never a word the runtime would read as an option.
 IMAGE = re.compile(r"^[A-Za-z0-9/.][A-Za-z0-9._/:@#+-]*$")
-BACKENDS = ("ssh", "slurm", "local")
+BACKENDS = ("ssh", "slurm", "local")        # the registry's names (cluster.backends; a test holds them equal)
+ALLOCATING = ("slurm",)                     # those with backends.ALLOCATES: an inventory needs no hosts
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")
 
 

@@ -13,17 +13,18 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from .console import TAIL_LINES, Console, LineSplitter
 from .errors import StopRequested, signum_of
+from .backends import NodeProcess
 from .nodes import NodeExit, signal_name
 
-__all__ = ["Console", "Hang", "LineSplitter", "TAIL_LINES", "Watched", "WatchResult", "Watcher"]
+__all__ = ["Console", "Hang", "LineSplitter", "TAIL_LINES", "WatchResult", "Watcher"]
 
 # torchrun's last words when a worker of its node failed and no local restart is left: it
 # prints this, then its interpreter takes about half a second more to end (measured at 8 nodes).
@@ -95,19 +96,6 @@ class WorkerErrors:
             return f"worker rank {self.root_rank} was killed by {signal_name(-self.root_exit)}"
         return f"worker rank {self.root_rank} exited with code {self.root_exit}"
 
-class Watched(Protocol):
-    """What the watcher needs of a running node (backends.NodeProcess has this shape)."""
-    node: Any                        # has .label
-
-    def output(self) -> Iterator[bytes | tuple[str, bytes] | dict[str, Any]]: ...
-
-    def wait(self) -> NodeExit: ...
-
-    def stop(self) -> dict[str, Any]: ...
-
-    def request_stacks(self) -> None: ...
-
-
 @dataclass
 class Hang:
     """What the watchdog found: no progress on any node for `seconds`, and each worker's stack."""
@@ -154,9 +142,9 @@ class Watcher:
     the reference trainer) after which every worker's stack is collected and the run stopped;
     0 turns the watchdog off."""
 
-    def __init__(self, procs: Sequence[Watched], console: Console,
+    def __init__(self, procs: Sequence[NodeProcess], console: Console,
                  log_paths: dict[str, Path], settle: float = 30.0, hang_timeout: float = 0.0,
-                 clock: Any = time.monotonic, stop: threading.Event | None = None,
+                 clock: Callable[[], float] = time.monotonic, stop: threading.Event | None = None,
                  poll: float = 0.5) -> None:
         self.procs = list(procs)
         self.console = console
@@ -167,7 +155,7 @@ class Watcher:
         self.stop = stop                       # set by another thread: stop all, as Ctrl-C does
         self.poll = poll                       # how often a quiet watch looks at stop and silence
         # (node, its exit); (node, None) when its torchrun reported a failed worker
-        self.events: queue.Queue[tuple[Watched, NodeExit | None]] = queue.Queue()
+        self.events: queue.Queue[tuple[NodeProcess, NodeExit | None]] = queue.Queue()
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
         self.errors: dict[str, WorkerErrors] = {p.node.label: WorkerErrors() for p in procs}
         # Nodes we are stopping print their shutdown tracebacks; those go to the log files only.
@@ -243,7 +231,7 @@ class Watcher:
             result.exits.setdefault(proc.node.label, ex)
         return None
 
-    def _next_exit(self, deadline: float) -> tuple[Watched, NodeExit] | None:
+    def _next_exit(self, deadline: float) -> tuple[NodeProcess, NodeExit] | None:
         """The next node to end before `deadline` (a torchrun's failure report is not an end);
         Ctrl-C while nodes are being stopped changes nothing."""
         while time.monotonic() < deadline:
@@ -257,7 +245,7 @@ class Watcher:
                 return proc, ex
         return None
 
-    def _next_event(self) -> tuple[Watched, NodeExit | None] | None:
+    def _next_event(self) -> tuple[NodeProcess, NodeExit | None] | None:
         """The next node to end, or None when no node has made progress for hang_timeout.
         A timeout keeps the main thread responsive to Ctrl-C while it waits."""
         while True:
@@ -351,7 +339,7 @@ class Watcher:
         if others:
             self.console.info(f"stopping the other {others} node(s)")
 
-    def _pump(self, proc: Watched, index: int) -> None:
+    def _pump(self, proc: NodeProcess, index: int) -> None:
         """Copy one node's stream: bytes are its output; (label, bytes) pairs are the output of
         a job that speaks for several nodes (SLURM's, labelled by srun); dicts are records."""
         label = proc.node.label

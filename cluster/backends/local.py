@@ -10,9 +10,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import BinaryIO
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import ClusterError, InputError
+from ..request import Request
+from ..runs import RunDir
 from ..spec import Host, Inventory, Network
 from .supervised import Result, SupervisedBackend
 
@@ -171,3 +174,41 @@ class LocalBackend(SupervisedBackend):
 
     def __init__(self) -> None:
         super().__init__(lambda host: LocalTransport())
+
+
+# --- the module's hooks (backends.BackendModule) -----------------------------------------------
+
+
+def nodes(inventory: Inventory | None, request: Request) -> Inventory:
+    """This machine's N simulated nodes (--nodes); an inventory file that says `backend: local`
+    runs its own hosts here."""
+    asked = request.force_local or request.backend == LocalBackend.name
+    if asked and request.inventory_path:
+        raise InputError("--local runs on this machine; leave out -i/--inventory")
+    if inventory is None or asked:
+        return local_inventory(1 if request.nodes is None else request.nodes,
+                               nproc_per_node=request.nproc_per_node, env=dict(request.env))
+    return inventory.select(nodes=request.nodes, hosts=request.host_filter,
+                            exclude=request.exclude)
+
+
+def configure(inventory: Inventory, request: Request) -> Inventory:
+    """No options of its own."""
+    return inventory
+
+
+def create(inventory: Inventory, request: Request,
+           sync: Sequence[tuple[str, str]] = ()) -> LocalBackend:
+    return LocalBackend()
+
+
+def recorded(run: RunDir) -> LocalBackend:
+    return LocalBackend()
+
+
+if TYPE_CHECKING:       # mypy holds this module and its class to the contract
+    from . import Backend, BackendModule, NodeChecks, local as _module
+    from ..plan import LaunchPlan
+    _hooks: BackendModule = _module
+    _backend: Backend[LaunchPlan] = LocalBackend()
+    _checks: NodeChecks = LocalBackend()

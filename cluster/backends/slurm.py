@@ -23,23 +23,21 @@ import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import hostlist
 
 from ..errors import BackendError, InputError
-from ..spec import Inventory, SlurmSettings
+from ..request import Request
+from ..spec import Host, Inventory, SlurmSettings, expand_names
 from ..plan import Job, Templates
 from ..runs import RunDir
 from ..sbatch import SbatchPlan, render_sbatch
-from . import NodeStatus
-from .slurm_output import JobProcess, Labeller, OutputReader, remember_nodes
+from . import Backend, NodeProcess, NodeStatus, Record
+from .slurm_output import JobInfo, JobProcess, Labeller, OutputReader, remember_nodes
 
-# States after which a job never runs again (REQUEUED and PREEMPTED may come back).
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                      "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
 SCRIPT_NAME = "sbatch.sh"
 
 
@@ -102,29 +100,6 @@ class SlurmCommands:
 # --- what SLURM says about a job -----------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class JobInfo:
-    job_id: str
-    state: str                       # SLURM's word: PENDING, RUNNING, COMPLETED, FAILED, ...
-    exit_code: int | None = None
-    signal: int | None = None        # the signal that ended the batch script, if one did
-    nodes: tuple[str, ...] = ()
-    reason: str = ""
-    source: str = ""                 # squeue | sacct | sacct -c | jobcomp | scontrol | none
-
-    @property
-    def done(self) -> bool:
-        return self.state in TERMINAL
-
-    def describe(self) -> str:
-        text = f"job {self.job_id} {self.state}"
-        if self.exit_code is not None:
-            text += f", exit code {self.exit_code}"
-        if self.signal:
-            text += f", signal {self.signal}"
-        return text
-
-
 def cli_settings(base: SlurmSettings, *, nodes: int | None = None, partition: str | None = None,
                  time: str | None = None, account: str | None = None,
                  max_requeues: int | None = None) -> SlurmSettings:
@@ -176,29 +151,16 @@ class SlurmBackend:
         self.clock = clock
         self.cwd = cwd or os.getcwd()        # where jobs are submitted from (their --chdir)
 
-    # -- the launch flow (cluster.launch): plan, check, start ---------------------------------
-
-    checks_nodes = False     # SLURM allocates the nodes: there is nothing to probe before
+    # -- the launch flow (cluster.launch): plan, start. Nothing to check before: SLURM
+    # allocates the nodes (no NODE_CHECKS capability).
 
     def plan(self, inventory: Inventory, job: Job, templates: Templates,
              ifnames: Mapping[str, str] | None = None) -> SbatchPlan:
         return render_sbatch(inventory, job, templates, inventory.slurm, cwd=self.cwd)
 
-    def check(self, plan: SbatchPlan, reach: bool = False) -> dict[str, dict[str, Any]]:
-        return {}
-
-    def reach(self, plan: SbatchPlan) -> dict[str, dict[str, Any]]:
-        return {}
-
-    def push(self, plan: SbatchPlan) -> None:
-        """The recorded script is what sbatch reads: nothing to copy."""
-
-    def release(self) -> None:
-        """Nothing was staged."""
-
     def start(self, plan: SbatchPlan, *, detach: bool = False,
               secrets: Mapping[str, Mapping[str, str]] | None = None,
-              run: RunDir | None = None) -> list[JobProcess]:
+              run: RunDir | None = None) -> list[NodeProcess]:
         """sbatch the recorded script (the output folder made first: SLURM will not make it);
         the secret values travel in sbatch's environment (--export=ALL), never in the script."""
         assert run is not None, "the launch flow records the plan before it starts it"
@@ -206,23 +168,23 @@ class SlurmBackend:
         job_id = self.submit(run.script_path(plan.SCRIPT_NAME), export_all=bool(plan.secret_env))
         return [JobProcess(self, job_id, Path(plan.output), plan.run_id)]
 
-    def started(self, plan: SbatchPlan, procs: list[JobProcess], run: RunDir) -> dict[str, Any]:
-        (job,) = procs
+    def started(self, plan: SbatchPlan, procs: list[NodeProcess], run: RunDir) -> Record:
+        job = _job(procs)
         slurm = dict(run.meta().get("slurm") or {})
         slurm.update(job_id=job.job_id, submitted=time.time(),
                      script=str(run.script_path("sbatch.sh").resolve()))
         return {"slurm": slurm}
 
-    def ended(self, plan: SbatchPlan, procs: list[JobProcess], result: Any) -> dict[str, Any]:
+    def ended(self, plan: SbatchPlan, procs: list[NodeProcess], result: object) -> Record:
         """The job's final state, and the nodes SLURM gave it (for `cluster logs --node`)."""
-        (job,) = procs
-        out: dict[str, Any] = {"final": dataclasses.asdict(job.final)} if job.final else {}
+        job = _job(procs)
+        out: Record = {"final": dataclasses.asdict(job.final)} if job.final else {}
         if job.nodes:
             out["nodes"] = [{"rank": i, "name": n, "address": n} for i, n in enumerate(job.nodes)]
         return out
 
-    def start_note(self, procs: list[JobProcess], plan: SbatchPlan) -> str:
-        return (f"run {plan.run_id}: submitted job {procs[0].job_id} ({plan.nodes} node(s)); "
+    def start_note(self, procs: list[NodeProcess], plan: SbatchPlan) -> str:
+        return (f"run {plan.run_id}: submitted job {_job(procs).job_id} ({plan.nodes} node(s)); "
                 f"output {plan.output}")
 
     def _run(self, *argv: str) -> Completed:
@@ -409,7 +371,7 @@ class SlurmBackend:
             if node is None or label.split(" ")[0] == node:
                 yield label, text + b"\n"
 
-    def stop_run(self, run: RunDir) -> dict[str, dict[str, Any]]:
+    def stop_run(self, run: RunDir) -> dict[str, Record]:
         job_id = (run.meta().get("slurm") or {}).get("job_id")
         if not job_id:
             return {"job": {"signalled": [], "error": "the run was never submitted"}}
@@ -426,7 +388,7 @@ class SlurmBackend:
         return {label: {"signalled": [job_id], "state": self.finished(job_id).state}}
 
     def pull(self, run: RunDir, paths: Sequence[str], into: Path,
-             node: str | None = None) -> dict[str, Any]:
+             node: str | None = None) -> Record:
         """`cluster pull` has nothing to copy: the job ran in its submit directory (--chdir),
         which the nodes reach as this machine does."""
         cwd = run.meta().get("cwd") or "its submit directory"
@@ -437,3 +399,68 @@ class SlurmBackend:
 
     def close(self) -> None:
         """Nothing held: every command is one subprocess."""
+
+
+def _job(procs: list[NodeProcess]) -> JobProcess:
+    """The one job a SLURM start returns."""
+    (job,) = procs
+    if not isinstance(job, JobProcess):
+        raise TypeError(f"not a SLURM job: {job!r}")
+    return job
+
+
+# --- the module's hooks (backends.BackendModule) -----------------------------------------------
+
+
+def nodes(inventory: Inventory | None, request: Request) -> Inventory:
+    """Which nodes SLURM may use. Hosts the inventory lists (narrowed by --hosts, --exclude and
+    --nodes, as over SSH) become --nodelist; with none listed SLURM chooses, --hosts becomes
+    --nodelist, --exclude --exclude and --nodes the count."""
+    if inventory is None:
+        inventory = Inventory(hosts=(Host(name="slurm", address="slurm"),), backend="slurm",
+                              hosts_given=False)
+    count, hosts, exclude = request.nodes, request.host_filter, request.exclude
+    slurm = inventory.slurm
+    if inventory.hosts_given:
+        chosen = inventory.select(nodes=count, hosts=hosts, exclude=exclude)
+        names = [h.name for h in chosen.hosts]
+        slurm = dataclasses.replace(slurm, nodelist=hostlist.collect_hostlist(names),
+                                    nodes=len(names))
+        return dataclasses.replace(chosen, slurm=slurm)
+    if hosts:
+        names = expand_names(hosts, "--hosts")
+        slurm = dataclasses.replace(slurm, nodelist=hostlist.collect_hostlist(names),
+                                    nodes=max(len(names), count or slurm.nodes or 1))
+    if exclude:
+        slurm = dataclasses.replace(slurm, exclude=hostlist.collect_hostlist(
+            expand_names(exclude, "--exclude")))
+    return dataclasses.replace(inventory, slurm=slurm)
+
+
+def configure(inventory: Inventory, request: Request) -> Inventory:
+    """The request's SLURM options over the inventory's; what SLURM itself does instead
+    (requeues, its own node choice) refused where cluster's version would not apply."""
+    r = request
+    if r.max_restarts or r.min_nodes or r.hang_timeout or inventory.restarts or inventory.hang_timeout:
+        raise InputError("--max-restarts, --min-nodes and --hang-timeout are for local and SSH "
+                         "runs; under SLURM a job requeues itself (--max-requeues)")
+    count = None if inventory.slurm.nodelist else r.nodes      # a nodelist fixed the count
+    settings = cli_settings(inventory.slurm, nodes=count, partition=r.partition,
+                            time=r.time_limit, account=r.account, max_requeues=r.max_requeues)
+    return dataclasses.replace(inventory, slurm=settings)
+
+
+def create(inventory: Inventory, request: Request,
+           sync: Sequence[tuple[str, str]] = ()) -> SlurmBackend:
+    return SlurmBackend(cwd=os.getcwd())
+
+
+def recorded(run: RunDir) -> SlurmBackend:
+    return SlurmBackend()
+
+
+if TYPE_CHECKING:       # mypy holds this module and its classes to the contract
+    from . import BackendModule, slurm as _module
+    _hooks: BackendModule = _module
+    _backend: Backend[SbatchPlan] = SlurmBackend()
+    _job_process: NodeProcess = JobProcess(SlurmBackend(), "", Path(), "")

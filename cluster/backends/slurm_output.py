@@ -1,17 +1,65 @@
-"""A SLURM job's output file: read it as it grows, label each line with its node (srun
---label), and follow the job until it ends (JobProcess, what the watcher watches)."""
+"""A SLURM job as the launcher follows it: what SLURM says about it (JobInfo), its output file
+read as it grows with each line labelled by its node (srun --label), and the job followed until
+it ends (JobProcess, what the watcher watches). It asks the scheduler through `Scheduler`, which
+backends/slurm.py's SlurmBackend is; this module imports nothing of that one."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..nodes import NodeExit
 from ..runs import RunDir
 
-if TYPE_CHECKING:
-    from .slurm import JobInfo, SlurmBackend
+# States after which a job never runs again (REQUEUED and PREEMPTED may come back).
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                      "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    state: str                       # SLURM's word: PENDING, RUNNING, COMPLETED, FAILED, ...
+    exit_code: int | None = None
+    signal: int | None = None        # the signal that ended the batch script, if one did
+    nodes: tuple[str, ...] = ()
+    reason: str = ""
+    source: str = ""                 # squeue | sacct | sacct -c | jobcomp | scontrol | none
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL
+
+    def describe(self) -> str:
+        text = f"job {self.job_id} {self.state}"
+        if self.exit_code is not None:
+            text += f", exit code {self.exit_code}"
+        if self.signal:
+            text += f", signal {self.signal}"
+        return text
+
+
+
+class Scheduler(Protocol):
+    """What a followed job asks of SLURM (backends/slurm.py's SlurmBackend)."""
+    poll: float                      # first interval between squeue calls while following
+    max_poll: float                  # ... growing to this while nothing changes
+    stop_timeout: float
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+
+    def queued(self, job_id: str) -> JobInfo | None: ...
+
+    def coming_back(self, job_id: str) -> JobInfo | None: ...
+
+    def finished(self, job_id: str) -> JobInfo: ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+    def wait_gone(self, job_id: str, timeout: float) -> JobInfo | None: ...
+
 
 _LABELLED = re.compile(rb"^\s*(\d+): ?(.*)$", re.S)
 # What templates/sbatch.sh.j2 prints just before `scontrol requeue`. From then on the job may
@@ -23,7 +71,7 @@ END_MARK = b"cluster: job "                  # its last line: the step has ended
 TICK = 0.5                                    # how often the output file is read
 
 
-def remember_nodes(run: RunDir, info: "JobInfo") -> None:
+def remember_nodes(run: RunDir, info: JobInfo) -> None:
     """Record the nodes SLURM gave the job (known once it starts) for `cluster logs --node`."""
     nodes = [{"rank": i, "name": n, "address": n} for i, n in enumerate(info.nodes)]
     if nodes and run.meta().get("nodes") != nodes:
@@ -94,13 +142,13 @@ class JobProcess:
     A requeue the batch script announced is waited through: the job may leave squeue, and even
     read as finished, for a moment before it is pending again."""
 
-    def __init__(self, backend: "SlurmBackend", job_id: str, output: Path, run_id: str) -> None:
+    def __init__(self, backend: Scheduler, job_id: str, output: Path, run_id: str) -> None:
         self.backend = backend
         self.job_id = job_id
         self.path = output
         self.run_id = run_id
         self.node = Job(job_id)
-        self.final: "JobInfo | None" = None
+        self.final: JobInfo | None = None
         self.nodes: list[str] = []
 
     def output(self) -> Iterator[tuple[str, bytes] | dict[str, Any]]:

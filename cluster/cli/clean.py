@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import click
 
-from .. import resolve
+from .. import backends, resolve
+from ..backends import EXEC, NodeStatus, supports, with_exec
+from ..request import Request
 from .main import CONTEXT, SafePath, host_options, main
 from ..console import Console
 from ..errors import PreflightError
@@ -32,16 +34,18 @@ def clean(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
     decisions: list[cl.Decision] = []
     failed: dict[str, str] = {}
     if inventory_path or hosts:
-        inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, None, None, {})
-        inventory = resolve.settings(inventory, (), None, None, host_key_policy)
-        inventory = resolve.host_settings(inventory, python, user, port, identity_file)
-        if inventory.backend == "slurm":
+        request = Request(inventory_path=inventory_path, nodes=nodes, hosts=hosts,
+                          exclude=exclude, python=python, user=user, port=port,
+                          identity_file=identity_file, host_key_policy=host_key_policy)
+        name, inventory = resolve.where(request)
+        if not supports(name, EXEC):
             console.info("SLURM nodes keep no run folders of cluster's: their runs' files are "
                          "in the records here")
         else:
-            backend = resolve.backend(inventory.backend, inventory, sync=[])
+            backend = backends.create(name, inventory, request)
             try:
-                decisions, failed = cl.clean_nodes(inventory.hosts, backend, seconds, dry_run)
+                decisions, failed = cl.clean_nodes(inventory.hosts, with_exec(backend), seconds,
+                                                   dry_run)
             finally:
                 backend.close()
     else:
@@ -56,8 +60,8 @@ def clean(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
                              details="\n".join(f"  {n}: {why}" for n, why in failed.items()))
 
 
-def _recorded_status(run: RunDir) -> list:
-    backend = resolve.recorded_backend(run)
+def _recorded_status(run: RunDir) -> list[NodeStatus]:
+    backend = backends.recorded(run)
     try:
         return backend.status(run)
     finally:

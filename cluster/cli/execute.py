@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import click
 
-from .. import resolve
+from .. import backends, resolve
+from ..backends import EXEC, supports, with_exec
+from ..request import Request
 from .main import CONTEXT, SafePath, host_options, main
 from ..console import Console
 from ..errors import InputError
@@ -29,16 +31,16 @@ def exec_(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
     not, 3 when one could not be reached. Ctrl-C stops the command on every node.
     """
     from .. import nodes_exec
-    name = resolve.backend_name(None, force_local)
-    inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, name, None, {})
-    inventory = resolve.settings(inventory, (), None, None, host_key_policy)
-    inventory = resolve.host_settings(inventory, python, user, port, identity_file)
-    if (name or inventory.backend) == "slurm":
+    request = Request(inventory_path=inventory_path, nodes=nodes, hosts=hosts, exclude=exclude,
+                      python=python, user=user, port=port, identity_file=identity_file,
+                      force_local=force_local, host_key_policy=host_key_policy)
+    name, inventory = resolve.where(request)
+    if not supports(name, EXEC):
         raise InputError("cluster exec runs over SSH or on this machine; under SLURM, run "
                          "`srun --nodes N --ntasks-per-node 1 CMD` inside an allocation, or "
                          "`cluster exec --hosts <the allocated hosts> -- CMD` over SSH")
-    backend = resolve.backend(name or inventory.backend, inventory, sync=[])
+    backend = backends.create(name, inventory, request)
     try:
-        nodes_exec.run(inventory.hosts, backend, command, Console())
+        nodes_exec.run(inventory.hosts, with_exec(backend), command, Console())
     finally:
         backend.close()

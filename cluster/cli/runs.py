@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from .. import resolve
+from .. import backends
 from .main import CONTEXT, complete_run, main
 from ..errors import ClusterError, InputError, NodeLost, RunFailed
 from ..nodes import outcome
@@ -21,7 +21,7 @@ def status(run: str | None) -> None:
     from rich.console import Console as RichConsole
     from rich.table import Table
     rd = RunDir.find(run)
-    backend = resolve.recorded_backend(rd)
+    backend = backends.recorded(rd)
     try:
         rows = backend.status(rd)
     finally:
@@ -77,7 +77,7 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
         raise InputError(f"Invalid value for --node: {node!r} is not in run {rd.run_id} ({', '.join(names)})")
     from ..console import LineSplitter
     console = Console()
-    backend = resolve.recorded_backend(rd)
+    backend = backends.recorded(rd)
     splitters: dict[str, LineSplitter] = {}
     try:
         for label, chunk in backend.logs(rd, node=node, follow=follow):
@@ -119,7 +119,7 @@ def _end(ended: dict[str, Any]) -> str:
 def down(run: str | None) -> None:
     """Stop every node of RUN (default: the newest) and verify nothing is left."""
     rd = RunDir.find(run)
-    backend = resolve.recorded_backend(rd)
+    backend = backends.recorded(rd)
     console = Console()
     try:
         reports = backend.stop_run(rd)
@@ -139,7 +139,7 @@ def down(run: str | None) -> None:
             console.info(f"[{name}] had already ended ({_end(rep['ended'])}): nothing to stop")
         else:
             console.info(f"[{name}] stopped ({len(rep.get('signalled', []))} process(es) signalled"
-                         f"{STOP_HOW.get(rep.get('how'), '')})")
+                         f"{STOP_HOW.get(str(rep.get('how')), '')})")
     stops = {name: rep["how"] for name, rep in reports.items() if rep.get("how")}
     if stops:
         rd.update(stops={**(rd.meta().get("stops") or {}), **stops})

@@ -8,6 +8,7 @@ import click
 
 from .main import CONTEXT, SafePath, argv, host_options, main
 from .. import api, resolve
+from ..backends import NAMES
 from ..console import Console
 from ..errors import InputError
 
@@ -53,7 +54,7 @@ def check_script_args(script: str, args: tuple[str, ...], own: set[str]) -> None
 @click.option("--hosts", help="Only these hosts: names or hostlists, e.g. gpu[01-04],cpu1.")
 @click.option("--exclude", help="Leave out these hosts (names or hostlists).")
 @host_options
-@click.option("--backend", type=click.Choice(["local", "ssh", "slurm"]),
+@click.option("--backend", type=click.Choice(list(NAMES)),
               help="Where to run. Default: the inventory's 'backend', else ssh; local with no inventory.")
 @click.option("--local", "force_local", is_flag=True, help="Run on this machine (same as --backend local).")
 @click.option("--dry-run", is_flag=True, help="Render and record the plan, print every script; contact nothing.")

@@ -12,7 +12,7 @@ import ipaddress
 from typing import Any
 
 from ..errors import InventoryError, Problems, did_you_mean
-from ..spec import ADD, HOSTNAME, JOB_WIDE, KEY_BY_KEY, MERGE, Host, Inventory, Key, keys_of
+from ..spec import ADD, ALLOCATING, HOSTNAME, JOB_WIDE, KEY_BY_KEY, MERGE, Host, Inventory, Key, keys_of
 from .checks import Checks
 from .hostfile import check_unique, expand
 from .loader import List, Map, compose
@@ -116,8 +116,8 @@ class _Parser(Checks):
         base = self.settings(defaults, Host(name="-", address="-"), HOST_SETTINGS)
         hosts: tuple[Host, ...] = ()
         given = True
-        if top.get("backend") == "slurm" and not data.get("hosts"):
-            # SLURM chooses the nodes: one placeholder host carries the defaults.
+        if top.get("backend") in ALLOCATING and not data.get("hosts"):
+            # The scheduler allocates the nodes: one placeholder host carries the defaults.
             hosts, given = (base.replace(name="slurm", address="slurm"),), False
         elif "hosts" not in data:
             # Not after a misspelt key (it may be 'hosts') or a bad backend (slurm needs none).

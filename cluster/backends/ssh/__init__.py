@@ -29,12 +29,14 @@ subclasses below; each message names the host and what was tried.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from ...errors import ClusterError
+from ...errors import ClusterError, InputError
 from ...plan import LaunchPlan, NodePlan
-from ...spec import Host, SshSettings
+from ...request import Request
+from ...runs import RunDir
+from ...spec import Host, Inventory, SshSettings
 from ..supervised import SupervisedBackend
 from ..sync import local_files, preview, summary, sync_dir
 from .errors import (Attempt, AuthFailed, HostKeyChanged, HostKeyRevoked, HostKeyUnknown,
@@ -50,7 +52,8 @@ __all__ = ["AcceptNewPolicy", "Attempt", "AuthFailed", "BatchAuth", "ChangedKey"
            "HostKeyChanged", "HostKeyRevoked", "HostKeyUnknown", "KeysRefused", "KnownHosts",
            "OffPolicy", "RevokedKey", "SshBackend", "SshChannel", "SshError", "SshTransport",
            "StrictPolicy", "UnknownKey", "Unreachable", "known_hosts_for", "local_files",
-           "sftp_path", "translate"]
+           "sftp_path", "translate",
+           "nodes", "configure", "create", "recorded"]      # the module's hooks (backends.BackendModule)
 
 
 def _stderr_warn(text: str) -> None:
@@ -130,3 +133,38 @@ class SshBackend(SupervisedBackend):
         shown = [preview(local, sub, self.sync_exclude, nodes, self.sync_delete)
                  for local, sub in self.sync]
         return "".join(text for text, _ in shown), [line for _, line in shown]
+
+
+# --- the module's hooks (backends.BackendModule) -----------------------------------------------
+
+
+def nodes(inventory: Inventory | None, request: Request) -> Inventory:
+    """The inventory's hosts (or --hosts'), narrowed by --nodes, --hosts and --exclude."""
+    if inventory is None:
+        raise InputError("the ssh backend needs -i/--inventory or --hosts")
+    return inventory.select(nodes=request.nodes, hosts=request.host_filter,
+                            exclude=request.exclude)
+
+
+def configure(inventory: Inventory, request: Request) -> Inventory:
+    """Its settings (host keys, keepalive) are laid over the inventory with everyone's
+    (cluster.resolve.settings), being recorded with the run; --sync goes to create()."""
+    return inventory
+
+
+def create(inventory: Inventory, request: Request,
+           sync: Sequence[tuple[str, str]] = ()) -> SshBackend:
+    return SshBackend(inventory.ssh, sync=list(sync), sync_exclude=request.sync_exclude,
+                      sync_delete=request.sync_delete)
+
+
+def recorded(run: RunDir) -> SshBackend:
+    return SshBackend(run.inventory().ssh)
+
+
+
+if TYPE_CHECKING:       # mypy holds this module and its class to the contract
+    from .. import Backend, BackendModule, NodeChecks, ssh as _module
+    _hooks: BackendModule = _module
+    _backend: Backend[LaunchPlan] = SshBackend()
+    _checks: NodeChecks = SshBackend()

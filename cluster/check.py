@@ -1,6 +1,6 @@
-"""Phase one of a launch, before anything starts: for backends with nodes of their own (local,
-SSH), check every node, resolve the network, render each node's script with its interface
-written in, record and push; for a scheduler (SLURM), render and record.
+"""Phase one of a launch, before anything starts: for backends that check their nodes
+(NODE_CHECKS: local, SSH), check every node, resolve the network, render each node's script
+with its interface written in and record it; for a scheduler (SLURM), render and record.
 
 A check that fails starts nothing anywhere: every failure is listed with its node, what was
 seen and the fix (cluster.preflight). At a relaunch of a restarted job, a node that fails the
@@ -10,31 +10,46 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from .backends import Backend
+from .backends import Backend, NodeChecks, Record, node_checks
 from .console import Console
 from .errors import PreflightError
-from .plan import Job, LaunchPlan, Templates, derived_port
+from .plan import Job, LaunchPlan, Plan, Templates, derived_port
 from .preflight import WARN, Finding, evaluate, failures
 from .runs import RunDir
 from .spec import Inventory
 
+
+class Options(Protocol):
+    """What the check reads of how the run goes (launch.Options)."""
+
+    @property
+    def preflight(self) -> bool: ...
+
+    @property
+    def min_nodes(self) -> int | None: ...
+
+    @property
+    def detach(self) -> bool: ...
+
 PORT_ATTEMPTS = 5
 
 
-def prepare(inventory: Inventory, job: Job, templates: Templates, backend: Backend, run: RunDir,
-            argv: list[str], console: Console, options: Any,
-            history: list[dict[str, Any]]) -> tuple[Inventory, Any]:
-    """The plan that will start, recorded (and pushed); the inventory, less any node left out."""
-    if not backend.checks_nodes:
-        plan = backend.plan(inventory, job, templates)
+def checked_plan(inventory: Inventory, job: Job, templates: Templates, backend: Backend[Any],
+                 run: RunDir, argv: list[str], console: Console, options: Options,
+                 history: list[Record]) -> tuple[Inventory, Plan]:
+    """The plan that will start, recorded, its nodes checked where the backend checks them;
+    the inventory, less any node left out."""
+    checks = node_checks(backend)
+    if checks is None:
+        plan: Plan = backend.plan(inventory, job, templates)
         run.record(plan, inventory, backend.name, argv)
         return inventory, plan
     while True:
         try:
-            plan, facts = check(inventory, job, templates, backend, run, argv, console,
-                                options.preflight)
+            launch_plan, facts = check_nodes(inventory, job, templates, backend, checks, run,
+                                             argv, console, options.preflight)
             break
         except PreflightError as exc:
             bad = set(exc.nodes)
@@ -46,19 +61,20 @@ def prepare(inventory: Inventory, job: Job, templates: Templates, backend: Backe
             inventory = dataclasses.replace(inventory, hosts=keep)
     nodes = [dict(rank=n.rank, name=n.host.name, address=n.host.address, run_dir=n.run_dir,
                   dir=facts[n.host.name]["dir"], hostname=facts[n.host.name].get("hostname"))
-             for n in plan.nodes]
+             for n in launch_plan.nodes]
     run.update(nodes=nodes, detached=options.detach, attempt=job.attempt, attempts=history)
-    return inventory, plan
+    return inventory, launch_plan
 
 
-def check(inventory: Inventory, job: Job, templates: Templates, backend: Backend, run: RunDir,
-           argv: list[str], console: Console,
-           preflight: bool = True) -> tuple[LaunchPlan, dict[str, dict[str, Any]]]:
+def check_nodes(inventory: Inventory, job: Job, templates: Templates,
+                backend: Backend[LaunchPlan], checks: NodeChecks, run: RunDir, argv: list[str],
+                console: Console, preflight: bool = True) -> tuple[LaunchPlan, dict[str, Record]]:
     """Phase one: every node probed at once (connect, python, torch, its run directory, the
     interface that reaches the master, the master port, trying the next derived port when
     it is taken); then, unless --no-preflight, the same torch everywhere and a TCP connection
     from every node to the master port. Any failure starts nothing. Then the scripts are
-    rendered with each node's interface written in, recorded and pushed."""
+    rendered with each node's interface written in and recorded (each node's files travel
+    with its start)."""
     chosen = job.master_port or inventory.master.master_port
     for attempt in range(PORT_ATTEMPTS):
         if not chosen:    # a port of its own for every restart too: the last one's may linger
@@ -67,11 +83,11 @@ def check(inventory: Inventory, job: Job, templates: Templates, backend: Backend
         plan = backend.plan(inventory, job, templates)
         run.record(plan, inventory, backend.name, argv)
         t0 = time.monotonic()
-        facts = backend.check(plan, reach=preflight)
+        facts = checks.check(plan, reach=preflight)
         timings = {"check": time.monotonic() - t0}
         if facts[plan.master.host.name].get("port_free", True) or chosen:
             break
-        backend.release()
+        checks.release()
         console.info(f"port {plan.master_port} is in use on {plan.master.host.name}; trying another")
     else:
         raise PreflightError(f"no free master port on {plan.master_addr} after {PORT_ATTEMPTS} tries")
@@ -82,15 +98,12 @@ def check(inventory: Inventory, job: Job, templates: Templates, backend: Backend
     try:
         judge(findings, len(plan.nodes), console)
     except PreflightError:
-        backend.release()                # every staged node lets go: nothing starts
+        checks.release()                 # every staged node lets go: nothing starts
         raise
     ifnames = {name: f["network"]["ifname"] for name, f in facts.items()
                if preflight and (f.get("network") or {}).get("ifname")}
     plan = backend.plan(inventory, job, templates, ifnames)
     run.record(plan, inventory, backend.name, argv)
-    t0 = time.monotonic()
-    backend.push(plan)
-    timings["push"] = time.monotonic() - t0
     run.update(timings={k: round(v, 3) for k, v in timings.items()})
     return plan, facts
 
