@@ -14,7 +14,8 @@ from typing import BinaryIO
 
 from ..errors import ClusterError, InputError
 from ..spec import Host, Inventory, Network
-from .supervised import Result, SupervisedBackend
+from .supervised import SupervisedBackend
+from .transport import Result
 
 
 def visible_gpus() -> list[str]:
@@ -33,10 +34,6 @@ def visible_gpus() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU"))]
-
-
-def gpu_count() -> int:
-    return len(visible_gpus())
 
 
 def local_inventory(nodes: int = 1, nproc_per_node: int | None = None,

@@ -28,7 +28,7 @@ def exec_(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
     use `cluster exec -- bash -c '...'`. Exit 0 when every node exited 0; 4 when one did
     not, 3 when one could not be reached. Ctrl-C stops the command on every node.
     """
-    from .. import nodes_exec
+    from .. import execute as nodes_exec
     name = resolve.backend_name(None, force_local)
     inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, name, None, {})
     inventory = resolve.settings(inventory, (), None, None, host_key_policy)

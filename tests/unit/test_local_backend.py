@@ -67,7 +67,6 @@ def test_a_partial_start_stops_the_nodes_that_did_start(tmp_path: Path, monkeypa
                                 else LocalTransport())
     try:
         backend.check(plan)
-        backend.push(plan)
         with pytest.raises(BackendError) as info:
             backend.start(plan, detach=detach)
         assert "the started ones were stopped" in str(info.value)
@@ -112,6 +111,9 @@ class _Saved:
 
     def read(self) -> bytes:
         return self.chunks.pop(0)
+
+    def write(self, data: bytes) -> None:
+        pass                     # the program's bundle
 
     def wait(self) -> int:
         return 0
