@@ -6,7 +6,7 @@ they are busy, /dev/shm, free disk, open-file limit, clock offset), the interfac
 the master, the master port free there and open to every node. Differences across nodes that
 break a job fail, the others warn; the fingerprint shows each value once with the nodes that
 have it. `--deep` runs a real collective across all nodes (cluster/remote/collective.py, which each
-remote node's start brings into its workdir's .cluster/tools):
+remote node's check brings into its workdir's .cluster/tools):
 the all_reduce sum, bus bandwidth per message size, and bandwidth between every pair of nodes,
 naming the slow one. `measure_collective` is the one function that runs such a collective with
 given environment variables; `--tune-nccl` (tune_nccl) runs it once per NCCL socket setting.
@@ -211,7 +211,7 @@ def collective(inventory: Inventory, backend: Any, templates: Templates) -> Meas
     """measure(env, sizes, iters): one run of the collective on the inventory's nodes with env
     added, started and recorded like any run, through cluster.launch: as runs/doctor-<id>/,
     which status, logs, down and top pass over when no RUN is named. Remote nodes get the
-    collective program with each start (backend.tools), in the same round trip."""
+    collective program with each check (backend.tools), in the same round trip."""
     from . import launch
     shipped = supports(backend, REMOTE_NODES)
     if shipped:

@@ -40,7 +40,6 @@ class SupervisedNode:
         self.python = python
         self.exe = python_command(python, setup)   # after the host's setup lines, if any
         self.dir = run_dir               # made absolute by the check
-        self.workdir: str | None = None  # likewise
         self.staged: Channel | None = None
 
     def run(self, bundle: bytes, timeout: float | None = None) -> Result:
@@ -88,15 +87,19 @@ class SupervisedNode:
         return self._facts(probed.stdout.decode().strip().splitlines()[-1])
 
     def stage(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
-              connect: tuple[str, int] | None = None) -> dict[str, Any]:
+              connect: tuple[str, int] | None = None,
+              tools: Mapping[str, bytes] | None = None) -> dict[str, Any]:
         """The probe, by the process that will become this node's supervisor when start()
         gives the word: one process and one round trip per node for the check and the start
-        together. release() lets it go without starting."""
+        together. release() lets it go without starting. tools: files a job runs that
+        cluster brings, written into <workdir>/.cluster/tools first (doctor's collective),
+        so that the script check finds them."""
         args = self.facts_args(node, plan, port=port, deep=False, make_dir=True, connect=connect)
         if node.script_file:             # is the job's script there, before anything starts
             args += ["--script", node.script_file]
+        files = [(f"{TOOLS_DIR}/{name}", data, 0o600) for name, data in (tools or {}).items()]
         ch = self.transport.spawn(shipping.boot_command(self.exe))
-        ch.write(shipping.program("probe", "facts", *args))
+        ch.write(shipping.program("probe", "facts", *args, dir=node.host.workdir, files=files))
         said, noise = b"", b""
         while not said.endswith(b"\n"):
             data = ch.read()
@@ -122,7 +125,6 @@ class SupervisedNode:
             if isinstance(facts.get(key), dict):
                 raise ClusterError(facts[key]["error"])
         self.dir = facts.get("dir", self.dir)
-        self.workdir = facts.get("workdir", self.workdir)
         return facts
 
     def _python_error(self, code: int | None, text: str) -> ClusterError:
@@ -157,18 +159,17 @@ class SupervisedNode:
         return json_or_error(res)
 
     def start(self, node: NodePlan, detach: bool, secrets: Mapping[str, str], grace: float,
-              keepalive: float, tools: Mapping[str, bytes] | None = None,
-              ) -> "SupervisedProcess | int | None":
+              keepalive: float) -> "SupervisedProcess | int | None":
         """The word to the staged process: the run's files and the supervisor, then the secret
         environment (so no value reaches a file or a command line), on the channel the check
-        opened. tools: files the job runs, into <workdir>/.cluster/tools (doctor's collective)."""
+        opened."""
         ch, self.staged = self.staged, None
         if ch is None:
             raise ClusterError("the node was not checked in this launch")
         args = ["--run-id", _run_id(node), "--node", node.host.name, "--grace", f"{grace:g}"]
         args += ["--detach"] if detach else ["--keepalive", f"{keepalive:g}"]
         config = (json.dumps({"env": dict(secrets)}) + "\n").encode()
-        ch.write(shipping.start(self.dir, args, node.script.encode(), self._extra(node, tools))
+        ch.write(shipping.start(self.dir, args, node.script.encode(), container_record(node))
                  + config)
         if not detach:
             return SupervisedProcess(node, self, ch, grace)
@@ -179,17 +180,6 @@ class SupervisedNode:
             raise ClusterError(f"start failed: {said.decode(errors='replace').strip()[-500:]}")
         lines = said.decode(errors="replace").strip().splitlines()
         return int(lines[-1]) if lines and lines[-1].isdigit() else None
-
-    def _extra(self, node: NodePlan, tools: Mapping[str, bytes] | None) -> list[tuple[str, bytes, int]]:
-        """The container's record first (any stop, even one racing the start, finds it by
-        it), then the tools, by absolute path under the workdir the check made."""
-        extra = []
-        container = container_record(node)
-        if container is not None:
-            extra.append(("container.json", container, 0o600))
-        for name, data in (tools or {}).items():
-            extra.append((f"{self.workdir or node.host.workdir}/{TOOLS_DIR}/{name}", data, 0o600))
-        return extra
 
     def stop(self, grace: float) -> dict[str, Any]:
         res = self.run(shipping.on_disk(self.dir, "stop", self.dir, "--grace", f"{grace:g}"),

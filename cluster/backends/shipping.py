@@ -8,12 +8,13 @@ A bundle is one JSON line, then the bytes it names, read to the byte:
 
 Each file with MODE null is a module of cluster/remote, loaded in memory in that order (a later
 one imports an earlier one by name); each with a MODE is written privately into D (a temporary
-name, then a rename; a NAME that is an absolute path goes there, its folders made 0700). Then
+name, then a rename; folders in NAME that are missing are made, 0700). Then
 MODULE's main(ARGS) runs: the one just loaded, else D/MODULE.py from the node's disk. An integer
 from main ends the process with that status; None reads the next bundle from the same input,
 and the end of input there ends the process (status 0). That is how a launch costs one process
 and one round trip per node: the check's probe answers and waits (SupervisedNode.stage); its
 next bundle writes the run's files and becomes the supervisor, or the end of input lets it go.
+A file a job runs that cluster brings (doctor's collective) rides with the check's bundle.
 What follows a bundle on the input is the program's own (the supervisor's secret line and
 heartbeats, exec's `stop`).
 """
@@ -72,11 +73,13 @@ def bundle(run: Sequence[str], modules: Iterable[str] = (), dir: str | None = No
     return (json.dumps(head) + "\n").encode() + b"".join(d for _, d, _ in parts)
 
 
-def program(name: str, *args: str) -> bytes:
-    """A node-side program of PROGRAMS, ready to run with its arguments."""
+def program(name: str, *args: str, dir: str | None = None,
+            files: Iterable[tuple[str, bytes, int]] = ()) -> bytes:
+    """A node-side program of PROGRAMS, ready to run with its arguments (files: written into
+    dir before it runs)."""
     if name not in PROGRAMS:
         raise ValueError(f"no node-side program {name!r}")
-    return bundle([name, *args], PROGRAMS[name])
+    return bundle([name, *args], PROGRAMS[name], dir, files)
 
 
 def on_disk(run_dir: str, *args: str) -> bytes:
@@ -84,12 +87,12 @@ def on_disk(run_dir: str, *args: str) -> bytes:
     return bundle(["supervisor", *args], dir=run_dir)
 
 
-def start(run_dir: str, args: Sequence[str], script: bytes,
-          extra: Iterable[tuple[str, bytes, int]] = ()) -> bytes:
-    """A staged node's start: the run's files into run_dir (`extra` first: the container's
-    record, which any stop, even one racing the start, finds; the tools a job runs), then
-    the supervisor from there with args."""
-    files = list(extra) + [(f"{n}.py", source(n), 0o600) for n in SUPERVISOR_FILES]
+def start(run_dir: str, args: Sequence[str], script: bytes, container: bytes | None = None) -> bytes:
+    """A staged node's start: the run's files into run_dir (the container's record first,
+    which any stop, even one racing the start, finds), then the supervisor from there with
+    args."""
+    files = [("container.json", container, 0o600)] if container is not None else []
+    files += [(f"{n}.py", source(n), 0o600) for n in SUPERVISOR_FILES]
     files.append(("launch.sh", script, 0o700))
     return bundle(["supervisor", "run", run_dir, *args], dir=run_dir, files=files)
 

@@ -53,7 +53,7 @@ class SupervisedBackend:
         self.keepalive = keepalive
         self._beating: list[SupervisedProcess] = []
         self._closed = threading.Event()
-        # Files a job runs that each node's start brings into <workdir>/.cluster/tools, by
+        # Files a job runs that each node's check brings into <workdir>/.cluster/tools, by
         # name (cluster doctor's collective program).
         self.tools: dict[str, bytes] = {}
 
@@ -79,7 +79,7 @@ class SupervisedBackend:
         def one(node: NodePlan) -> dict[str, Any]:
             remote = self._nodes[node.host.name]
             if not reach:
-                return remote.stage(node, plan, port=node is plan.master)
+                return remote.stage(node, plan, port=node is plan.master, tools=self.tools)
             if node is plan.master:
                 try:
                     state["listener"] = remote.listen(plan.master_port, seconds=90)
@@ -91,7 +91,7 @@ class SupervisedBackend:
                 self.transport(node.host).open()    # the handshake while the listener starts
                 listening.wait(120)
             target = None if "busy" in state else (plan.master_addr, plan.master_port)
-            facts = remote.stage(node, plan, connect=target)
+            facts = remote.stage(node, plan, connect=target, tools=self.tools)
             if node is plan.master:
                 facts["port_free"] = "busy" not in state
             return facts
@@ -190,7 +190,7 @@ class SupervisedBackend:
 
         def one(n: NodePlan) -> Any:
             return self._nodes[n.host.name].start(n, detach, secrets.get(n.host.name, {}),
-                                                  plan.stop_grace, self.keepalive, self.tools)
+                                                  plan.stop_grace, self.keepalive)
         results = self.each(plan.nodes, one)
         failed = [(n, r) for n, r in results if isinstance(r, Exception)]
         if failed:

@@ -101,13 +101,17 @@ def test_end_of_input_in_the_middle_of_a_file_writes_nothing_and_runs_nothing(tm
     assert sorted(os.listdir(d)) == ["launch.sh"]            # whole, or not there at all
 
 
-def test_a_file_named_by_an_absolute_path_lands_there_in_private_folders(tmp_path: Path) -> None:
-    tool = tmp_path / "work" / ".cluster" / "tools" / "collective.py"
-    files = [(str(tool), b"print('hi')\n", 0o600), ("supervisor.py", FAKE_SUPERVISOR, 0o600)]
-    res = boot(go(tmp_path / "run", files, []))
-    assert res.returncode == 7, res.stderr
-    assert tool.read_bytes() == b"print('hi')\n"
-    assert stat.S_IMODE(tool.parent.stat().st_mode) == 0o700
+def test_a_tool_lands_under_the_workdir_before_the_probe_looks_for_it(tmp_path: Path) -> None:
+    """doctor's collective rides with the check: the probe's script check finds it."""
+    work = tmp_path / "work"
+    tool = ".cluster/tools/collective.py"
+    res = boot(program("probe", "facts", "--workdir", str(work), "--dir", str(tmp_path / "run"),
+                       "--script", tool, dir=str(work), files=[(tool, b"print('hi')\n", 0o600)]))
+    assert res.returncode == 0, res.stderr
+    assert (work / tool).read_bytes() == b"print('hi')\n"
+    assert stat.S_IMODE((work / tool).stat().st_mode) == 0o600
+    assert stat.S_IMODE((work / ".cluster" / "tools").stat().st_mode) == 0o700
+    assert facts_of(res)["script"]["file"] is True, facts_of(res)["script"]
 
 
 def test_nothing_rides_on_the_command_line() -> None:
