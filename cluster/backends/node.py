@@ -42,15 +42,16 @@ class SupervisedNode:
         self.dir = run_dir               # made absolute by the check
         self.staged: Channel | None = None
 
-    def run(self, bundle: bytes, timeout: float | None = None) -> Result:
+    def run(self, bundle: shipping.Bundle, timeout: float | None = None) -> Result:
         """A program that answers and ends: one round trip."""
-        return self.transport.run(shipping.boot_command(self.exe), timeout=timeout, input=bundle)
+        return self.transport.run(shipping.boot_command(self.exe, bundle), timeout=timeout,
+                                  input=bundle.data)
 
-    def spawn(self, bundle: bytes) -> Channel:
+    def spawn(self, bundle: shipping.Bundle) -> Channel:
         """A program that streams; the channel is then the program's own."""
-        ch = self.transport.spawn(shipping.boot_command(self.exe))
+        ch = self.transport.spawn(shipping.boot_command(self.exe, bundle))
         try:
-            ch.write(bundle)
+            ch.write(bundle.data)
         except ClusterError:
             pass     # it ended before reading (no such python): its output and status say why
         return ch
@@ -98,8 +99,9 @@ class SupervisedNode:
         if node.script_file:             # is the job's script there, before anything starts
             args += ["--script", node.script_file]
         files = [(f"{TOOLS_DIR}/{name}", data, 0o600) for name, data in (tools or {}).items()]
-        ch = self.transport.spawn(shipping.boot_command(self.exe))
-        ch.write(shipping.program("probe", "facts", *args, dir=node.host.workdir, files=files))
+        probe = shipping.program("probe", "facts", *args, dir=node.host.workdir, files=files)
+        ch = self.transport.spawn(shipping.boot_command(self.exe, probe))
+        ch.write(probe.data)
         said, noise = b"", b""
         while not said.endswith(b"\n"):
             data = ch.read()
@@ -138,8 +140,9 @@ class SupervisedNode:
     def listen(self, port: int, seconds: float) -> Channel:
         """A short-lived listener on port (as torchrun's store will listen), until the
         returned channel is closed; raises if it cannot listen."""
-        ch = self.transport.spawn(shipping.boot_command(self.exe))
-        ch.write(shipping.program("probe", "listen", "--port", str(port), "--seconds", f"{seconds:g}"))
+        listen = shipping.program("probe", "listen", "--port", str(port), "--seconds", f"{seconds:g}")
+        ch = self.transport.spawn(shipping.boot_command(self.exe, listen))
+        ch.write(listen.data)
         said = b""
         while b"listening" not in said and (data := ch.read()):
             said += data                   # the setup lines' output may come first; it ends on error
@@ -169,7 +172,7 @@ class SupervisedNode:
         args = ["--run-id", _run_id(node), "--node", node.host.name, "--grace", f"{grace:g}"]
         args += ["--detach"] if detach else ["--keepalive", f"{keepalive:g}"]
         config = (json.dumps({"env": dict(secrets)}) + "\n").encode()
-        ch.write(shipping.start(self.dir, args, node.script.encode(), container_record(node))
+        ch.write(shipping.start(self.dir, args, node.script.encode(), container_record(node)).data
                  + config)
         if not detach:
             return SupervisedProcess(node, self, ch, grace)

@@ -17,12 +17,17 @@ next bundle writes the run's files and becomes the supervisor, or the end of inp
 A file a job runs that cluster brings (doctor's collective) rides with the check's bundle.
 What follows a bundle on the input is the program's own (the supervisor's secret line and
 heartbeats, exec's `stop`).
+
+The command line also shows the first bundle's program and arguments, for `ps` on the node
+only (the bootloader reads them from the bundle): what runs there can be told at a glance, and
+no secret is ever among them (secrets travel on the input, after the bundle).
 """
 from __future__ import annotations
 
 import json
 import shlex
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 REMOTE = Path(__file__).resolve().parent.parent / "remote"
@@ -57,24 +62,31 @@ PROGRAMS = {"probe": ("probe",),
 SUPERVISOR_FILES = ("supervisor", "workers", "family")
 
 
-def boot_command(exe: str) -> str:
-    """The one command line for any program on a node. exe: the shell words that run the
-    node's python (plan.python_command)."""
-    return f"{exe} -c {shlex.quote(BOOT)}"
+@dataclass(frozen=True)
+class Bundle:
+    run: tuple[str, ...]             # the module whose main runs, then its arguments
+    data: bytes                      # the header and the bytes, as the bootloader reads them
+
+
+def boot_command(exe: str, first: Bundle) -> str:
+    """The one command line for any program on a node, showing the first bundle's program.
+    exe: the shell words that run the node's python (plan.python_command)."""
+    return " ".join([exe, "-c", shlex.quote(BOOT), *(shlex.quote(a) for a in first.run)])
 
 
 def bundle(run: Sequence[str], modules: Iterable[str] = (), dir: str | None = None,
-           files: Iterable[tuple[str, bytes, int]] = ()) -> bytes:
+           files: Iterable[tuple[str, bytes, int]] = ()) -> Bundle:
     """run: the module whose main runs, then its arguments; modules: cluster/remote modules
     loaded in memory first; files: (name, bytes, mode) written into dir."""
     parts: list[tuple[str, bytes, int | None]] = [(name, source(name), None) for name in modules]
     parts += [(name, data, mode) for name, data, mode in files]
     head = {"dir": dir, "files": [[n, len(d), m] for n, d, m in parts], "run": list(run)}
-    return (json.dumps(head) + "\n").encode() + b"".join(d for _, d, _ in parts)
+    data = (json.dumps(head) + "\n").encode() + b"".join(d for _, d, _ in parts)
+    return Bundle(tuple(run), data)
 
 
 def program(name: str, *args: str, dir: str | None = None,
-            files: Iterable[tuple[str, bytes, int]] = ()) -> bytes:
+            files: Iterable[tuple[str, bytes, int]] = ()) -> Bundle:
     """A node-side program of PROGRAMS, ready to run with its arguments (files: written into
     dir before it runs)."""
     if name not in PROGRAMS:
@@ -82,12 +94,12 @@ def program(name: str, *args: str, dir: str | None = None,
     return bundle([name, *args], PROGRAMS[name], dir, files)
 
 
-def on_disk(run_dir: str, *args: str) -> bytes:
+def on_disk(run_dir: str, *args: str) -> Bundle:
     """The supervisor a run's start left in run_dir, run with args (stop, logs)."""
     return bundle(["supervisor", *args], dir=run_dir)
 
 
-def start(run_dir: str, args: Sequence[str], script: bytes, container: bytes | None = None) -> bytes:
+def start(run_dir: str, args: Sequence[str], script: bytes, container: bytes | None = None) -> Bundle:
     """A staged node's start: the run's files into run_dir (the container's record first,
     which any stop, even one racing the start, finds), then the supervisor from there with
     args."""

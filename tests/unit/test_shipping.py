@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.backends.shipping import BOOT, bundle, program
+from cluster.backends.shipping import BOOT, boot_command, bundle, program
 
 # Stands in for supervisor.py: says how it was called and what input was left for it.
 FAKE_SUPERVISOR = b"""import os, sys
@@ -33,11 +33,11 @@ def boot(data: bytes, umask: int = 0o022) -> subprocess.CompletedProcess:
 
 
 def stage(tmp_path: Path, after: bytes, umask: int = 0o022) -> subprocess.CompletedProcess:
-    return boot(program("probe", "facts", "--dir", str(tmp_path / "run")) + after, umask)
+    return boot(program("probe", "facts", "--dir", str(tmp_path / "run")).data + after, umask)
 
 
 def go(d: Path, files: list[tuple[str, bytes, int]], args: list[str]) -> bytes:
-    return bundle(["supervisor", "run", str(d), *args], dir=str(d), files=files)
+    return bundle(["supervisor", "run", str(d), *args], dir=str(d), files=files).data
 
 
 def facts_of(res: subprocess.CompletedProcess) -> dict:
@@ -106,7 +106,7 @@ def test_a_tool_lands_under_the_workdir_before_the_probe_looks_for_it(tmp_path: 
     work = tmp_path / "work"
     tool = ".cluster/tools/collective.py"
     res = boot(program("probe", "facts", "--workdir", str(work), "--dir", str(tmp_path / "run"),
-                       "--script", tool, dir=str(work), files=[(tool, b"print('hi')\n", 0o600)]))
+                       "--script", tool, dir=str(work), files=[(tool, b"print('hi')\n", 0o600)]).data)
     assert res.returncode == 0, res.stderr
     assert (work / tool).read_bytes() == b"print('hi')\n"
     assert stat.S_IMODE((work / tool).stat().st_mode) == 0o600
@@ -114,6 +114,11 @@ def test_a_tool_lands_under_the_workdir_before_the_probe_looks_for_it(tmp_path: 
     assert facts_of(res)["script"]["file"] is True, facts_of(res)["script"]
 
 
-def test_nothing_rides_on_the_command_line() -> None:
-    """Every program's arguments travel in its bundle: the command line is the bootloader."""
-    assert "facts" not in BOOT and "--dir" not in BOOT
+def test_the_command_line_shows_the_program_which_runs_from_its_bundle(tmp_path: Path) -> None:
+    """`ps` on a node tells what runs; the bootloader reads what to run from the bundle only."""
+    facts = program("probe", "facts", "--dir", str(tmp_path / "run"))
+    assert boot_command("python3", facts).endswith(f" probe facts --dir {tmp_path / 'run'}")
+    res = subprocess.run([sys.executable, "-c", BOOT, "clean", "--workdir", "/"],
+                         input=facts.data, capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert facts_of(res)["dir"] == str(tmp_path / "run")

@@ -178,7 +178,7 @@ def probe(d: Path, port: int) -> dict:
     """The probe's facts, as a launch's check asks for them (through the bootloader)."""
     from cluster.backends.shipping import BOOT, program
     out = subprocess.run([sys.executable, "-c", BOOT], capture_output=True, timeout=60,
-                         input=program("probe", "facts", "--dir", str(d), "--port", str(port)))
+                         input=program("probe", "facts", "--dir", str(d), "--port", str(port)).data)
     return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
 

@@ -53,7 +53,7 @@ def node_bin(tmp_path: Path, smi: str | None) -> Path:
 def ask(args: list[str], bin_dir: Path) -> Result:
     """The node's status program, as the backend's run_program sends it."""
     env = dict(os.environ, PATH=str(bin_dir))
-    p = subprocess.run([sys.executable, "-c", BOOT], input=program("status", *args),
+    p = subprocess.run([sys.executable, "-c", BOOT], input=program("status", *args).data,
                        capture_output=True, env=env)
     return Result(p.returncode, p.stdout, p.stderr)
 
