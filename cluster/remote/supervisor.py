@@ -24,6 +24,10 @@ has no launcher by design: it ignores its input after the first line and runs un
 Stopping is by identity, verified before every signal: a process is signalled only if its
 environment carries this run's id and node name, or it belongs to the run's process group while
 that group is known to be ours (this supervisor is alive, or is the one stopping it).
+
+Over 500 lines: one concept, a run's life on one node (start, watch, stop by identity, report),
+read by its users top to bottom; what stands apart already is (family.py: a process's
+descendants; workers.py: torchrun's workers).
 """
 import argparse
 import json
