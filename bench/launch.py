@@ -309,10 +309,13 @@ def fanout(sizes: list[int], repeats: int, results: dict) -> None:
                   f"threads, {cpu:.1f} s CPU (pdsh and its ssh clients: "
                   f"{statistics.median(pdsh_cpu):.1f} s, ratio {cpu / statistics.median(pdsh_cpu):.2f}); "
                   f"phases {f['timings']}", flush=True)
-            per = lambda kind: sorted(c[kind] for c in sessions.values())  # noqa: E731
-            print(f"fanout {n:4d} nodes: per node, SSH commands {per('exec')[0]}-{per('exec')[-1]}, "
-                  f"SFTP sessions {per('sftp')[0]}-{per('sftp')[-1]} ({len(sessions)} nodes "
-                  f"counted)", flush=True)
+            def per(kind: str) -> str:      # "1 on 31 nodes, 2 on 1"
+                counts: dict[int, int] = {}
+                for c in sessions.values():
+                    counts[c[kind]] = counts.get(c[kind], 0) + 1
+                return ", ".join(f"{k} on {v}" for k, v in sorted(counts.items()))
+            print(f"fanout {n:4d} nodes: per node, SSH commands: {per('exec')}; SFTP sessions: "
+                  f"{per('sftp')} (the master's second command is the port's listener)", flush=True)
             results["fanout"][n] = {"cluster": ours, "pdsh": pdsh, "pdsh_cpu": pdsh_cpu,
                                     "ssh_loop": loop, "launcher": facts, "sessions": sessions}
 
