@@ -14,8 +14,7 @@ from typing import BinaryIO
 
 from ..errors import ClusterError, InputError
 from ..spec import Host, Inventory, Network
-from .supervised import SupervisedBackend
-from .transport import Result
+from .supervised import Result, SupervisedBackend
 
 
 def visible_gpus() -> list[str]:
