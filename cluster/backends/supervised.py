@@ -144,9 +144,6 @@ class SupervisedBackend:
         return {n.host.name: (r if not isinstance(r, Exception) else {"ok": False, "error": str(r)})
                 for n, r in results}
 
-    def push(self, plan: LaunchPlan) -> None:
-        """Nothing: each node's files travel with its start, in the same round trip."""
-
     def each_or_fail(self, nodes: Any, fn: Callable[[Any], Any],
                      phase: str | None = None) -> list[tuple[Any, Any]]:
         """A check on every node at once; if any fails, one PreflightError listing each."""
