@@ -12,7 +12,9 @@ each repeated (A B C A B C ...) and reported as median [min-max]:
              every marker exists. `cluster up` (a template override: no torch, so the
              launcher's own cost is what is measured; the check phase, the push and the
              supervisors included) vs `pdsh -R ssh -f 64` running the same script vs a plain
-             loop of `ssh ... &`. Also the launching process's peak memory, threads and CPU.
+             loop of `ssh ... &`. Also the launching process's peak memory, threads and CPU,
+             and, from one more launch outside the timed ones, the SSH commands (channels
+             that exec a command) and SFTP sessions it opened per node.
   launch     a tiny gloo all_reduce at 3 and 8 nodes, start to done: `cluster up` (c10d and
              static rendezvous) vs bare torchrun started over an ssh loop; where cluster's time
              goes (run.json's timings: check, reach, push, start).
@@ -62,6 +64,25 @@ sys.exit(0 if child.wait() == 0 else 1)
 
 def stats(values: list[float]) -> str:
     return f"{statistics.median(values):7.2f} s [{min(values):.2f}-{max(values):.2f}]"
+
+
+# Counts, in the launcher's process, every SSH command (a channel's exec) and SFTP session per
+# node: imported at its start as sitecustomize (PYTHONPATH), written out as it exits.
+COUNT_SESSIONS = """\
+import atexit, collections, json, os, threading
+import paramiko
+_counts, _lock = collections.defaultdict(lambda: {"exec": 0, "sftp": 0}), threading.Lock()
+def _counting(kind, real):
+    def call(self, *args, **kwargs):
+        peer = self.get_transport().getpeername()[0]
+        with _lock:
+            _counts[peer][kind] += 1
+        return real(self, *args, **kwargs)
+    return call
+paramiko.Channel.exec_command = _counting("exec", paramiko.Channel.exec_command)
+paramiko.Channel.invoke_subsystem = _counting("sftp", paramiko.Channel.invoke_subsystem)
+atexit.register(lambda: open(os.environ["CLUSTER_BENCH_SESSIONS"], "w").write(json.dumps(_counts)))
+"""
 
 
 class Bench:
@@ -126,6 +147,20 @@ class Bench:
             raise SystemExit(f"cluster up failed: {proc.stderr.read()[-2000:]}")
         return took, {"rss_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
                       "threads": peak.threads, "timings": self.timings()}
+
+    def sessions_cluster(self, n: int) -> dict[str, dict[str, int]]:
+        """One more fan-out launch, not timed: {node address: {"exec": SSH commands, "sftp":
+        SFTP sessions}} the launcher opened."""
+        hook = self.tmp / "count-sessions"
+        hook.mkdir(exist_ok=True)
+        (hook / "sitecustomize.py").write_text(COUNT_SESSIONS)
+        out = self.tmp / "sessions.json"
+        env = dict(self.env, PYTHONPATH=f"{hook}:{ROOT}", CLUSTER_BENCH_SESSIONS=str(out))
+        self.clear()
+        subprocess.run([sys.executable, "-m", "cluster", "up", "-i", self.inventory(n), "--templates",
+                        str(self.tpl), "--", "x"], cwd=self.work, env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(out.read_text())
 
     def fanout_pdsh(self, n: int) -> tuple[float, float]:
         """Seconds until every marker exists, and the CPU seconds of pdsh with its ssh clients."""
@@ -265,6 +300,7 @@ def fanout(sizes: list[int], repeats: int, results: dict) -> None:
                 pdsh_cpu.append(cpu)
                 loop.append(b.fanout_ssh_loop(n))
             ratio = statistics.median(ours) / statistics.median(pdsh)
+            sessions = b.sessions_cluster(n)
             cpu = statistics.median(x["cpu_s"] for x in facts)
             f = facts[len(facts) // 2]
             print(f"fanout {n:4d} nodes: cluster {stats(ours)}  pdsh {stats(pdsh)}  "
@@ -273,8 +309,15 @@ def fanout(sizes: list[int], repeats: int, results: dict) -> None:
                   f"threads, {cpu:.1f} s CPU (pdsh and its ssh clients: "
                   f"{statistics.median(pdsh_cpu):.1f} s, ratio {cpu / statistics.median(pdsh_cpu):.2f}); "
                   f"phases {f['timings']}", flush=True)
+            def per(kind: str) -> str:      # "1 on 31 nodes, 2 on 1"
+                counts: dict[int, int] = {}
+                for c in sessions.values():
+                    counts[c[kind]] = counts.get(c[kind], 0) + 1
+                return ", ".join(f"{k} on {v}" for k, v in sorted(counts.items()))
+            print(f"fanout {n:4d} nodes: per node, SSH commands: {per('exec')}; SFTP sessions: "
+                  f"{per('sftp')} (the master's second command is the port's listener)", flush=True)
             results["fanout"][n] = {"cluster": ours, "pdsh": pdsh, "pdsh_cpu": pdsh_cpu,
-                                    "ssh_loop": loop, "launcher": facts}
+                                    "ssh_loop": loop, "launcher": facts, "sessions": sessions}
 
 
 def launch(sizes: list[int], repeats: int, results: dict) -> None:

@@ -5,7 +5,8 @@ per policy), what each node has (python, torch, CUDA, cuDNN, NCCL, driver, GPUs 
 they are busy, /dev/shm, free disk, open-file limit, clock offset), the interface that reaches
 the master, the master port free there and open to every node. Differences across nodes that
 break a job fail, the others warn; the fingerprint shows each value once with the nodes that
-have it. `--deep` runs a real collective across all nodes (cluster/remote/collective.py):
+have it. `--deep` runs a real collective across all nodes (cluster/remote/collective.py, which each
+remote node's check brings into its workdir's .cluster/tools):
 the all_reduce sum, bus bandwidth per message size, and bandwidth between every pair of nodes,
 naming the slow one. `measure_collective` is the one function that runs such a collective with
 given environment variables; `--tune-nccl` (tune_nccl) runs it once per NCCL socket setting.
@@ -28,13 +29,14 @@ from . import tuning
 from .errors import ClusterError, PreflightError, RunFailed
 from .plan import Job, LaunchPlan, Templates, container_check, render, shquote
 from .preflight import FAIL, PASS, Clock, Finding, clock_offset, evaluate, fingerprint
+from .backends import REMOTE_NODES, supports
+from .backends.node import TOOLS_DIR
 from .runs import DOCTOR_PREFIX, RunDir, new_run_id
 from .spec import Inventory, container_name
 from .console import Console, NodeProgress
 
 SCHEMA = 1
-REMOTE = Path(__file__).resolve().parent / "remote"
-TOOLS_SUBDIR = ".cluster/tools"          # where --deep syncs the collective program, over SSH
+COLLECTIVE = Path(__file__).resolve().parent / "remote" / "collective.py"
 SLOW_LINK = 0.5                          # a pair below half the median bandwidth is slow
 DEEP_SIZES = (65536, 1 << 20, 16 << 20)  # --deep's message sizes, bytes
 
@@ -130,7 +132,7 @@ def survey(backend: Any, plan: LaunchPlan, now: Callable[[], float] = time.time,
             continue
         facts[name], clock[name] = r
         findings.append(Finding(name, "ssh", PASS, "logged in over SSH (batch mode, host key checked)"
-                                if backend.name == "ssh" else f"reached ({backend.name})"))
+                                if supports(backend, REMOTE_NODES) else f"reached ({backend.name})"))
     return facts, clock, findings
 
 
@@ -169,7 +171,7 @@ def look_inside(backend: Any, plan: LaunchPlan, templates: Templates,
 
 
 def inside(transport: Any, node: Any, plan: LaunchPlan, templates: Templates) -> dict[str, Any]:
-    box = node.host.container
+    container = node.host.container
     name = container_name(plan.run_id, node.host.name)
     script = container_check(node.host, name, templates, IMAGE_CHECK)
     res = transport.run("bash -s", input=script.encode(), timeout=INSIDE_TIMEOUT)
@@ -177,7 +179,7 @@ def inside(transport: Any, node: Any, plan: LaunchPlan, templates: Templates) ->
         if line.startswith("@@inside "):
             return json.loads(line[len("@@inside "):])
     if res.code is None:          # timed out or cut: the container may still be there
-        transport.run(f"{box.runtime} rm --force {shquote(name)}", timeout=60)
+        transport.run(f"{container.runtime} rm --force {shquote(name)}", timeout=60)
     said = [line for line in res.text().splitlines() if "level=warning" not in line]
     return {"error": "\n".join(said)[-500:] or f"exit code {res.code}"}
 
@@ -185,8 +187,10 @@ def inside(transport: Any, node: Any, plan: LaunchPlan, templates: Templates) ->
 # --- --deep: a real collective -----------------------------------------------------------------
 
 
-def collective_job(run_id: str, over_ssh: bool) -> Job:
-    script = f"{TOOLS_SUBDIR}/collective.py" if over_ssh else str(REMOTE / "collective.py")
+def collective_job(run_id: str, shipped: bool) -> Job:
+    """The collective as a job: where each node's start put it (shipped, relative to the
+    workdir), else where it is here (nodes on this machine)."""
+    script = f"{TOOLS_DIR}/{COLLECTIVE.name}" if shipped else str(COLLECTIVE)
     return Job(run_id=run_id, script=script)
 
 
@@ -206,12 +210,17 @@ class Measure(Protocol):
 def collective(inventory: Inventory, backend: Any, templates: Templates) -> Measure:
     """measure(env, sizes, iters): one run of the collective on the inventory's nodes with env
     added, started and recorded like any run, through cluster.launch: as runs/doctor-<id>/,
-    which status, logs, down and top pass over when no RUN is named."""
+    which status, logs, down and top pass over when no RUN is named. Remote nodes get the
+    collective program with each check (backend.tools), in the same round trip."""
     from . import launch
+    shipped = supports(backend, REMOTE_NODES)
+    if shipped:
+        backend.tools[COLLECTIVE.name] = COLLECTIVE.read_bytes()
+
     def measure(env: Mapping[str, str], sizes: Sequence[int] = DEEP_SIZES, iters: int = 5) -> dict[str, Any]:
-        job = collective_job(f"{DOCTOR_PREFIX}{new_run_id()}", over_ssh=backend.name == "ssh")
+        job = collective_job(f"{DOCTOR_PREFIX}{new_run_id()}", shipped)
         run = RunDir.create(job.run_id)
-        if backend.name == "local":
+        if not shipped:        # nodes on this machine: their folders under the run's here
             job = dataclasses.replace(job, node_root=run.node_root())
         return measure_collective(
             inventory, lambda inv, j, c: launch.up(inv, j, templates, backend, run,

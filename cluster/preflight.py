@@ -124,43 +124,43 @@ RUNTIME_FIX = {
 }
 
 
-def container_finding(name: str, box: Container, c: Mapping[str, Any]) -> Finding:
+def container_finding(name: str, container: Container, c: Mapping[str, Any]) -> Finding:
     """The runtime answers and the image is on the node (a pull at the start would hold every
     other node at the rendezvous meanwhile); with doctor's deeper look, whether its registry
     has an image that is not there."""
-    pull = f"{box.runtime} pull {box.image}"
+    pull = f"{container.runtime} pull {container.image}"
     if c.get("error"):
-        return Finding(name, "container", FAIL, c["error"], RUNTIME_FIX[box.runtime])
+        return Finding(name, "container", FAIL, c["error"], RUNTIME_FIX[container.runtime])
     if c.get("image_id"):
-        return Finding(name, "container", PASS, f"image {box.image} ({c['image_id'][:19]}), "
+        return Finding(name, "container", PASS, f"image {container.image} ({c['image_id'][:19]}), "
                        f"{c.get('version')}")
     if c.get("pullable"):
-        return Finding(name, "container", WARN, f"image {box.image} is not on this node; its "
+        return Finding(name, "container", WARN, f"image {container.image} is not on this node; its "
                        f"registry has it", f"pull it ahead ({pull}): a pull at the start holds "
                        f"every other node at the rendezvous")
     if "pullable" in c:
-        return Finding(name, "container", FAIL, f"image {box.image} is not on this node and "
+        return Finding(name, "container", FAIL, f"image {container.image} is not on this node and "
                        f"cannot be pulled: {c.get('pull_error')}",
-                       f"check its name and the registry login, or `{box.runtime} load` it there")
-    return Finding(name, "container", FAIL, f"image {box.image} is not on this node",
+                       f"check its name and the registry login, or `{container.runtime} load` it there")
+    return Finding(name, "container", FAIL, f"image {container.image} is not on this node",
                    f"pull it there first ({pull}); cluster doctor says whether its registry has it")
 
 
-def inside_findings(name: str, box: Container, gpus: Sequence[Any],
+def inside_findings(name: str, container: Container, gpus: Sequence[Any],
                     inside: Mapping[str, Any]) -> list[Finding]:
     """What the container sees, started as a run starts it: torch, and the node's GPUs."""
     if inside.get("error"):
-        return [Finding(name, "image torch", FAIL, f"in {box.image}: {inside['error']}",
-                        f"check that {box.python} in the image has torch (container.python)")]
+        return [Finding(name, "image torch", FAIL, f"in {container.image}: {inside['error']}",
+                        f"check that {container.python} in the image has torch (container.python)")]
     out = [Finding(name, "image torch", PASS, f"torch {inside.get('torch')} (CUDA "
-                   f"{inside.get('cuda') or 'none'}), python {inside.get('python')} in {box.image}")]
+                   f"{inside.get('cuda') or 'none'}), python {inside.get('python')} in {container.image}")]
     seen = inside.get("device_count") or 0
     if gpus and not seen:
         out.append(Finding(name, "image gpus", FAIL, f"the node has {len(gpus)} GPU(s); none is "
-                           f"visible in the container", GPU_FIX[box.runtime]))
+                           f"visible in the container", GPU_FIX[container.runtime]))
     elif gpus and seen < len(gpus):
         out.append(Finding(name, "image gpus", WARN, f"{seen} of the node's {len(gpus)} GPU(s) "
-                           f"visible in the container", GPU_FIX[box.runtime]))
+                           f"visible in the container", GPU_FIX[container.runtime]))
     elif gpus:
         out.append(Finding(name, "image gpus", PASS, f"{seen} GPU(s) visible in the container"))
     return out
@@ -284,11 +284,11 @@ def fingerprint(facts: Facts, *, deep: bool = False) -> dict[str, dict[str, list
     def put(attr: str, node: str, value: Any) -> None:
         rows.setdefault(attr, {}).setdefault(str(value), []).append(node)
     for node, f in facts.items():
-        torch, box, inside = f.get("torch"), f.get("container"), f.get("inside") or {}
+        torch, container, inside = f.get("torch"), f.get("container"), f.get("inside") or {}
         put("python", node, f.get("python"))
-        if box:                   # torch is the image's: the same image, and what it holds
-            found = box.get("image_id") or ("unknown" if box.get("error") else "absent")
-            put("image", node, f"{box.get('image')} {found[:19]}")
+        if container:                   # torch is the image's: the same image, and what it holds
+            found = container.get("image_id") or ("unknown" if container.get("error") else "absent")
+            put("image", node, f"{container.get('image')} {found[:19]}")
             if inside.get("torch"):
                 put("torch", node, inside["torch"])
                 put("torch CUDA", node, inside.get("cuda"))
@@ -296,7 +296,7 @@ def fingerprint(facts: Facts, *, deep: bool = False) -> dict[str, dict[str, list
             put("torch", node, torch.get("version"))
             put("torch CUDA", node, torch.get("cuda"))
         if deep:
-            rt = inside if box else (f.get("torch_runtime") or {})
+            rt = inside if container else (f.get("torch_runtime") or {})
             gpus = listed_gpus(f)
             put("NCCL", node, rt.get("nccl"))
             put("cuDNN", node, rt.get("cudnn"))

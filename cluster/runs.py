@@ -25,7 +25,6 @@ from typing import Any
 
 from . import spec
 from .errors import InputError
-from .plan import NodePlan
 
 RUNS_ENV = "CLUSTER_RUNS_DIR"
 DOCTOR_PREFIX = "doctor-"     # `cluster doctor --deep`'s collectives: found by id, never as the newest
@@ -156,10 +155,6 @@ class RunDir:
         meta = self.meta()
         meta.update(fields)
         self.write_meta(meta)
-
-    def log_path(self, node: NodePlan | dict[str, Any]) -> Path:
-        rank, name = (node.rank, node.host.name) if isinstance(node, NodePlan) else (node["rank"], node["name"])
-        return self.path / "logs" / f"{rank}-{name}.log"
 
     # -- reading --
 

@@ -1,10 +1,11 @@
 """`cluster top`: a run's nodes at a glance, refreshed: state, uptime, each GPU's utilisation
 and memory, and the reference trainer's latest step, loss and images/s.
 
-Over SSH and locally, one round trip per node per refresh, every node at once: one shell line
-(probe_command) asks the node's supervisor for its status, nvidia-smi for its GPUs (when it has
-one: a CPU node shows "-"), and, on rank 0's node, `tail` for the last lines of the trainer's
-metrics.jsonl (under its recorded `--out`). The answers are parsed by pure functions into Rows,
+Over SSH and locally, one round trip per node per refresh, every node at once: the node-side
+program cluster/remote/status.py (status_args) asks the node's supervisor for its status,
+nvidia-smi for its GPUs (when it has one: a CPU node shows "-"), and, on rank 0's node, reads
+the last lines of the trainer's metrics.jsonl (under its recorded `--out`). The answers are
+parsed by pure functions into Rows,
 which render() turns into a table. Under SLURM the rows come from the scheduler (squeue) and the
 metrics from the job's output folder here (shared with the nodes); GPU figures are not read
 there (a job step of our own inside the user's allocation would compete with it).
@@ -12,7 +13,6 @@ there (a job step of our own inside the user's allocation would compete with it)
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import time
 from collections.abc import Sequence
@@ -21,14 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .nodes import NodeStatus
-from .plan import python_command, shpath
 from .runs import RunDir
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-GPU_QUERY = "index,utilization.gpu,memory.used,memory.total"
-GPU_MARK, METRICS_MARK = "@@cluster-gpu", "@@cluster-metrics"
 METRICS_LINES = 20
 # States after which a node shows nothing new: top stops refreshing when every node is in one.
 # An unreachable node is not among them (it may answer at the next refresh).
@@ -81,29 +78,26 @@ def metrics_file(args: Sequence[str], workdir: str) -> str | None:
     return f"{path.rstrip('/')}/metrics.jsonl"
 
 
-def probe_command(exe: str, run_dir: str, metrics: str | None) -> str:
-    """One shell line for one node: the supervisor's status, the GPUs, the metrics' tail.
-    exe: the shell words that run the node's python (plan.python_command)."""
-    gone = json.dumps({"state": "gone"})
-    status = (f"if [ -d {shpath(run_dir)} ]; then {exe} "
-              f"{shpath(run_dir.rstrip('/') + '/supervisor.py')} status {shpath(run_dir)}; "
-              f"else echo {shlex.quote(gone)}; fi")
-    gpus = (f"echo {GPU_MARK}; if command -v nvidia-smi >/dev/null 2>&1; then "
-            f"nvidia-smi --query-gpu={GPU_QUERY} --format=csv,noheader,nounits 2>/dev/null; fi")
-    parts = [status, gpus]
+def status_args(run_dir: str, metrics: str | None) -> list[str]:
+    """What to ask one node's status program (cluster/remote/status.py): the supervisor's
+    status, the GPUs, the metrics' tail."""
+    args = ["--dir", run_dir, "--gpus"]
     if metrics:
-        parts.append(f"echo {METRICS_MARK}; tail -n {METRICS_LINES} {shpath(metrics)} 2>/dev/null")
-    return "; ".join(parts) + "; true"
+        args += ["--metrics", metrics, "--lines", str(METRICS_LINES)]
+    return args
 
 
-def split_answer(text: str) -> tuple[str, list[str] | None, list[str] | None]:
-    """(status JSON line, GPU lines or None, metrics lines or None) of a node's answer."""
-    head, _, rest = text.partition(GPU_MARK)
-    gpu_text, found, metrics_text = rest.partition(METRICS_MARK)
-    gpu_lines = [l.strip() for l in gpu_text.splitlines() if l.strip()]
-    metrics = [l for l in metrics_text.splitlines() if l.strip()] if found else None
-    status = head.strip().splitlines()[-1] if head.strip() else ""
-    return status, (gpu_lines or None), metrics
+def split_answer(text: str) -> tuple[dict[str, Any] | None, list[str] | None, list[str] | None]:
+    """(status, GPU lines or None, metrics lines or None) of a node's answer: its last line, a
+    JSON object (a setup line's output may come before); status None when it is not one."""
+    lines = text.strip().splitlines()
+    try:
+        said = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        said = None
+    if not isinstance(said, dict) or not isinstance(said.get("status"), dict):
+        return None, None, None
+    return said["status"], said.get("gpus"), said.get("metrics")
 
 
 def parse_gpus(lines: Sequence[str] | None) -> tuple[Gpu, ...] | None:
@@ -157,11 +151,9 @@ def row_from(rec: dict[str, Any], answer: Any) -> Row:
         return Row(rec["rank"], rec["name"], "unreachable", detail=str(answer).splitlines()[0])
     if answer.code is None:
         return Row(rec["rank"], rec["name"], "unreachable", detail=answer.text()[-200:] or "no answer")
-    status_line, gpu_lines, metrics_lines = split_answer(answer.stdout.decode(errors="replace"))
-    try:
-        status = json.loads(status_line)
-    except ValueError:
-        status = {"state": "unknown", "reason": (status_line or answer.text())[-200:]}
+    status, gpu_lines, metrics_lines = split_answer(answer.stdout.decode(errors="replace"))
+    if status is None:
+        status = {"state": "unknown", "reason": answer.text()[-200:]}
     detail = status.get("reason") or ""
     if status.get("code") is not None and status.get("state") in ("exited", "stopped"):
         detail = f"exit code {status['code']}" + (f"; {detail}" if detail else "")
@@ -182,9 +174,8 @@ def collect(run: RunDir, backend: Any) -> list[Row]:
     def ask(rec: dict[str, Any]) -> Any:
         host = hosts[rec["name"]]
         metrics = metrics_file(args, host.workdir) if rec["rank"] == 0 else None
-        command = probe_command(python_command(host.python, host.setup),
-                                rec.get("dir") or rec["run_dir"], metrics)
-        return backend.transport(host).run(command, timeout=20)
+        return backend.run_program(host, "status", *status_args(rec.get("dir") or rec["run_dir"],
+                                                                metrics), timeout=20)
     return [row_from(rec, answer) for rec, answer in backend.each(nodes, ask)]
 
 

@@ -38,10 +38,6 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU"))]
 
 
-def gpu_count() -> int:
-    return len(visible_gpus())
-
-
 def local_inventory(nodes: int = 1, nproc_per_node: int | None = None,
                     gpus: list[str] | None = None, python: str | None = None,
                     env: dict[str, str] | None = None) -> Inventory:

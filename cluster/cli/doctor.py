@@ -6,6 +6,7 @@ import sys
 import click
 
 from .. import resolve
+from ..backends import NODE_CHECKS, supports
 from .main import CONTEXT, SafePath, host_options, main
 from ..errors import InputError, PreflightError
 from ..preflight import FAIL, Finding
@@ -40,16 +41,14 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
     inventory = resolve.settings(inventory, (), None, None, host_key_policy)
     inventory = resolve.host_settings(inventory, python, user, port, identity_file)
     name = backend_name or inventory.backend
-    if name == "slurm":
+    if not supports(name, NODE_CHECKS):
         raise InputError("cluster doctor checks SSH or local nodes; under SLURM, run it inside "
                          "an allocation with the allocated hosts (--hosts)")
     if master_port:
         inventory = dataclasses.replace(inventory, hosts=tuple(
             h.replace(master_port=master_port) for h in inventory.hosts))
     templates = Templates()
-    collective = deep or tune_nccl
-    sync = [(str(doc.REMOTE), doc.TOOLS_SUBDIR)] if collective and name == "ssh" else []
-    backend = resolve.backend(name, inventory, sync=sync)
+    backend = resolve.backend(name, inventory, sync=[])
     measure = doc.collective(inventory, backend, templates)
     backend.progress = progress = doc.PhaseLines(sys.stderr)
 

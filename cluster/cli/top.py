@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from .. import resolve
+from ..backends import EXEC, supports
 from .main import CONTEXT, complete_run, main
 from ..runs import RunDir
 
@@ -28,7 +29,7 @@ def top(run: str | None, interval: float, once: bool) -> None:
     rd = RunDir.find(run)
     name = rd.meta()["backend"]
     backend = resolve.recorded_backend(rd)
-    collect = tp.collect_slurm if name == "slurm" else tp.collect
+    collect = tp.collect if supports(name, EXEC) else tp.collect_slurm
 
     def table() -> tuple[list[tp.Row], Table]:
         rows = collect(rd, backend)

@@ -2,7 +2,7 @@
 that is running.
 
 Standard library only, Python 3.8+. It travels on standard input with the supervisor, whose
-own status and process identity decide what is running (backends/supervised.py BUNDLE_BOOT).
+own status and process identity decide what is running, in a bundle (backends/shipping.py).
 
     clean.py --workdir W --older-than SECONDS [--fresh SECONDS] [--dry-run]
 
@@ -22,7 +22,7 @@ import shutil
 import sys
 import time
 
-import supervisor  # noqa: E402  (loaded beside this module by the bootstrap)
+import supervisor  # noqa: E402  (loaded before this module by the bootloader)
 
 RUN_ID = re.compile(r"^(doctor-)?\d{8}-\d{6}-[0-9a-f]{4}$")   # doctor-: `cluster doctor --deep`
 FRESH = 600.0

@@ -2,8 +2,8 @@
 stop it by identity when the launcher asks or goes away.
 
 Standard library only, Python 3.8+. It travels on standard input with the supervisor (whose
-process identity and stopping it uses), loaded by the launcher's bootstrap (backends/supervised.py
-BUNDLE_BOOT): nothing is copied to the node.
+process identity and stopping it uses), in a bundle (backends/shipping.py): nothing is copied
+to the node.
 
     execute.py --id ID --node NAME [--cwd DIR] [--grace S] [--keepalive S] -- ARGV...
 
@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-import family  # noqa: E402  (loaded beside this module by the bootstrap)
+import family  # noqa: E402  (loaded before this module by the bootloader)
 import supervisor  # noqa: E402
 
 GRACE = 5.0

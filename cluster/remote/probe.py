@@ -1,5 +1,5 @@
 """What a node says about itself before a run: run with the node's python, its source sent on
-standard input (`python - facts ...`), so that nothing has to be copied there first.
+standard input in a bundle (backends/shipping.py), so that nothing has to be copied there first.
 
 Standard library only, Python 3.8+, because it runs on whatever interpreter the node has.
 
@@ -13,7 +13,8 @@ Standard library only, Python 3.8+, because it runs on whatever interpreter the 
         listener below is there meanwhile); the container runtime's version and the image's id
         on this node; --deep adds what importing torch and nvidia-smi tell (CUDA, cuDNN, NCCL,
         driver, GPUs and their use), /dev/shm, free disk, open-file limit, and for an image that
-        is not here whether its registry has it.
+        is not here whether its registry has it. Then it returns None: in a launch's check,
+        the launcher's next bundle on the same input is this node's start (the stage).
     probe.py listen --port P [--seconds S]
         Listen on P (as torchrun's store will), print 'listening', accept and close every
         connection until standard input closes or S seconds pass.
@@ -36,8 +37,9 @@ import time
 def main(argv=None):
     args = parse(argv)
     if args.cmd == "facts":
-        print(json.dumps(facts(args)))
-        return 0
+        sys.stdout.write(json.dumps(facts(args)) + "\n")
+        sys.stdout.flush()
+        return None      # the launcher's next bundle, if any, is this node's start (the stage)
     if args.cmd == "listen":
         return listen(args.port, args.seconds)
     if args.cmd == "connect":

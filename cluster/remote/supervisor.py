@@ -1,8 +1,8 @@
-"""The per-node supervisor: copied next to each node's launch.sh and run by that node's python.
+"""The per-node supervisor: written next to each node's launch.sh by the run's start (a bundle,
+backends/shipping.py) and run by that node's python.
 
 Standard library only, Python 3.8+, because it runs on whatever interpreter the node has.
 
-    supervisor.py probe DIR [--port P --addr A]   facts for the preflight check, as JSON
     supervisor.py run DIR --run-id ID --node NAME [--detach] [--grace S] [--keepalive S]
     supervisor.py stop DIR [--grace S]            stop the run on this node; JSON report
     supervisor.py status DIR                      JSON: running / exited / stopped / lost
@@ -24,6 +24,10 @@ has no launcher by design: it ignores its input after the first line and runs un
 Stopping is by identity, verified before every signal: a process is signalled only if its
 environment carries this run's id and node name, or it belongs to the run's process group while
 that group is known to be ours (this supervisor is alive, or is the one stopping it).
+
+Over 500 lines: one concept, a run's life on one node (start, watch, stop by identity, report),
+read by its users top to bottom; what stands apart already is (family.py: a process's
+descendants; workers.py: torchrun's workers).
 """
 import argparse
 import json
@@ -56,8 +60,6 @@ CONFIG_TIMEOUT = 30.0
 def main(argv=None):
     args = parse(argv)
     os.makedirs(args.dir, exist_ok=True)
-    if args.cmd == "probe":
-        return probe(args)
     if args.cmd == "run":
         return run(args, USER_UMASK)
     if args.cmd == "stop":
@@ -76,10 +78,6 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="supervisor.py")
     sub = p.add_subparsers(dest="cmd")
     sub.required = True
-    pr = sub.add_parser("probe")
-    pr.add_argument("dir")
-    pr.add_argument("--port", type=int)
-    pr.add_argument("--addr")
     r = sub.add_parser("run")
     r.add_argument("dir")
     r.add_argument("--run-id", required=True)
@@ -211,9 +209,9 @@ def terminate(d, grace, we_supervise=False):
     ident = identity(d, we_supervise or supervisor_alive(d), os.getpid() if we_supervise else None)
     if ident is None:
         return {"signalled": [], "killed": [], "left": []}
-    box = container_record(d)
-    if box is not None:
-        return terminate_container(ident, box, grace)
+    container = container_record(d)
+    if container is not None:
+        return terminate_container(ident, container, grace)
     return sweep(ident, grace)
 
 
@@ -264,19 +262,19 @@ def container_record(d):
     return None
 
 
-def runtime(box, *args, timeout=60.0):
+def runtime(container, *args, timeout=60.0):
     """(exit code, output) of the container runtime; code None when it could not be run."""
     try:
-        res = subprocess.run([box["runtime"]] + list(args), stdin=subprocess.DEVNULL,
+        res = subprocess.run([container["runtime"]] + list(args), stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     except (OSError, subprocess.SubprocessError) as exc:
         return None, str(exc)
     return res.returncode, res.stdout.decode("utf-8", "replace").strip()
 
 
-def container_exists(box):
+def container_exists(container):
     """True, False, or None when the runtime could not say (its daemon is down...)."""
-    code, out = runtime(box, "container", "inspect", "--format", "{{.Id}}", box["name"])
+    code, out = runtime(container, "container", "inspect", "--format", "{{.Id}}", container["name"])
     if code == 0:
         return True
     if code is not None and "no such" in out.lower():
@@ -284,7 +282,7 @@ def container_exists(box):
     return None
 
 
-def terminate_container(ident, box, grace):
+def terminate_container(ident, container, grace):
     """Stop a run whose torchrun is in a container, by the container's name. Its runtime's
     `stop` sends TERM to the container's init, which passes it to torchrun (one TERM, as
     torchrun wants), and KILL after the grace: this reaches the container's processes even
@@ -294,59 +292,24 @@ def terminate_container(ident, box, grace):
     must be gone."""
     t0 = time.time()
     before = ident.members()
-    runtime(box, "stop", "-t", str(int(math.ceil(grace))), box["name"], timeout=grace + 30)
+    runtime(container, "stop", "-t", str(int(math.ceil(grace))), container["name"], timeout=grace + 30)
     deadline = time.time() + CLIENT_GRACE
     while ident.members() and time.time() < deadline:
         time.sleep(0.05)
     report = sweep(ident, max(1.0, grace - (time.time() - t0)))
     report["signalled"] = sorted(set(before) | set(report["signalled"]))
     report["workers"] = max(report["workers"], len(workers.workers_among(before)))
-    if container_exists(box) is not False:
-        runtime(box, "rm", "--force", box["name"], timeout=grace + 30)
+    if container_exists(container) is not False:
+        runtime(container, "rm", "--force", container["name"], timeout=grace + 30)
     deadline = time.time() + CLIENT_GRACE
-    present = container_exists(box)
+    present = container_exists(container)
     while present is not False and time.time() < deadline:
         time.sleep(0.2)
-        present = container_exists(box)
+        present = container_exists(container)
     if present is not False:
         report["left"] = report["left"] + ["container %s%s" % (
-            box["name"], "" if present else " (%s did not answer)" % box["runtime"])]
+            container["name"], "" if present else " (%s did not answer)" % container["runtime"])]
     return report
-
-
-# --- probe -----------------------------------------------------------------------------------
-
-def probe(args):
-    import importlib.util
-    facts = {"home": os.path.expanduser("~"), "python": sys.version.split()[0],
-             "executable": sys.executable, "hostname": socket.gethostname()}  # type: dict[str, object]
-    spec = importlib.util.find_spec("torch")
-    facts["torch"] = None
-    if spec and spec.origin:
-        run_py = os.path.join(os.path.dirname(spec.origin), "distributed", "run.py")
-        facts["torch"] = run_py if os.path.exists(run_py) else None
-    if args.port:
-        facts["port_free"] = port_free(args.addr or "", args.port)
-    print(json.dumps(facts))
-    return 0
-
-
-def port_free(addr, port):
-    """Whether torchrun's rendezvous store could listen on port: it binds every address with
-    SO_REUSEADDR, so a port whose last connections sit in TIME_WAIT is free. Only a listener
-    that holds the port (EADDRINUSE), or a port this user may not bind (EACCES), is busy."""
-    import errno
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("", port))
-        s.listen(1)
-        return True
-    except OSError as exc:
-        return exc.errno not in (errno.EADDRINUSE, errno.EACCES)
-    finally:
-        s.close()
 
 
 # --- run -------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ from cluster import doctor, resolve, tuning
 from cluster.plan import Templates
 inv = resolve.inventory(sys.argv[1], None, None, 2, None, None, {})
 inv = resolve.settings(inv, (), None, None, None)
-backend = resolve.backend("ssh", inv, sync=[(str(doctor.REMOTE), doctor.TOOLS_SUBDIR)])
+backend = resolve.backend("ssh", inv, sync=[])
 measure = doctor.collective(inv, backend, Templates())
 seen = []
 def one(env):

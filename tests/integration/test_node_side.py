@@ -68,12 +68,12 @@ def test_a_stopped_logs_follow_leaves_no_follower_on_any_node(ssh_nodes4, cli, s
     run_id = started.run_id()
     logs = cli.start("logs", "-f", run_id)
     logs.wait_for(lambda p: "[node1 0] a0" in p.out, 60, "node1's line")
-    assert wait_until(lambda: set(matching(ssh_nodes4, "supervisor.py logs", 1, 2)) == {"node1", "node2"},
+    assert wait_until(lambda: set(matching(ssh_nodes4, "supervisor logs", 1, 2)) == {"node1", "node2"},
                       15) is not None, node_leftovers(ssh_nodes4, 1, 2)     # one follower per node
     logs.popen.send_signal(sig)           # as `timeout 12 cluster logs -f`, Ctrl-C, kill -9 do
     logs.wait(30)
-    assert wait_until(lambda: not matching(ssh_nodes4, "supervisor.py logs", 1, 2), 10) is not None, \
-        matching(ssh_nodes4, "supervisor.py logs", 1, 2)
+    assert wait_until(lambda: not matching(ssh_nodes4, "supervisor logs", 1, 2), 10) is not None, \
+        matching(ssh_nodes4, "supervisor logs", 1, 2)
     down = cli.run("down", run_id, timeout=90)
     assert down.popen.returncode == 0, down.dump()
     all_clean(ssh_nodes4, 1, 2)

@@ -65,9 +65,8 @@ def test_cluster_up_offers_the_registry_s_names() -> None:
     assert list(choice.choices) == list(backends.NAMES)
 
 
-# Modules that still compare a backend's name, owned by other parts of issue 25 (each is to ask
-# supports() instead); the list only shrinks.
-STILL_BRANCHING = {"doctor.py", "cli/doctor.py", "cli/top.py"}
+# Modules that still compare a backend's name (each is to ask supports() instead): none.
+STILL_BRANCHING: set[str] = set()
 
 
 def test_the_inventorys_backend_names_are_the_registrys() -> None:

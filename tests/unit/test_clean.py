@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from cluster.backends.local import LocalTransport, local_inventory
-from cluster.backends.supervised import SUPERVISOR, SupervisedBackend, SupervisedNode
+from cluster.backends.shipping import SUPERVISOR
+from cluster.backends.supervised import SupervisedBackend, SupervisedNode
 from cluster.clean import clean_nodes, clean_records, parse_duration, verdict
 from cluster.errors import InputError
 from cluster.nodes import NodeStatus

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.backends.supervised import SUPERVISOR
+from cluster.backends.shipping import SUPERVISOR
 from cluster.plan import Job
 from cluster.spec import container_name
 

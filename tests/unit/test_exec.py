@@ -14,7 +14,7 @@ from cluster.backends.local import LocalTransport, local_inventory
 from cluster.backends.supervised import SupervisedBackend
 from cluster.console import Console
 from cluster.errors import ClusterError, Interrupted, PreflightError, RunFailed
-from cluster.nodes_exec import NodeResult, exec_args, run, summary_lines
+from cluster.execute import NodeResult, exec_args, run, summary_lines
 
 from .test_supervisor import wait_for
 

@@ -18,7 +18,7 @@ LAYERS = [
     ["cluster.__main__"],
     ["cluster.cli"],
     ["cluster.api"],
-    ["cluster.doctor", "cluster.nodes_exec", "cluster.clean", "cluster.top", "cluster.pull"],
+    ["cluster.doctor", "cluster.execute", "cluster.clean", "cluster.top", "cluster.pull"],
     ["cluster.launch", "cluster.resolve", "cluster.tuning"],
     ["cluster.check"],
     ["cluster.watch", "cluster.hang"],

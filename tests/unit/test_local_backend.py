@@ -112,6 +112,9 @@ class _Saved:
     def read(self) -> bytes:
         return self.chunks.pop(0)
 
+    def write(self, data: bytes) -> None:
+        pass                     # the program's bundle
+
     def wait(self) -> int:
         return 0
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 
-from cluster.backends.supervised import SUPERVISOR
+from cluster.backends.shipping import SUPERVISOR
 
 RUN_ID = f"unit-{os.getpid()}"
 
@@ -174,6 +174,14 @@ def test_detach_status_logs_and_stop(tmp_path: Path) -> None:
     assert wait_for(lambda: sup("status", str(d))["state"] == "stopped")
 
 
+def probe(d: Path, port: int) -> dict:
+    """The probe's facts, as a launch's check asks for them (through the bootloader)."""
+    from cluster.backends.shipping import BOOT, program
+    out = subprocess.run([sys.executable, "-c", BOOT], capture_output=True, timeout=60,
+                         input=program("probe", "facts", "--dir", str(d), "--port", str(port)).data)
+    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+
+
 def test_probe_reports_port_and_torch(tmp_path: Path) -> None:
     import socket
     s = socket.socket()
@@ -181,7 +189,7 @@ def test_probe_reports_port_and_torch(tmp_path: Path) -> None:
     s.listen()
     busy = s.getsockname()[1]
     try:
-        facts = sup("probe", str(tmp_path), "--addr", "127.0.0.1", "--port", str(busy))
+        facts = probe(tmp_path / "run", busy)
     finally:
         s.close()
     assert facts["port_free"] is False
@@ -191,7 +199,7 @@ def test_probe_reports_port_and_torch(tmp_path: Path) -> None:
     have_torch = importlib.util.find_spec("torch") is not None
     assert bool(facts["torch"]) == have_torch
     if have_torch:
-        assert facts["torch"].endswith("torch/distributed/run.py")
+        assert facts["torch"]["run_py"].endswith("torch/distributed/run.py")
 
 
 TIME_WAIT = "06"   # the state column of /proc/net/tcp (include/net/tcp_states.h)
@@ -223,7 +231,7 @@ def test_probe_counts_a_port_in_time_wait_as_free(tmp_path: Path) -> None:
     client.close()
     server.close()
     assert wait_for(lambda: TIME_WAIT in tcp_states(port), 5), tcp_states(port)
-    facts = sup("probe", str(tmp_path), "--addr", "127.0.0.1", "--port", str(port))
+    facts = probe(tmp_path / "run", port)
     assert facts["port_free"] is True
 
 

@@ -1,25 +1,26 @@
-"""`cluster top`'s collection and rows, with fakes: a node's answer is what probe_command makes
-a real shell print (run here with a PATH of the node's own: a stand-in nvidia-smi on a GPU node,
-none on a CPU node, whatever this machine has), parsed by pure functions."""
+"""`cluster top`'s collection and rows, with fakes: a node's answer is what its status program
+(cluster/remote/status.py, through the bootloader) prints, run here with a PATH of the node's
+own (a stand-in nvidia-smi on a GPU node, none on a CPU node, whatever this machine has),
+parsed by pure functions."""
 from __future__ import annotations
 
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from rich.console import Console as RichConsole
 
-from cluster.backends.supervised import SUPERVISOR, Result
+from cluster.backends.shipping import BOOT, SUPERVISOR, program
+from cluster.backends.transport import Result
 from cluster.errors import ClusterError
 from cluster.nodes import NodeStatus
 from cluster.runs import RunDir
 from cluster.spec import Host
 from cluster.top import (Gpu, Metrics, Row, cells, collect, collect_slurm, ended, metrics_file,
-                         parse_gpus, parse_metrics, probe_command, render, row_from, tail)
+                         parse_gpus, parse_metrics, render, row_from, status_args, tail)
 
 SMI = """#!/bin/sh
 echo "0, 97, 40960, 81920"
@@ -39,21 +40,21 @@ def node_dir(tmp_path: Path, state: dict) -> Path:
 
 
 def node_bin(tmp_path: Path, smi: str | None) -> Path:
-    """A node's PATH: the one program the probe line runs besides shell builtins and the
-    node's python (given by its full path), and nvidia-smi only when `smi` is given, so that a
-    CPU node stays one on a machine that has GPUs."""
+    """A node's PATH: nvidia-smi only when `smi` is given (the node's python is given by its
+    full path), so that a CPU node stays one on a machine that has GPUs."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "tail").symlink_to(shutil.which("tail"))
     if smi is not None:
         (bin_dir / "nvidia-smi").write_text(smi)
         (bin_dir / "nvidia-smi").chmod(0o755)
     return bin_dir
 
 
-def shell(command: str, bin_dir: Path) -> Result:
+def ask(args: list[str], bin_dir: Path) -> Result:
+    """The node's status program, as the backend's run_program sends it."""
     env = dict(os.environ, PATH=str(bin_dir))
-    p = subprocess.run(["/bin/sh", "-c", command], capture_output=True, env=env)
+    p = subprocess.run([sys.executable, "-c", BOOT], input=program("status", *args).data,
+                       capture_output=True, env=env)
     return Result(p.returncode, p.stdout, p.stderr)
 
 
@@ -71,7 +72,7 @@ def test_one_round_trip_reads_status_gpus_and_metrics(tmp_path: Path) -> None:
                        '{"type": "step", "step": 40, "loss": 0.5, "images_per_s": 1200.0}\n'
                        '{"type": "step", "step": 50, "loss": 0.25, "images_per_s": 1300.5}\n'
                        '{"type": "step", "st')                         # a write in progress
-    answer = shell(probe_command(sys.executable, str(d), str(metrics)), node_bin(tmp_path, SMI))
+    answer = ask(status_args(str(d), str(metrics)), node_bin(tmp_path, SMI))
     row = row_from({"rank": 0, "name": "gpu1"}, answer)
     assert row.state == "exited" and row.detail == "exit code 0"
     assert row.gpus == (Gpu(0, 97.0, 40960.0, 81920.0), Gpu(1, None, 1024.0, 81920.0))
@@ -81,16 +82,14 @@ def test_one_round_trip_reads_status_gpus_and_metrics(tmp_path: Path) -> None:
 
 def test_a_cpu_node_without_metrics_shows_dashes(tmp_path: Path) -> None:
     d = node_dir(tmp_path, {})
-    answer = shell(probe_command(sys.executable, str(d), str(tmp_path / "none.jsonl")),
-                   node_bin(tmp_path, None))
+    answer = ask(status_args(str(d), str(tmp_path / "none.jsonl")), node_bin(tmp_path, None))
     row = row_from({"rank": 0, "name": "cpu1"}, answer)
     assert row.gpus is None and row.metrics is None
     assert cells(row)[4:9] == ["-", "-", "-", "-", "-"]
 
 
 def test_a_removed_run_folder_reads_gone(tmp_path: Path) -> None:
-    answer = shell(probe_command(sys.executable, str(tmp_path / "removed"), None),
-                   node_bin(tmp_path, None))
+    answer = ask(status_args(str(tmp_path / "removed"), None), node_bin(tmp_path, None))
     assert row_from({"rank": 1, "name": "n2"}, answer).state == "gone"
 
 
@@ -108,24 +107,16 @@ def test_parsers_skip_what_they_do_not_know() -> None:
         == Metrics(22, 0.3, None)
 
 
-class FakeTransport:
-    def __init__(self, answer: Result) -> None:
-        self.answer = answer
-        self.commands: list[str] = []
-
-    def run(self, command: str, *, timeout: float | None = None, input: bytes = b"") -> Result:
-        self.commands.append(command)
-        return self.answer
-
-
 class FakeBackend:
-    """each() and transport() as SupervisedBackend has them."""
+    """each() and run_program() as SupervisedBackend has them."""
 
     def __init__(self, answers: dict[str, Result]) -> None:
-        self.transports = {name: FakeTransport(a) for name, a in answers.items()}
+        self.answers = answers
+        self.asked: dict[str, list[tuple[str, ...]]] = {name: [] for name in answers}
 
-    def transport(self, host: Host) -> FakeTransport:
-        return self.transports[host.name]
+    def run_program(self, host: Host, program: str, *args: str, timeout: float = 120) -> Result:
+        self.asked[host.name].append((program, *args))
+        return self.answers[host.name]
 
     def each(self, nodes, fn):  # type: ignore[no-untyped-def]
         return [(n, fn(n)) for n in nodes]
@@ -143,16 +134,18 @@ def recorded(tmp_path: Path, backend: str = "ssh", **meta) -> RunDir:
 
 
 def test_collect_asks_every_node_once_and_only_rank_0_for_metrics(tmp_path: Path) -> None:
-    running = json.dumps({"state": "running", "uptime": 75.0}).encode()
-    metrics = b'\n@@cluster-metrics\n{"step": 7, "loss": 1.5}\n'
-    fake = FakeBackend({"n1": Result(0, running + b"\n@@cluster-gpu" + metrics, b""),
-                        "n2": Result(0, running + b"\n@@cluster-gpu\n", b"")})
+    running = {"state": "running", "uptime": 75.0}
+    fake = FakeBackend({
+        "n1": Result(0, json.dumps({"status": running, "gpus": None,
+                                    "metrics": ['{"step": 7, "loss": 1.5}']}).encode(), b""),
+        "n2": Result(0, json.dumps({"status": running, "gpus": None}).encode() + b"\n", b"")})
     rows = collect(recorded(tmp_path, args=["--out", ".cluster/r/train"]), fake)
     assert [(r.node, r.state, r.uptime) for r in rows] == [("n1", "running", 75.0), ("n2", "running", 75.0)]
     assert rows[0].metrics == Metrics(7, 1.5, None) and rows[1].metrics is None
-    (c1,), (c2,) = fake.transports["n1"].commands, fake.transports["n2"].commands
-    assert "tail -n 20 \"$HOME\"/w/.cluster/r/train/metrics.jsonl" in c1 and "tail" not in c2
-    assert "/home/u/w/.cluster/r/n1/supervisor.py" in c1 and "\"$HOME\"/w/.cluster/r/n2" in c2
+    (c1,), (c2,) = fake.asked["n1"], fake.asked["n2"]
+    assert c1 == ("status", "--dir", "/home/u/w/.cluster/r/n1", "--gpus",
+                  "--metrics", "~/w/.cluster/r/train/metrics.jsonl", "--lines", "20")
+    assert c2 == ("status", "--dir", "~/w/.cluster/r/n2", "--gpus")
     assert not ended(rows)
     assert ended([Row(0, "n1", "exited"), Row(1, "n2", "stopped")])
     assert not ended([Row(0, "n1", "exited"), Row(1, "n2", "unreachable")]), \

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.backends.supervised import SUPERVISOR
+from cluster.backends.shipping import SUPERVISOR
 
 sys.path.insert(0, str(SUPERVISOR.parent))   # as on the node: family.py beside it
 _spec = importlib.util.spec_from_file_location("node_workers", SUPERVISOR.parent / "workers.py")

@@ -1,7 +1,7 @@
-"""cluster/remote/stage.py, the one process a node runs for a launch, run for real through
-the launcher's own bootstrap: the probe's facts, then either the end of the input or the
-word to start (files written privately under a temporary name, renamed, then supervisor.py
-runs in the same process with the rest of the input)."""
+"""backends/shipping.py, the one way onto a node, run for real through its bootloader: a
+launch's check (the probe's facts), then either the end of the input or the start (files
+written privately under a temporary name, renamed, then the supervisor runs in the same process
+with the rest of the input); and the node-side programs it carries."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.backends.supervised import STAGE_BOOT, stage_input
+from cluster.backends.shipping import BOOT, boot_command, bundle, program
 
 # Stands in for supervisor.py: says how it was called and what input was left for it.
 FAKE_SUPERVISOR = b"""import os, sys
@@ -27,15 +27,17 @@ def main(argv):
 """
 
 
-def stage(tmp_path: Path, after: bytes, umask: int = 0o022) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-c", STAGE_BOOT, "--dir", str(tmp_path / "run")]
-    return subprocess.run(args, input=stage_input() + after, capture_output=True,
+def boot(data: bytes, umask: int = 0o022) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BOOT], input=data, capture_output=True,
                           preexec_fn=lambda: os.umask(umask), timeout=60)
 
 
+def stage(tmp_path: Path, after: bytes, umask: int = 0o022) -> subprocess.CompletedProcess:
+    return boot(program("probe", "facts", "--dir", str(tmp_path / "run")).data + after, umask)
+
+
 def go(d: Path, files: list[tuple[str, bytes, int]], args: list[str]) -> bytes:
-    head = {"dir": str(d), "args": args, "files": [[n, len(b), m] for n, b, m in files]}
-    return (json.dumps(head) + "\n").encode() + b"".join(b for _, b, _ in files)
+    return bundle(["supervisor", "run", str(d), *args], dir=str(d), files=files).data
 
 
 def facts_of(res: subprocess.CompletedProcess) -> dict:
@@ -51,7 +53,7 @@ def test_end_of_input_after_the_facts_starts_nothing(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path / "run")) == []          # made, and nothing in it
 
 
-def test_the_word_writes_the_files_then_runs_the_supervisor_with_the_rest(tmp_path: Path) -> None:
+def test_the_start_writes_the_files_then_runs_the_supervisor_with_the_rest(tmp_path: Path) -> None:
     d = tmp_path / "run"
     files = [("supervisor.py", FAKE_SUPERVISOR, 0o600), ("launch.sh", b"echo hi\n", 0o700)]
     res = stage(tmp_path, go(d, files, ["--run-id", "r1"]) + b'{"env": {}}\nbeat\n')
@@ -94,6 +96,29 @@ def test_end_of_input_in_the_middle_of_a_file_writes_nothing_and_runs_nothing(tm
     cut = word[:len(word) - len(FAKE_SUPERVISOR) // 2]       # half of the supervisor's bytes
     res = stage(tmp_path, cut)
     assert res.returncode != 0
-    assert b"connection closed during the start" in res.stderr
+    assert b"the launcher closed its input inside a bundle" in res.stderr
     assert b"SUPERVISOR" not in res.stdout
     assert sorted(os.listdir(d)) == ["launch.sh"]            # whole, or not there at all
+
+
+def test_a_tool_lands_under_the_workdir_before_the_probe_looks_for_it(tmp_path: Path) -> None:
+    """doctor's collective rides with the check: the probe's script check finds it."""
+    work = tmp_path / "work"
+    tool = ".cluster/tools/collective.py"
+    res = boot(program("probe", "facts", "--workdir", str(work), "--dir", str(tmp_path / "run"),
+                       "--script", tool, dir=str(work), files=[(tool, b"print('hi')\n", 0o600)]).data)
+    assert res.returncode == 0, res.stderr
+    assert (work / tool).read_bytes() == b"print('hi')\n"
+    assert stat.S_IMODE((work / tool).stat().st_mode) == 0o600
+    assert stat.S_IMODE((work / ".cluster" / "tools").stat().st_mode) == 0o700
+    assert facts_of(res)["script"]["file"] is True, facts_of(res)["script"]
+
+
+def test_the_command_line_shows_the_program_which_runs_from_its_bundle(tmp_path: Path) -> None:
+    """`ps` on a node tells what runs; the bootloader reads what to run from the bundle only."""
+    facts = program("probe", "facts", "--dir", str(tmp_path / "run"))
+    assert boot_command("python3", facts).endswith(f" probe facts --dir {tmp_path / 'run'}")
+    res = subprocess.run([sys.executable, "-c", BOOT, "clean", "--workdir", "/"],
+                         input=facts.data, capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert facts_of(res)["dir"] == str(tmp_path / "run")

@@ -1,7 +1,7 @@
 """`cluster exec`: one command on every node at once, what users use pdsh for.
 
-Each node runs cluster/remote/execute.py with its python, the command as an argv (shell-quoted
-on the way, executed without a shell there), in a session of its own tagged with this exec's
+Each node runs cluster/remote/execute.py with its python, the command as an argv (in the
+program's bundle, backends/shipping.py; executed without a shell there), in a session of its own tagged with this exec's
 id. Output comes back line by line, prefixed `[node]`, as it arrives; the exit code of every
 node is summed up at the end. Ctrl-C (or SIGTERM, SIGHUP) asks every node to stop its command
 (TERM, grace, KILL, verified by identity there) and reports what, if anything, is left; if
@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .backends.supervised import Channel, SupervisedBackend
+from .backends.supervised import SupervisedBackend
+from .backends.transport import Channel
 from .console import Console, LineSplitter
 from .errors import ClusterError, Interrupted, NodeLost, PreflightError, RunFailed, signum_of
 from .nodes import Demux, signal_name

@@ -1,0 +1,294 @@
+"""One supervised node (local or SSH): its transport, its python and its run directory, and
+the node's supervisor once started (SupervisedProcess, a backends.NodeProcess).
+
+Every program reaches the node the same way (backends/shipping.py): the bootloader on the
+command line, a bundle on its input. A launch's check and start are one process and one round
+trip per node: stage() runs the probe, which answers and waits; start() sends the run's files
+and the supervisor on the same input, or release() ends it.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ..errors import ClusterError
+from ..nodes import Demux, NodeExit
+from ..plan import LaunchPlan, NodePlan, python_command
+from . import shipping
+from .transport import Channel, Result, Transport
+
+PGID_HEADER = b"@@cluster pgid="
+TOOLS_DIR = ".cluster/tools"      # under the workdir: the files a job runs that cluster brings
+
+
+def reach_budget(nodes: int) -> float:
+    """Seconds each node keeps trying to open a connection to the master port. 8 s finds a
+    dropping firewall fast; with hundreds of nodes connecting during the same storm of
+    process starts, a SYN lost in the crowd must not fail the launch (two of 256 test nodes
+    missed a flat 8 s on 2 cores), so a little more per node."""
+    return 8.0 + nodes / 16
+
+
+class SupervisedNode:
+    """One node of a run: its transport, its python and its run directory on that node."""
+
+    def __init__(self, transport: Transport, python: str, run_dir: str,
+                 setup: tuple[str, ...] = ()) -> None:
+        self.transport = transport
+        self.python = python
+        self.exe = python_command(python, setup)   # after the host's setup lines, if any
+        self.dir = run_dir               # made absolute by the check
+        self.staged: Channel | None = None
+
+    def run(self, bundle: shipping.Bundle, timeout: float | None = None) -> Result:
+        """A program that answers and ends: one round trip."""
+        return self.transport.run(shipping.boot_command(self.exe, bundle), timeout=timeout,
+                                  input=bundle.data)
+
+    def spawn(self, bundle: shipping.Bundle) -> Channel:
+        """A program that streams; the channel is then the program's own."""
+        ch = self.transport.spawn(shipping.boot_command(self.exe, bundle))
+        try:
+            ch.write(bundle.data)
+        except ClusterError:
+            pass     # it ended before reading (no such python): its output and status say why
+        return ch
+
+    def facts_args(self, node: NodePlan, plan: LaunchPlan, *, port: bool, deep: bool,
+                   make_dir: bool, connect: tuple[str, int] | None) -> list[str]:
+        args = ["--workdir", node.host.workdir, "--own", node.host.address, "--master", plan.master_addr]
+        if make_dir:
+            args += ["--dir", self.dir]
+        if node.host.network.ifname:
+            args += ["--ifname", node.host.network.ifname]
+        if port:
+            args += ["--port", str(plan.master_port)]
+        if node.host.container:
+            args += ["--container-runtime", node.host.container.runtime,
+                     "--container-image", node.host.container.image]
+        if deep:
+            args.append("--deep")
+        if connect:
+            args += ["--connect", f"{connect[0]}:{connect[1]}",
+                     "--connect-timeout", f"{reach_budget(len(plan.nodes)):g}"]
+        return args
+
+    def probe(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
+              deep: bool = False, make_dir: bool = True,
+              connect: tuple[str, int] | None = None) -> dict[str, Any]:
+        """One round trip, nothing left running: make the workdir and the run directory
+        (0700), and say what this node has (python, torch, the interface that reaches the
+        master; the master port when `port`; doctor's findings when `deep`)."""
+        args = self.facts_args(node, plan, port=port, deep=deep, make_dir=make_dir, connect=connect)
+        probed = self.run(shipping.program("probe", "facts", *args), timeout=120)
+        if probed.code != 0:
+            raise self._python_error(probed.code, probed.text())
+        return self._facts(probed.stdout.decode().strip().splitlines()[-1])
+
+    def stage(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
+              connect: tuple[str, int] | None = None,
+              tools: Mapping[str, bytes] | None = None) -> dict[str, Any]:
+        """The probe, by the process that will become this node's supervisor when start()
+        gives the word: one process and one round trip per node for the check and the start
+        together. release() lets it go without starting. tools: files a job runs that
+        cluster brings, written into <workdir>/.cluster/tools first (doctor's collective),
+        so that the script check finds them."""
+        args = self.facts_args(node, plan, port=port, deep=False, make_dir=True, connect=connect)
+        if node.script_file:             # is the job's script there, before anything starts
+            args += ["--script", node.script_file]
+        files = [(f"{TOOLS_DIR}/{name}", data, 0o600) for name, data in (tools or {}).items()]
+        probe = shipping.program("probe", "facts", *args, dir=node.host.workdir, files=files)
+        ch = self.transport.spawn(shipping.boot_command(self.exe, probe))
+        ch.write(probe.data)
+        said, noise = b"", b""
+        while not said.endswith(b"\n"):
+            data = ch.read()
+            if not data:
+                code = ch.wait()
+                raise self._python_error(code, (noise + said).decode(errors="replace"))
+            said += data
+            while b"\n" in said and not said.lstrip().startswith(b"{"):
+                line, said = said.split(b"\n", 1)    # a shell's greeting, a setup line's output
+                noise += line + b"\n"
+        self.staged = ch
+        return self._facts(said.decode().strip())
+
+    def release(self) -> None:
+        """A staged node that will not start: its process sees the input end and exits."""
+        ch, self.staged = self.staged, None
+        if ch is not None:
+            ch.close()
+
+    def _facts(self, line: str) -> dict[str, Any]:
+        facts = json.loads(line)
+        for key in ("workdir", "dir"):
+            if isinstance(facts.get(key), dict):
+                raise ClusterError(facts[key]["error"])
+        self.dir = facts.get("dir", self.dir)
+        return facts
+
+    def _python_error(self, code: int | None, text: str) -> ClusterError:
+        said = [ln for ln in text.splitlines() if ln.startswith("cluster: setup line")]
+        if said:
+            return ClusterError(said[-1].removeprefix("cluster: "))
+        if code == 127 or "No such file" in text:
+            return ClusterError(f"python {self.python!r} not found (set 'python:' in the inventory)")
+        return ClusterError(f"python {self.python!r} failed: {text.strip()[-500:]}")
+
+    def listen(self, port: int, seconds: float) -> Channel:
+        """A short-lived listener on port (as torchrun's store will listen), until the
+        returned channel is closed; raises if it cannot listen."""
+        listen = shipping.program("probe", "listen", "--port", str(port), "--seconds", f"{seconds:g}")
+        ch = self.transport.spawn(shipping.boot_command(self.exe, listen))
+        ch.write(listen.data)
+        said = b""
+        while b"listening" not in said and (data := ch.read()):
+            said += data                   # the setup lines' output may come first; it ends on error
+        if b"listening" not in said:
+            ch.close()
+            text = said.decode(errors="replace")
+            if "cluster: setup line" in text:
+                raise self._python_error(None, text)
+            last = (text.strip().splitlines() or [""])[-1]     # the program's {"error": ...}
+            raise ClusterError(json.loads(last)["error"] if last.startswith('{"error"')
+                               else f"cannot listen on port {port}: {text.strip()}")
+        return ch
+
+    def connect(self, addr: str, port: int, timeout: float) -> dict[str, Any]:
+        res = self.run(shipping.program("probe", "connect", "--addr", addr, "--port", str(port),
+                                        "--timeout", f"{timeout:g}"), timeout=timeout + 60)
+        return json_or_error(res)
+
+    def start(self, node: NodePlan, detach: bool, secrets: Mapping[str, str], grace: float,
+              keepalive: float) -> "SupervisedProcess | int | None":
+        """The word to the staged process: the run's files and the supervisor, then the secret
+        environment (so no value reaches a file or a command line), on the channel the check
+        opened."""
+        ch, self.staged = self.staged, None
+        if ch is None:
+            raise ClusterError("the node was not checked in this launch")
+        args = ["--run-id", _run_id(node), "--node", node.host.name, "--grace", f"{grace:g}"]
+        args += ["--detach"] if detach else ["--keepalive", f"{keepalive:g}"]
+        config = (json.dumps({"env": dict(secrets)}) + "\n").encode()
+        ch.write(shipping.start(self.dir, args, node.script.encode(), container_record(node)).data
+                 + config)
+        if not detach:
+            return SupervisedProcess(node, self, ch, grace)
+        said = b""
+        while data := ch.read():
+            said += data
+        if ch.wait() != 0:
+            raise ClusterError(f"start failed: {said.decode(errors='replace').strip()[-500:]}")
+        lines = said.decode(errors="replace").strip().splitlines()
+        return int(lines[-1]) if lines and lines[-1].isdigit() else None
+
+    def stop(self, grace: float) -> dict[str, Any]:
+        res = self.run(shipping.on_disk(self.dir, "stop", self.dir, "--grace", f"{grace:g}"),
+                       timeout=grace + 60)
+        return json_or_error(res)
+
+    def status(self) -> dict[str, Any]:
+        """The supervisor's word; {"state": "gone"} when the run's folder is no longer there
+        (cluster clean removed it: nothing of the run can be running from it)."""
+        said = json_or_error(self.run(shipping.program("status", "--dir", self.dir), timeout=60))
+        status = said.get("status", said)
+        if status.get("state") == "gone":
+            status.setdefault("reason", f"{self.dir} was removed")
+        return status
+
+    def logs(self, follow: bool) -> Channel:
+        return self.spawn(shipping.on_disk(self.dir, "logs", self.dir, *(["--follow"] if follow else [])))
+
+
+def container_record(node: NodePlan) -> bytes | None:
+    """What the node's supervisor stops its container by: the runtime and the name."""
+    if not (node.container and node.host.container):
+        return None
+    return json.dumps({"runtime": node.host.container.runtime, "name": node.container}).encode()
+
+
+def _run_id(node: NodePlan) -> str:
+    return dict(node.env)["CLUSTER_RUN_ID"]
+
+
+def json_or_error(res: Result) -> dict[str, Any]:
+    if res.code is None:
+        return {"error": "connection lost"}
+    try:
+        return json.loads(res.stdout.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": res.text()[-500:] or f"exit code {res.code}"}
+
+
+class SupervisedProcess:
+    """A node's supervisor, running and streaming; implements backends.NodeProcess."""
+
+    def __init__(self, node: NodePlan, remote: SupervisedNode, channel: Channel,
+                 grace: float) -> None:
+        self.node = node
+        self.remote = remote
+        self.channel = channel
+        self.grace = grace
+        self.pgid: int | None = None
+        self.ended = False
+        self.final: dict[str, Any] | None = None     # the supervisor's last word: what was left
+        self.closed = threading.Event()               # its stream has ended
+
+    def output(self) -> Iterator[bytes | dict[str, Any]]:
+        first, demux = True, Demux()
+        try:
+            while True:
+                data = self.channel.read()
+                if not data:
+                    return
+                if first and data.startswith(PGID_HEADER):
+                    head, _, data = data.partition(b"\n")
+                    self.pgid = int(head[len(PGID_HEADER):] or 0) or None
+                first = False
+                for piece in demux.feed(data):
+                    if isinstance(piece, dict) and isinstance(piece.get("final"), dict):
+                        self.final = piece["final"]
+                    else:
+                        yield piece
+        finally:
+            self.closed.set()
+
+    def request_stacks(self) -> None:
+        if not self.ended:
+            self.channel.write(b"dump\n")
+
+    def wait(self) -> NodeExit:
+        code = self.channel.wait()
+        self.ended = True
+        if code is None:
+            return NodeExit(lost=True, reason=f"no exit status from {self.remote.transport.label}")
+        if code > 128 and code - 128 < 65:
+            return NodeExit(code=code, signal=code - 128)
+        return NodeExit(code=code)
+
+    def stop(self) -> dict[str, Any]:
+        """The word `stop` on the supervisor's own channel: no new process or round trip on
+        the node; its answer is its last record (what was left after TERM, the grace and KILL,
+        verified). A channel that is gone or silent gets a stop command of its own instead."""
+        if not self.ended and not self.closed.is_set():
+            try:
+                self.channel.write(b"stop\n")
+            except ClusterError:
+                pass
+            else:
+                if self.closed.wait(self.grace + 15) and self.final is not None:
+                    return dict(self.final)
+        try:
+            return self.remote.stop(self.grace)
+        except ClusterError as exc:
+            return {"error": str(exc)}
+
+    def heartbeat(self) -> None:
+        """One beat to the node's supervisor, which stops the node when they cease."""
+        if not self.ended:
+            try:
+                self.channel.write(b"\n")
+            except Exception:  # a broken channel shows up in wait(); a beat is best effort
+                self.ended = True
