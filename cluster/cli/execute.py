@@ -30,7 +30,7 @@ def exec_(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
     use `cluster exec -- bash -c '...'`. Exit 0 when every node exited 0; 4 when one did
     not, 3 when one could not be reached. Ctrl-C stops the command on every node.
     """
-    from .. import execute as nodes_exec
+    from .. import execute
     request = Request(inventory_path=inventory_path, nodes=nodes, hosts=hosts, exclude=exclude,
                       python=python, user=user, port=port, identity_file=identity_file,
                       force_local=force_local, host_key_policy=host_key_policy)
@@ -41,6 +41,6 @@ def exec_(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
                          "`cluster exec --hosts <the allocated hosts> -- CMD` over SSH")
     backend = backends.create(name, inventory, request)
     try:
-        nodes_exec.run(inventory.hosts, with_exec(backend), command, Console())
+        execute.run(inventory.hosts, with_exec(backend), command, Console())
     finally:
         backend.close()
