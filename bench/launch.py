@@ -10,14 +10,14 @@ each repeated (A B C A B C ...) and reported as median [min-max]:
 
   fanout     N nodes each run a script that writes a marker file and exits; the time until
              every marker exists. `cluster up` (a template override: no torch, so the
-             launcher's own cost is what is measured; the check phase, the push and the
+             launcher's own cost is what is measured; the check phase and the
              supervisors included) vs `pdsh -R ssh -f 64` running the same script vs a plain
              loop of `ssh ... &`. Also the launching process's peak memory, threads and CPU,
              and, from one more launch outside the timed ones, the SSH commands (channels
              that exec a command) and SFTP sessions it opened per node.
   launch     a tiny gloo all_reduce at 3 and 8 nodes, start to done: `cluster up` (c10d and
              static rendezvous) vs bare torchrun started over an ssh loop; where cluster's time
-             goes (run.json's timings: check, reach, push, start).
+             goes (run.json's timings: check, reach, start).
   teardown   kill -9 of one rank while the others are idle, and Ctrl-C, to every node clean
              (checked per network namespace). At 8 nodes with real torchrun; at 8 and 64 with a
              stand-in agent (the standard library; 64 torch processes do not fit 24 GiB).
