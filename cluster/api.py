@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import backends, launch, resolve, tuning
-from .backends import EXEC, REMOTE_NODES, SHARED_FILESYSTEM, SYNC, Backend, supports
+from .backends import EXEC, REMOTE_NODES, RESTARTS, SHARED_FILESYSTEM, SYNC, Backend, supports
 from .backends.slurm_output import TERMINAL
 from .console import Console, NodeProgress
 from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
@@ -90,6 +90,11 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     secrets = _checked(r)
     templates = Templates(r.templates_dir)
     name, inventory = resolve.where(r, secrets, environ)
+    if not supports(name, RESTARTS) and (r.max_restarts or r.min_nodes or r.hang_timeout
+                                         or inventory.restarts or inventory.hang_timeout):
+        raise InputError(f"--max-restarts, --min-nodes and --hang-timeout are for "
+                         f"{' and '.join(_with(RESTARTS))} runs; under {name} a job requeues "
+                         f"itself (--max-requeues)")
     inventory = backends.entry(name).load().configure(inventory, r)
     if supports(name, EXEC) and not r.no_tuning:      # measured by `cluster doctor`, which execs
         inventory = tuning.applied(inventory, tuning.Cache(tuning.cache_path(environ)))

@@ -154,7 +154,9 @@ class BackendModule(Protocol):
 # What a backend can do beyond the contract above, asked by name (SkyPilot's `supports()`),
 # never by asking which backend it is.
 NODE_CHECKS = "node_checks"            # every node is checked (python, run dir, master port) before start
-RESTARTS = "restarts"                  # the launcher restarts a failed attempt (SLURM requeues instead)
+# RESTARTS: the launcher watches each attempt and restarts a failed one (--max-restarts,
+# --min-nodes, --hang-timeout); under SLURM a job requeues itself instead.
+RESTARTS = "restarts"
 EXEC = "exec"                          # runs cluster's node-side programs on each node: exec, top, clean, doctor
 SHARED_FILESYSTEM = "shared_filesystem"  # every node sees the submitting folder (no copying needed)
 SYNC = "sync"                          # --sync copies a local folder to every node's workdir

@@ -438,12 +438,9 @@ def nodes(inventory: Inventory | None, request: Request) -> Inventory:
 
 
 def configure(inventory: Inventory, request: Request) -> Inventory:
-    """The request's SLURM options over the inventory's; what SLURM itself does instead
-    (requeues, its own node choice) refused where cluster's version would not apply."""
+    """The request's SLURM options over the inventory's (restarts are refused before this:
+    SLURM has no RESTARTS capability; a job requeues itself)."""
     r = request
-    if r.max_restarts or r.min_nodes or r.hang_timeout or inventory.restarts or inventory.hang_timeout:
-        raise InputError("--max-restarts, --min-nodes and --hang-timeout are for local and SSH "
-                         "runs; under SLURM a job requeues itself (--max-requeues)")
     count = None if inventory.slurm.nodelist else r.nodes      # a nodelist fixed the count
     settings = cli_settings(inventory.slurm, nodes=count, partition=r.partition,
                             time=r.time_limit, account=r.account, max_requeues=r.max_requeues)

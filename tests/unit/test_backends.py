@@ -95,3 +95,22 @@ def test_no_branch_on_a_backend_s_name_outside_the_backends() -> None:
                 if named or names:
                     found.append(f"{rel}:{node.lineno}")
     assert not found, f"ask backends.supports() instead of comparing a backend's name: {found}"
+
+
+@pytest.mark.parametrize("option", [["--max-restarts", "1"], ["--min-nodes", "1"],
+                                    ["--hang-timeout", "60"]])
+def test_a_backend_without_restarts_refuses_what_watches_an_attempt(option, tmp_path, monkeypatch,
+                                                                     capsys) -> None:
+    """Asked by capability: every backend without RESTARTS refuses the options of cluster's
+    own restarts and watchdog, before anything is created; the ones with it take them."""
+    from cluster.backends import RESTARTS
+    from cluster.cli import run_cli
+    monkeypatch.chdir(tmp_path)
+    without = [n for n in backends.NAMES if not supports(n, RESTARTS)]
+    assert without == ["slurm"]
+    for name in without:
+        code = run_cli(["up", "--backend", name, "--nodes", "2", *option, "--dry-run", "--", "t.py"])
+        err = capsys.readouterr().err
+        assert code == 2 and option[0] in err and "requeues itself" in err, err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    assert run_cli(["up", "--local", *option, "--dry-run", "--", "t.py"]) == 0
