@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import backends, launch, resolve, tuning
+from . import backends, hang_timeout, launch, resolve, tuning
 from .backends import EXEC, REMOTE_NODES, SHARED_FILESYSTEM, SYNC, Backend, supports
 from .backends.slurm_output import TERMINAL
 from .console import Console, NodeProgress
@@ -115,13 +115,17 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
         detach=r.detach, preflight=not r.no_preflight,
         restarts=inventory.restarts if r.max_restarts is None else r.max_restarts,
         restart_after=r.restart_after or 0.0, min_nodes=r.min_nodes,
-        hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout)
+        hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout,
+        hang_auto=inventory.hang_auto)
     return Prepared(inventory, job, templates, backend, name, options, r.dry_run)
 
 
 def _checked(r: Request) -> tuple[str, ...]:
     """The request's own values, before any file is read: its texts, the secrets' names."""
     secrets = resolve.parse_secret_names(r.secret_names, dict(r.env))
+    if r.hang_timeout is not None and not hang_timeout.valid(r.hang_timeout):
+        raise InputError(f"Invalid value for --hang-timeout: {r.hang_timeout!r} is not 'auto' "
+                         f"or a number of seconds >= 0")
     for what, value in (("--partition", r.partition), ("--time", r.time_limit),
                         ("--account", r.account), ("SCRIPT", r.command[0] if r.command else None)):
         if value is not None:
