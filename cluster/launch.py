@@ -123,9 +123,9 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
                          f"stop with `cluster down {plan.run_id}`")
             return 0
         logs = {label: run.path / "logs" / name for label, name in plan.log_names.items()}
+        timeout = timeout_of(options.hang_timeout, options.hang_auto, console.info)
         result = Watcher(procs, console, logs, settle=plan.stop_grace + 30,
-                         hang_timeout=timeout_of(options.hang_timeout, options.hang_auto, console.info),
-                         stop=options.stop).run()
+                         hang_timeout=timeout, stop=options.stop).run()
         _record(run, plan, backend, procs, result, history, console)
         retry = _retry(result, plan, options, history)
         if retry is None:
