@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -319,8 +320,10 @@ def test_hang_timeout_auto_learns_from_the_beats_and_stops_a_hang_within_a_minut
                   "--hang-timeout", "auto", "--", str(BEAT_THEN_HANG), timeout=240)
     assert res.returncode == 4, res.stdout + res.stderr
     learned = [line for line in res.stderr.splitlines() if "hang timeout now" in line]
-    assert len(learned) == 1 and "hang timeout now 30 s: the floor" in learned[0], res.stderr
-    assert "no progress on any node for 30 s (--hang-timeout auto:" in res.stderr, res.stderr
+    # The floor, said once (a second line only if a loaded machine stretched one interval to 4 s)
+    assert 1 <= len(learned) <= 2 and "hang timeout now 30 s: the floor" in learned[0], res.stderr
+    assert re.search(r"no progress on any node for \d+ s \(--hang-timeout auto: ", res.stderr), \
+        res.stderr
     run = next((tmp_path / "runs").iterdir())
     beats = sorted(tmp_path.rglob("heartbeat"))            # each node's, in its run folder
     assert len(beats) == 2, sorted(str(p) for p in tmp_path.rglob("*"))
