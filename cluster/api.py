@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import backends, hang_timeout, launch, resolve, tuning
+from . import backends, launch, resolve, tuning
 from .backends import EXEC, REMOTE_NODES, SHARED_FILESYSTEM, SYNC, Backend, supports
 from .backends.slurm_output import TERMINAL
 from .console import Console, NodeProgress
 from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
+from .hang_timeout import valid as valid_hang_timeout
 from .nodes import NodeStatus
 from .plan import Job, Templates
 from .request import Request
@@ -123,7 +124,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
 def _checked(r: Request) -> tuple[str, ...]:
     """The request's own values, before any file is read: its texts, the secrets' names."""
     secrets = resolve.parse_secret_names(r.secret_names, dict(r.env))
-    if r.hang_timeout is not None and not hang_timeout.valid(r.hang_timeout):
+    if r.hang_timeout is not None and not valid_hang_timeout(r.hang_timeout):
         raise InputError(f"Invalid value for --hang-timeout: {r.hang_timeout!r} is not 'auto' "
                          f"or a number of seconds >= 0")
     for what, value in (("--partition", r.partition), ("--time", r.time_limit),
