@@ -28,6 +28,7 @@ from .backends import EXEC, REMOTE_NODES, RESTARTS, SHARED_FILESYSTEM, SYNC, Bac
 from .backends.slurm_output import TERMINAL
 from .console import Console, NodeProgress
 from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
+from .hang_timeout import valid as valid_hang_timeout
 from .nodes import NodeStatus
 from .plan import Job, Templates
 from .request import Request
@@ -120,13 +121,17 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
         detach=r.detach, preflight=not r.no_preflight,
         restarts=inventory.restarts if r.max_restarts is None else r.max_restarts,
         restart_after=r.restart_after or 0.0, min_nodes=r.min_nodes,
-        hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout)
+        hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout,
+        hang_auto=inventory.hang_auto)
     return Prepared(inventory, job, templates, backend, name, options, r.dry_run)
 
 
 def _checked(r: Request) -> tuple[str, ...]:
     """The request's own values, before any file is read: its texts, the secrets' names."""
     secrets = resolve.parse_secret_names(r.secret_names, dict(r.env))
+    if r.hang_timeout is not None and not valid_hang_timeout(r.hang_timeout):
+        raise InputError(f"Invalid value for --hang-timeout: {r.hang_timeout!r} is not 'auto' "
+                         f"or a number of seconds >= 0")
     for what, value in (("--partition", r.partition), ("--time", r.time_limit),
                         ("--account", r.account), ("SCRIPT", r.command[0] if r.command else None)):
         if value is not None:

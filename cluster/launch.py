@@ -16,9 +16,10 @@ from .check import checked_plan
 from .console import Console
 from .errors import InputError, Interrupted, NodeLost, RunFailed
 from .hang import save as save_hang
+from .hang_timeout import timeout_of
 from .plan import Job, Plan, Templates
 from .runs import RunDir
-from .spec import Inventory
+from .spec import HangAuto, Inventory
 from .watch import Watcher, WatchResult
 
 def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
@@ -84,7 +85,8 @@ class Options:
     restarts: int = 0             # whole-job restarts after a failure, one budget for the job
     restart_after: float = 0.0    # failures in the first S seconds are configuration: no restart
     min_nodes: int | None = None  # a lost node is left out of the next attempt while this many remain
-    hang_timeout: float = 0.0     # no progress anywhere for this long: stacks, then stop
+    hang_timeout: float | str = 0.0   # no progress anywhere for this long: stacks, then stop
+    hang_auto: HangAuto = HangAuto()  # how hang_timeout 'auto' learns it (cluster.hang_timeout)
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -121,8 +123,9 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
                          f"stop with `cluster down {plan.run_id}`")
             return 0
         logs = {label: run.path / "logs" / name for label, name in plan.log_names.items()}
+        timeout = timeout_of(options.hang_timeout, options.hang_auto, console.info)
         result = Watcher(procs, console, logs, settle=plan.stop_grace + 30,
-                         hang_timeout=options.hang_timeout, stop=options.stop).run()
+                         hang_timeout=timeout, stop=options.stop).run()
         _record(run, plan, backend, procs, result, history, console)
         retry = _retry(result, plan, options, history)
         if retry is None:

@@ -33,7 +33,7 @@ class Request:
     max_restarts: int | None = None
     restart_after: float | None = None
     min_nodes: int | None = None
-    hang_timeout: float | None = None
+    hang_timeout: float | str | None = None     # seconds (0: off), or 'auto': learned
     stop_grace: float | None = None
     keepalive: float | None = None
     sync_dir: str | None = None

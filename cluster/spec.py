@@ -263,6 +263,18 @@ class SlurmSettings:
 
 
 @dataclass(frozen=True)
+class HangAuto:
+    """How `hang_timeout: auto` learns the timeout from the job's heartbeats (cluster.hang_timeout
+    says why these defaults)."""
+    startup: float = key(1200.0, "seconds allowed before the heartbeats have shown the job's "
+                         "pace (start-up: setup, data, compile, first steps)", "seconds")
+    multiple: float = key(10.0, "the timeout is this many times the interval between "
+                          "heartbeats", "number", 1)
+    floor: float = key(30.0, "the learned timeout is never shorter (seconds)", "seconds")
+    cap: float = key(1800.0, "the learned timeout is never longer (seconds)", "seconds")
+
+
+@dataclass(frozen=True)
 class Inventory:
     hosts: tuple[Host, ...] = key(dataclasses.MISSING, "the hosts, in order: names or mappings "
                                   "of host keys (not needed with backend: slurm)", None,
@@ -275,8 +287,11 @@ class Inventory:
     stop_grace: float = key(DEFAULT_STOP_GRACE, "seconds from SIGTERM to SIGKILL when a run is "
                             "stopped (--stop-grace)", "seconds")
     restarts: int = key(0, "whole-job restarts after a failure (--max-restarts)", "integer", 0)
-    hang_timeout: float = key(0.0, "seconds without progress before the stacks are taken and "
-                              "the run stopped (0: off)", "seconds")
+    hang_timeout: float | str = key(0.0, "seconds without progress before the stacks are taken "
+                                    "and the run stopped (0: off); auto: learned from the "
+                                    "heartbeats (see hang_auto)", "hang_timeout")
+    hang_auto: HangAuto = key(HangAuto(), "how hang_timeout: auto learns (see hang_auto below)",
+                              "section", HangAuto)
     text: str = ""                 # the file as read, recorded in the run directory
     hosts_given: bool = True       # False: SLURM chooses the nodes (one placeholder host)
     # NCCL settings `cluster up` took from `cluster doctor --tune-nccl`'s cache (cluster.tuning)
@@ -343,6 +358,7 @@ def dump(inv: Inventory) -> str:
         return d
     data = {"source": inv.source, "backend": inv.backend, "stop_grace": inv.stop_grace,
             "restarts": inv.restarts, "hang_timeout": inv.hang_timeout,
+            "hang_auto": dataclasses.asdict(inv.hang_auto),
             "ssh": dataclasses.asdict(inv.ssh),
             "slurm": {**dataclasses.asdict(inv.slurm), "extra": dict(inv.slurm.extra)},
             "hosts": [host(h) for h in inv.hosts]}

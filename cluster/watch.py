@@ -21,6 +21,7 @@ from typing import IO, Any
 
 from .console import TAIL_LINES, Console, LineSplitter
 from .errors import StopRequested, signum_of
+from .hang_timeout import FixedTimeout, LearnedTimeout
 from .backends import NodeProcess
 from .nodes import NodeExit, signal_name
 
@@ -140,17 +141,19 @@ def _open_log(path: Path) -> IO[bytes]:
 class Watcher:
     """hang_timeout: seconds with no progress on any node (no output line, no heartbeat from
     the reference trainer) after which every worker's stack is collected and the run stopped;
-    0 turns the watchdog off."""
+    0 turns the watchdog off. Or a timeout learned from the heartbeats (cluster.hang_timeout)."""
 
     def __init__(self, procs: Sequence[NodeProcess], console: Console,
-                 log_paths: dict[str, Path], settle: float = 30.0, hang_timeout: float = 0.0,
+                 log_paths: dict[str, Path], settle: float = 30.0,
+                 hang_timeout: float | FixedTimeout | LearnedTimeout = 0.0,
                  clock: Callable[[], float] = time.monotonic, stop: threading.Event | None = None,
                  poll: float = 0.5) -> None:
         self.procs = list(procs)
         self.console = console
         self.log_paths = log_paths
         self.settle = settle                   # how long to wait for stopped nodes to report
-        self.hang_timeout = hang_timeout
+        self.timeout = FixedTimeout(hang_timeout) if isinstance(hang_timeout, (int, float)) \
+            else hang_timeout
         self.clock = clock
         self.stop = stop                       # set by another thread: stop all, as Ctrl-C does
         self.poll = poll                       # how often a quiet watch looks at stop and silence
@@ -254,12 +257,13 @@ class Watcher:
             try:
                 return self.events.get(timeout=self.poll)
             except queue.Empty:
-                if self.hang_timeout and self.clock() - self.progress >= self.hang_timeout:
+                limit = self.timeout.seconds()
+                if limit and self.clock() - self.progress >= limit:
                     return None
 
     def _collect_stacks(self, pending: set[str]) -> Hang:
         quiet = self.clock() - self.progress
-        self.console.info(f"no progress on any node for {quiet:.0f} s (--hang-timeout): "
+        self.console.info(f"no progress on any node for {quiet:.0f} s ({self.timeout.why()}): "
                           f"collecting every worker's stack before stopping")
         targets = [p for p in self.procs if p.node.label in pending]
         with self.lock:
@@ -288,6 +292,7 @@ class Watcher:
                 self.progress = self.clock()
             elif "beat" in record:
                 self.progress = self.clock()
+                self.timeout.beat(label, self.progress)
             elif record.get("workers"):
                 self.result.had_workers.add(label)
             elif "stack" in record:

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from .main import CONTEXT, SafePath, argv, host_options, main
-from .. import api, resolve
+from .. import api, hang_timeout, resolve
 from ..backends import NAMES
 from ..console import Console
 from ..errors import InputError
@@ -47,6 +47,22 @@ def check_script_args(script: str, args: tuple[str, ...], own: set[str]) -> None
                    f"use -- before the script to say they are its own)", err=True)
 
 
+class HangTimeout(click.ParamType):
+    """--hang-timeout: 'auto', or seconds >= 0."""
+    name = "seconds|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == hang_timeout.AUTO or isinstance(value, float):
+            return value
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not hang_timeout.valid(seconds):
+            self.fail(f"{value!r} is not 'auto' or a number of seconds >= 0", param, ctx)
+        return seconds
+
+
 @main.command(cls=UpCommand, context_settings={**CONTEXT, "allow_interspersed_args": False})
 @click.option("-i", "--inventory", "inventory_path", type=SafePath(dir_okay=False),
               help="Hosts: YAML inventory, MPI/DeepSpeed hostfile. None: this machine.")
@@ -81,9 +97,10 @@ def check_script_args(script: str, args: tuple[str, ...], own: set[str]) -> None
               help="A failure in the first SECONDS of running is configuration: never restarted.")
 @click.option("--min-nodes", type=click.IntRange(1), metavar="M",
               help="Leave a lost node out of the next attempt while M nodes remain.")
-@click.option("--hang-timeout", type=click.FloatRange(min=0), metavar="SECONDS",
+@click.option("--hang-timeout", type=HangTimeout(), metavar="SECONDS|auto",
               help="No progress on any node for SECONDS: collect every rank's stack, then stop "
-                   "(or restart). Default: the inventory's hang_timeout, else off.")
+                   "(or restart); auto: learned from the job's heartbeats (the inventory's "
+                   "hang_auto). Default: the inventory's hang_timeout, else off.")
 @click.option("--stop-grace", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="SIGTERM to SIGKILL when stopping a node (default 30; the inventory's stop_grace).")
 @click.option("--keepalive", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",

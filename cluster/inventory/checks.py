@@ -63,6 +63,21 @@ class Checks:
             raise self.fail(m, key, f"must be a positive number of seconds, got {value!r}")
         return float(value)
 
+    def hang_timeout(self, m: Map, key: str) -> float | str:
+        """'auto' (learned from the heartbeats) or a positive number of seconds."""
+        value = m[key]
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise self.fail(m, key, f"must be 'auto' or a positive number of seconds, got {value!r}")
+        return float(value)
+
+    def number(self, m: Map, key: str, minimum: float) -> float:
+        value = m[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+            raise self.fail(m, key, f"must be a number >= {minimum:g}, got {value!r}")
+        return float(value)
+
     def integer(self, m: Map, key: str, minimum: int) -> int:
         value = m[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

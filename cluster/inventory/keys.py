@@ -14,14 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..spec import (Container, Host, Inventory, Key, Network, SlurmSettings, SshSettings,
-                    keys_of)
+from ..spec import (Container, HangAuto, Host, Inventory, Key, Network, SlurmSettings,
+                    SshSettings, keys_of)
 
 BEGIN, END = "<!-- keys:begin -->", "<!-- keys:end -->"
 # Where each model's keys are written in a file, in the table's order.
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("top level", Inventory), ("host", Host), ("network", Network), ("container", Container),
-    ("ssh", SshSettings), ("slurm", SlurmSettings))
+    ("ssh", SshSettings), ("slurm", SlurmSettings), ("hang_auto", HangAuto))
 DEFAULTS_ROW = ("top level", "`defaults`", "mapping", "", "",
                 "host keys for every host; a host's own value wins by its merge rule")
 HEADER = ("where", "key", "type", "default", "on a host", "help")
@@ -33,11 +33,14 @@ def kind(k: Key) -> str:
         return k.kind
     if k.check == "integer":
         return f"whole number >= {k.args[0]}"
+    if k.check == "number":
+        return f"number >= {k.args[0]}"
     if k.check == "choice":
         *first, last = k.args[0]
         return ", ".join(first) + f" or {last}"
     return {"string": "string", "matching": "string", "port": "port (1-65535)",
-            "seconds": "seconds (> 0)", "nproc": "auto or whole number >= 1",
+            "seconds": "seconds (> 0)", "hang_timeout": "seconds (> 0) or auto",
+            "nproc": "auto or whole number >= 1",
             "section": "mapping"}[k.check or ""]
 
 

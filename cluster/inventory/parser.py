@@ -108,6 +108,10 @@ class _Parser(Checks):
         self.known_keys(data, TOP_KEYS)
         keys_known = self.clean()
         top = self.read(data, keys_of(Inventory))
+        if "hang_auto" in top and top["hang_auto"].floor > top["hang_auto"].cap:
+            self.problems.found.append(self.fail(data["hang_auto"], "floor", "the floor "
+                                                 f"({top['hang_auto'].floor:g} s) is above the "
+                                                 f"cap ({top['hang_auto'].cap:g} s)"))
         defaults = Map({}, {}, 1)
         if "defaults" in data:
             with self.problems.noted():

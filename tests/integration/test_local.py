@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from tests.integration.fixtures import processes_with_env
 
 REPO = Path(__file__).resolve().parents[2]
 ALLREDUCE = REPO / "tests" / "integration" / "programs" / "allreduce.py"
+BEAT_THEN_HANG = REPO / "tests" / "integration" / "programs" / "beat_then_hang.py"
 
 pytestmark = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0,
@@ -308,3 +310,30 @@ def test_a_missing_script_stops_the_launch_before_anything_starts(tmp_path: Path
         assert processes_under(tmp_path) == []
     for run in (tmp_path / "runs").iterdir():
         assert "pgids" not in json.loads((run / "run.json").read_text())    # nothing started
+
+
+def test_hang_timeout_auto_learns_from_the_beats_and_stops_a_hang_within_a_minute(tmp_path: Path) -> None:
+    """Issue 26: a job that beats every half second for 12 s, then hangs, under --hang-timeout
+    auto with its default settings: the learned timeout said once, the job stopped within 60 s
+    of its last beat, every rank's stack collected, the watchdog's exit code (4)."""
+    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--nproc-per-node", "1",
+                  "--hang-timeout", "auto", "--", str(BEAT_THEN_HANG), timeout=240)
+    assert res.returncode == 4, res.stdout + res.stderr
+    learned = [line for line in res.stderr.splitlines() if "hang timeout now" in line]
+    # The floor, said once (a second line only if a loaded machine stretched one interval to 4 s)
+    assert 1 <= len(learned) <= 2 and "hang timeout now 30 s: the floor" in learned[0], res.stderr
+    assert re.search(r"no progress on any node for \d+ s \(--hang-timeout auto: ", res.stderr), \
+        res.stderr
+    run = next((tmp_path / "runs").iterdir())
+    beats = sorted(tmp_path.rglob("heartbeat"))            # each node's, in its run folder
+    assert len(beats) == 2, sorted(str(p) for p in tmp_path.rglob("*"))
+    last_beat = max(p.stat().st_mtime for p in beats)
+    hang = run / "hang"
+    assert sorted(p.name for p in hang.iterdir()) == [
+        "last-lines.txt", "local0-rank0.txt", "local1-rank1.txt", "summary.txt"], res.stderr
+    stopped = (hang / "summary.txt").stat().st_mtime       # written once every node stopped
+    took = stopped - last_beat
+    print(f"last beat -> stopped, stacks collected: {took:.1f} s; {learned[0]}")
+    assert 30 <= took < 60, took
+    assert "beat_then_hang.py" in (hang / "summary.txt").read_text()
+    assert run_processes(run.name) == []

@@ -23,7 +23,7 @@ LAYERS = [
     ["cluster.check"],
     ["cluster.watch", "cluster.hang"],
     ["cluster.backends"],
-    ["cluster.preflight"],
+    ["cluster.preflight", "cluster.hang_timeout"],
     ["cluster.runs"],
     ["cluster.sbatch"],
     ["cluster.plan"],
