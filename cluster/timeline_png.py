@@ -1,0 +1,209 @@
+"""A run's timeline, written: runs/<id>/timeline.json always (cluster.timeline), and the picture
+runs/<id>/timeline.png when matplotlib is importable (it comes with the trainer extra, not with
+cluster itself: imported here, lazily, and only here).
+
+One lane per node: the check, the start, the join, its first output and beats (with the step
+rate), its exit; the first failure, the stop, a hang's stalled stretch; each attempt a band.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from . import timeline as tl
+from .console import Console
+from .runs import RunDir
+
+INSTALL_HINT = "pip install 'cluster[train]'"
+
+# Colours: a quiet palette, the failure red.
+GREY, BLUE, GREEN, RED, ORANGE, PURPLE = "#b0b0b0", "#9ecae1", "#74c476", "#d62728", "#fd8d3c", "#9467bd"
+BANDS = ("#f7f7f7", "#e8eef7")
+
+
+def write(run: RunDir, console: Console) -> Path:
+    """Write timeline.json, draw timeline.png if it can, say which it wrote; the path of what
+    it wrote (the picture, else the JSON)."""
+    try:
+        meta = run.meta()
+    except (OSError, ValueError):
+        meta = {}
+    data = tl.timeline(tl.read_events(run.path / tl.EVENTS), meta)
+    json_path = tl.write_json(run.path, data)
+    for note in data["notes"]:
+        console.info(f"timeline: {note}")
+    try:
+        import matplotlib
+    except ImportError:
+        console.info(f"timeline: no picture, matplotlib is not installed ({INSTALL_HINT}); "
+                     f"its events are in {json_path}")
+        return json_path
+    del matplotlib
+    png = run.path / tl.PNG_NAME
+    draw(data, png)
+    console.info(f"timeline: {png}")
+    return png
+
+
+def draw(data: dict[str, Any], path: Path) -> None:
+    """The picture of timeline() data, written privately to `path` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")                     # no display: a file only
+    import matplotlib.pyplot as plt
+
+    lanes = list(data["lanes"])
+    end = max(data["end"], 1.0)
+    height = 2.3 + 0.45 * max(1, len(lanes))
+    fig, ax = plt.subplots(figsize=(10, height), dpi=90)
+    try:
+        _bands(ax, data, end)
+        for y, node in enumerate(lanes):
+            _lane(ax, y, data["lanes"][node], data, end)
+        _job(ax, data, len(lanes))
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.set_ylim(len(lanes) - 0.4, -0.9)
+        ax.set_xlim(-0.01 * end, end * 1.04)
+        ax.set_xlabel("seconds since the launch began" + _clock(data))
+        ax.set_title(_title(data), fontsize=10, loc="left")
+        fig.legend(handles=_legend(plt), loc="lower center", ncol=6, fontsize=7, frameon=False)
+        fig.tight_layout(rect=(0, 0.5 / height, 1, 1))      # room below for the legend's two rows
+        tmp = path.with_name(f".{path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png")
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+
+
+def _title(data: dict[str, Any]) -> str:
+    ended = [a["ended"] for a in data["attempts"] if a["ended"]]
+    last = ended[-1] if ended else "no end recorded"
+    return f"run {data.get('run_id') or '?'}: {_short(last, 90)}"
+
+
+def _clock(data: dict[str, Any]) -> str:
+    import time
+    start = data.get("start")
+    return f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(start))}" if start else ""
+
+
+def _short(text: str, n: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _bands(ax: Any, data: dict[str, Any], end: float) -> None:
+    """Each attempt a band behind the lanes, named at the top; each check a grey bar."""
+    several = len(data["attempts"]) > 1
+    for i, a in enumerate(data["attempts"]):
+        nxt = data["attempts"][i + 1]["start"] if i + 1 < len(data["attempts"]) else end * 1.04
+        ax.axvspan(a["start"], nxt, color=BANDS[i % 2], zorder=0)
+        if several:
+            ax.text(a["start"], -0.75, f" attempt {a['attempt'] + 1}", fontsize=8, va="center",
+                    color="#555555")
+    for c in data["checks"]:
+        ax.axvspan(c["start"], c["end"], ymin=0.0, ymax=1.0, color=GREY, alpha=0.35, zorder=1,
+                   hatch=None if c["ok"] is not False else "//")
+
+
+def _lane(ax: Any, y: int, items: list[dict[str, Any]], data: dict[str, Any], end: float) -> None:
+    """One node: a bar from its start to its exit (blue until it joined, then green; red
+    when its exit failed), and its marks."""
+    for attempt in sorted({a["attempt"] for a in data["attempts"]}):
+        mine = [i for i in items if i.get("attempt", 0) == attempt]
+        start = _job_x(data, tl.STARTED, attempt) or _job_x(data, tl.START, attempt)
+        if start is None:
+            continue
+        joined = next((i["x"] for i in mine if i["kind"] == tl.JOINED), None)
+        ex = next((i for i in mine if i["kind"] == tl.EXIT), None)
+        stop = _attempt_end(data, attempt, end) if ex is None else ex["x"]
+        run_from = joined if joined is not None else stop
+        ax.broken_barh([(start, max(run_from - start, 0))], (y - 0.18, 0.36), color=BLUE, zorder=2)
+        if joined is not None:
+            colour = GREEN if ex is None or ex.get("ok") else (RED if _failed_first(mine) else ORANGE)
+            ax.broken_barh([(joined, max(stop - joined, 0))], (y - 0.18, 0.36), color=colour, zorder=2)
+        _marks(ax, y, mine, ex)
+
+
+def _marks(ax: Any, y: int, mine: list[dict[str, Any]], ex: dict[str, Any] | None) -> None:
+    beats = [i for i in mine if i["kind"] == tl.BEAT]
+    if beats:
+        ax.plot([b["x"] for b in beats], [y] * len(beats), "|", color="black", ms=7, zorder=3)
+        rate = _rate(beats)
+        if rate:
+            ax.text(beats[-1]["x"], y - 0.26, f"{rate} ", fontsize=7, ha="right", va="bottom")
+    first_out = next((i for i in mine if i["kind"] == tl.OUTPUT), None)
+    if first_out:
+        ax.plot(first_out["x"], y, "o", mfc="white", mec="black", ms=5, zorder=4)
+    joined = next((i for i in mine if i["kind"] == tl.JOINED), None)
+    if joined:
+        ax.plot(joined["x"], y, ">", color="#2c7a2c", ms=7, zorder=4)
+    for slow in (i for i in mine if i["kind"] == tl.SLOW):
+        ax.plot(slow["x"], y, "v", color=PURPLE, ms=8, zorder=5)
+    failed = next((i for i in mine if i["kind"] == tl.FAILED), None)
+    if failed:
+        ax.plot(failed["x"], y, "X", color=RED, ms=10, zorder=5)
+        ax.text(failed["x"], y + 0.3, " " + _short(failed.get("what", "failed"), 60), fontsize=7,
+                color=RED, va="top")
+    if ex is not None:
+        ax.plot(ex["x"], y, "s", color="black" if ex.get("ok") else RED, ms=5, zorder=4)
+
+
+def _rate(beats: list[dict[str, Any]]) -> str:
+    """Beats per second between the first recorded beat and the last (each carries how many
+    beats it stands for)."""
+    if len(beats) < 2:
+        return ""
+    span = beats[-1]["x"] - beats[0]["x"]
+    count = sum(b.get("n", 1) for b in beats[1:])
+    if span <= 0:
+        return ""
+    per = count / span
+    return f"{per:.1f} steps/s" if per >= 0.1 else f"{span / count:.0f} s/step"
+
+
+def _failed_first(mine: list[dict[str, Any]]) -> bool:
+    return any(i["kind"] == tl.FAILED for i in mine)
+
+
+def _job_x(data: dict[str, Any], kind: str, attempt: int) -> float | None:
+    return next((j["x"] for j in data["job"] if j["kind"] == kind and j.get("attempt", 0) == attempt), None)
+
+
+def _attempt_end(data: dict[str, Any], attempt: int, end: float) -> float:
+    return next((a["end"] for a in data["attempts"] if a["attempt"] == attempt), end)
+
+
+def _job(ax: Any, data: dict[str, Any], lanes: int) -> None:
+    """The whole job's moments across every lane: the stop, a hang's stalled stretch, a
+    restart, a detach."""
+    for j in data["job"]:
+        if j["kind"] == tl.STOP:
+            ax.axvline(j["x"], color=RED, ls="--", lw=1, zorder=3)
+            ax.text(j["x"], lanes - 0.45, " stop", color=RED, fontsize=7, va="bottom")
+        elif j["kind"] == tl.RESTART:
+            ax.axvline(j["x"], color="#555555", ls=":", lw=1, zorder=3)
+        elif j["kind"] == tl.DETACHED:
+            ax.axvline(j["x"], color="#555555", ls=":", lw=1, zorder=3)
+            ax.text(j["x"], -0.5, " detached: nothing recorded after", fontsize=7, color="#555555")
+    for s in data["stalled"]:
+        ax.axvspan(s["at"], s["hang"], color=RED, alpha=0.12, hatch="xx", zorder=1)
+        ax.axvline(s["at"], color=RED, lw=1.5, zorder=3)
+        ax.text(s["at"], -0.5, " progress stopped here", color=RED, fontsize=8, va="center")
+
+
+def _legend(plt: Any) -> list[Any]:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    return [Patch(color=GREY, alpha=0.5, label="check"), Patch(color=BLUE, label="starting"),
+            Patch(color=GREEN, label="running"), Patch(color=RED, label="failed first"),
+            Patch(color=ORANGE, label="stopped"),
+            Line2D([], [], marker=">", color="#2c7a2c", ls="", label="joined"),
+            Line2D([], [], marker="o", mfc="white", mec="black", ls="", label="first output"),
+            Line2D([], [], marker="|", color="black", ls="", label="heartbeat"),
+            Line2D([], [], marker="X", color=RED, ls="", label="first failure"),
+            Line2D([], [], marker="s", color="black", ls="", label="exit"),
+            Line2D([], [], color=RED, ls="--", label="stop"),
+            Line2D([], [], marker="v", color=PURPLE, ls="", label="slow node")]
