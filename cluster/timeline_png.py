@@ -54,14 +54,17 @@ def draw(data: dict[str, Any], path: Path) -> None:
 
     lanes = list(data["lanes"])
     end = max(data["end"], 1.0)
-    height = 2.3 + 0.45 * max(1, len(lanes))
+    # 0.45 in a lane, less past 30 nodes: the picture stays under about 17 in (1,500 px) tall
+    lane = min(0.45, 14 / max(1, len(lanes)))
+    height = 2.3 + lane * max(1, len(lanes))
     fig, ax = plt.subplots(figsize=(10, height), dpi=90)
     try:
         _bands(ax, data, end)
         for y, node in enumerate(lanes):
-            _lane(ax, y, data["lanes"][node], data, end)
+            _lane(ax, y, data["lanes"][node], data, end, lane / 0.45)
         _job(ax, data, len(lanes))
-        ax.set_yticks(range(len(lanes)), lanes)
+        every = max(1, round(0.15 / lane))          # a name every `every` lanes when they are thin
+        ax.set_yticks(range(0, len(lanes), every), lanes[::every], fontsize=min(10, 72 * lane * every * 0.6))
         ax.set_ylim(len(lanes) - 0.4, -0.9)
         ax.set_xlim(-0.01 * end, end * 1.04)
         ax.set_xlabel("seconds since the launch began" + _clock(data))
@@ -108,9 +111,10 @@ def _bands(ax: Any, data: dict[str, Any], end: float) -> None:
                    hatch=None if c["ok"] is not False else "//")
 
 
-def _lane(ax: Any, y: int, items: list[dict[str, Any]], data: dict[str, Any], end: float) -> None:
+def _lane(ax: Any, y: int, items: list[dict[str, Any]], data: dict[str, Any], end: float,
+          size: float) -> None:
     """One node: a bar from its start to its exit (blue until it joined, then green; red
-    when its exit failed), and its marks."""
+    when its exit failed), and its marks, `size` times their size in a full-height lane."""
     for attempt in sorted({a["attempt"] for a in data["attempts"]}):
         mine = [i for i in items if i.get("attempt", 0) == attempt]
         start = _job_x(data, tl.STARTED, attempt) or _job_x(data, tl.START, attempt)
@@ -124,31 +128,33 @@ def _lane(ax: Any, y: int, items: list[dict[str, Any]], data: dict[str, Any], en
         if joined is not None:
             colour = GREEN if ex is None or ex.get("ok") else (RED if _failed_first(mine) else ORANGE)
             ax.broken_barh([(joined, max(stop - joined, 0))], (y - 0.18, 0.36), color=colour, zorder=2)
-        _marks(ax, y, mine, ex)
+        _marks(ax, y, mine, ex, size)
 
 
-def _marks(ax: Any, y: int, mine: list[dict[str, Any]], ex: dict[str, Any] | None) -> None:
+def _marks(ax: Any, y: int, mine: list[dict[str, Any]], ex: dict[str, Any] | None,
+           size: float) -> None:
+    words = size > 0.6                       # a lane too thin for words: the marks only
     beats = [i for i in mine if i["kind"] == tl.BEAT]
     if beats:
-        ax.plot([b["x"] for b in beats], [y] * len(beats), "|", color="black", ms=7, zorder=3)
+        ax.plot([b["x"] for b in beats], [y] * len(beats), "|", color="black", ms=7 * size, zorder=3)
         rate = _rate(beats)
-        if rate:
+        if rate and words:
             ax.text(beats[-1]["x"], y - 0.26, f"{rate} ", fontsize=7, ha="right", va="bottom")
     first_out = next((i for i in mine if i["kind"] == tl.OUTPUT), None)
     if first_out:
-        ax.plot(first_out["x"], y, "o", mfc="white", mec="black", ms=5, zorder=4)
+        ax.plot(first_out["x"], y, "o", mfc="white", mec="black", ms=5 * size, zorder=4)
     joined = next((i for i in mine if i["kind"] == tl.JOINED), None)
     if joined:
-        ax.plot(joined["x"], y, ">", color="#2c7a2c", ms=7, zorder=4)
+        ax.plot(joined["x"], y, ">", color="#2c7a2c", ms=7 * size, zorder=4)
     for slow in (i for i in mine if i["kind"] == tl.SLOW):
-        ax.plot(slow["x"], y, "v", color=PURPLE, ms=8, zorder=5)
+        ax.plot(slow["x"], y, "v", color=PURPLE, ms=8 * size, zorder=5)
     failed = next((i for i in mine if i["kind"] == tl.FAILED), None)
     if failed:
-        ax.plot(failed["x"], y, "X", color=RED, ms=10, zorder=5)
-        ax.text(failed["x"], y + 0.3, " " + _short(failed.get("what", "failed"), 60), fontsize=7,
+        ax.plot(failed["x"], y, "X", color=RED, ms=max(6.0, 10 * size), zorder=5)
+        ax.text(failed["x"], y + (0.3 if words else 0), " " + _short(failed.get("what", "failed"), 60), fontsize=7,
                 color=RED, va="top")
     if ex is not None:
-        ax.plot(ex["x"], y, "s", color="black" if ex.get("ok") else RED, ms=5, zorder=4)
+        ax.plot(ex["x"], y, "s", color="black" if ex.get("ok") else RED, ms=5 * size, zorder=4)
 
 
 def _rate(beats: list[dict[str, Any]]) -> str:
