@@ -34,12 +34,11 @@ def write(run: RunDir, console: Console) -> Path:
     for note in data["notes"]:
         console.info(f"timeline: {note}")
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401  (only: is it there)
     except ImportError:
         console.info(f"timeline: no picture, matplotlib is not installed ({INSTALL_HINT}); "
                      f"its events are in {json_path}")
         return json_path
-    del matplotlib
     png = run.path / tl.PNG_NAME
     draw(data, png)
     console.info(f"timeline: {png}")
@@ -48,36 +47,40 @@ def write(run: RunDir, console: Console) -> Path:
 
 def draw(data: dict[str, Any], path: Path) -> None:
     """The picture of timeline() data, written privately to `path` (PNG)."""
-    import matplotlib
-    matplotlib.use("Agg")                     # no display: a file only
-    import matplotlib.pyplot as plt
+    # A Figure of its own, never pyplot: a program of the Python API keeps its own backend
+    # and figures (a notebook's), and no display is needed.
+    from matplotlib.figure import Figure
 
     lanes = list(data["lanes"])
     end = max(data["end"], 1.0)
     # 0.45 in a lane, less past 30 nodes: the picture stays under about 17 in (1,500 px) tall
     lane = min(0.45, 14 / max(1, len(lanes)))
     height = 2.3 + lane * max(1, len(lanes))
-    fig, ax = plt.subplots(figsize=(10, height), dpi=90)
-    try:
-        _bands(ax, data, end)
-        for y, node in enumerate(lanes):
-            _lane(ax, y, data["lanes"][node], data, end, lane / 0.45)
-        _job(ax, data, len(lanes))
-        every = max(1, round(0.15 / lane))          # a name every `every` lanes when they are thin
-        ax.set_yticks(range(0, len(lanes), every), lanes[::every], fontsize=min(10, 72 * lane * every * 0.6))
-        ax.set_ylim(len(lanes) - 0.4, -0.9)
-        ax.set_xlim(-0.01 * end, end * 1.04)
-        ax.set_xlabel("seconds since the launch began" + _clock(data))
-        ax.set_title(_title(data), fontsize=10, loc="left")
-        fig.legend(handles=_legend(plt), loc="lower center", ncol=6, fontsize=7, frameon=False)
-        fig.tight_layout(rect=(0, 0.5 / height, 1, 1))      # room below for the legend's two rows
-        tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        tmp.replace(path)
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(10, height), dpi=90)
+    ax = fig.subplots()
+    _bands(ax, data, end)
+    for y, node in enumerate(lanes):
+        _lane(ax, y, data["lanes"][node], data, end, lane / 0.45)
+    _job(ax, data, len(lanes))
+    every = max(1, round(0.15 / lane))          # a name every `every` lanes when they are thin
+    ax.set_yticks(range(0, len(lanes), every), lanes[::every],
+                  fontsize=min(10, 72 * lane * every * 0.6))
+    ax.set_ylim(len(lanes) - 0.4, -0.9)
+    ax.set_xlim(-0.01 * end, end * 1.04)
+    ax.set_xlabel("seconds since the launch began" + _clock(data))
+    ax.set_title(_title(data), fontsize=10, loc="left")
+    fig.legend(handles=_legend(), loc="lower center", ncol=6, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.5 / height, 1, 1))      # room below for the legend's two rows
+    _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Written privately (0600), replacing the last picture at once."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        fig.savefig(f, format="png")
+    tmp.replace(path)
 
 
 def _title(data: dict[str, Any]) -> str:
@@ -200,7 +203,7 @@ def _job(ax: Any, data: dict[str, Any], lanes: int) -> None:
         ax.text(s["at"], -0.5, " progress stopped here", color=RED, fontsize=8, va="center")
 
 
-def _legend(plt: Any) -> list[Any]:
+def _legend() -> list[Any]:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
     return [Patch(color=GREY, alpha=0.5, label="check"), Patch(color=BLUE, label="starting"),
