@@ -202,3 +202,65 @@ def test_without_matplotlib_one_line_says_so_and_the_json_is_written(
     lines = err.getvalue().splitlines()
     assert len(lines) == 1 and "matplotlib is not installed" in lines[0] and str(path) in lines[0]
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+class FakeBackend:
+    """A backend without node checks whose nodes are test_watch's FakeNodes: in the first
+    attempt node b fails after a finished, in the second both finish."""
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def plan(self, inventory: Any, job: Any, templates: Any, ifnames: Any = None) -> Any:
+        from cluster.plan import render
+        return render(inventory, job, templates)
+
+    def start(self, plan: Any, detach: bool, secrets: Any, run: Any) -> list[FakeNode]:
+        self.attempts += 1
+        fail = self.attempts == 1
+        return [FakeNode("local0 0", [{"joined": True, "group_rank": 0}, b"hi\n"], NodeExit(code=0)),
+                FakeNode("local1 1", [{"joined": True, "group_rank": 1}, {"beat": 1.0}],
+                         NodeExit(code=1 if fail else 0), delay=0.2)]
+
+    def start_note(self, procs: Any, plan: Any) -> str:
+        return "started"
+
+    def started(self, plan: Any, procs: Any, run: Any) -> dict[str, Any]:
+        return {}
+
+    def ended(self, plan: Any, procs: Any, result: Any) -> dict[str, Any]:
+        return {}
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_launch_records_each_step_and_an_attached_run_ends_with_its_timeline(
+        tmp_path: Path, detach: bool) -> None:
+    from cluster import launch
+    from cluster.backends.local import local_inventory
+    from cluster.plan import Job, Templates
+    (tmp_path / "tpl").mkdir()
+    (tmp_path / "tpl" / "node.sh.j2").write_text("exec true\n")
+    run = RunDir.create("r1", root=tmp_path / "runs")
+    c, _, err = console()
+    job = Job(run_id="r1", script="x", node_root=str(tmp_path / "nodes"))
+    code = launch.up(local_inventory(2), job, Templates(tmp_path / "tpl"), FakeBackend(), run,  # type: ignore[arg-type]
+                     ["up"], c, launch.Options(restarts=1, detach=detach))
+    assert code == 0
+    events = tl.read_events(run.path / tl.EVENTS)
+    kinds = [(e["kind"], e.get("node"), e["attempt"]) for e in events]
+    if detach:
+        assert [k for k, _, _ in kinds] == ["check", "checked", "start", "started", "detached",
+                                            "outcome"]
+        assert not (run.path / "timeline.json").exists() and "timeline" not in err.getvalue()
+        return
+    for attempt in (0, 1):
+        for node in ("local0 0", "local1 1"):
+            assert ("joined", node, attempt) in kinds and ("exit", node, attempt) in kinds
+        assert ("check", None, attempt) in kinds and ("started", None, attempt) in kinds
+    assert ("failed", "local1 1", 0) in kinds and ("restart", None, 0) in kinds
+    assert kinds[-1] == ("outcome", None, 1)
+    data = json.loads((run.path / "timeline.json").read_text())
+    assert [a["ended"] for a in data["attempts"]] == [
+        "node [local1 1] failed: exit code 1", "finished"]
+    assert "timeline: " in err.getvalue()
