@@ -68,8 +68,8 @@ class Recorder:
         if self.sink is None:
             return
         with self.lock:
-            if node is not None and kind in (EXIT, HANG, STOP):
-                self._flush(node)              # the last beat before it ends is a fact too
+            if kind in (EXIT, HANG, STOP):      # the last beat before an end is a fact too
+                self._flush(node)
             self.sink(self._stamp(kind, node, detail))
 
     def beat(self, node: str) -> None:
@@ -81,10 +81,7 @@ class Recorder:
     def flush(self) -> None:
         """Write every held (thinned) event: at the end of an attempt."""
         with self.lock:
-            held, self.held = list(self.held.values()), {}
-            for ev in held:
-                if self.sink is not None:
-                    self.sink(ev)
+            self._flush(None)
 
     def _stamp(self, kind: str, node: str | None, detail: dict[str, Any]) -> Event:
         self.kinds.add(kind)
@@ -111,11 +108,12 @@ class Recorder:
             self.last[key] = ev["m"]
             self.sink(ev)
 
-    def _flush(self, node: str) -> None:
-        for kind in (BEAT, OUTPUT):
-            held = self.held.pop((kind, node), None)
-            if held is not None and self.sink is not None:
-                self.sink(held)
+    def _flush(self, node: str | None) -> None:
+        """The held events of `node`, or of every node, in the order they happened."""
+        keys = [k for k in self.held if node is None or k[1] == node]
+        for ev in sorted((self.held.pop(k) for k in keys), key=lambda e: e["m"]):
+            if self.sink is not None:
+                self.sink(ev)
 
 
 class EventsFile:

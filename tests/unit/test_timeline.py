@@ -264,3 +264,14 @@ def test_launch_records_each_step_and_an_attached_run_ends_with_its_timeline(
     assert [a["ended"] for a in data["attempts"]] == [
         "node [local1 1] failed: exit code 1", "finished"]
     assert "timeline: " in err.getvalue()
+
+
+def test_a_hang_writes_every_nodes_held_beat_first_in_order() -> None:
+    rec, events, clock = recorder(thin=5)
+    for node, at in (("a 0", 0.0), ("b 1", 0.0), ("b 1", 1.0), ("a 0", 2.0)):
+        clock.now = 100.0 + at
+        rec.beat(node)
+    clock.now = 120.0
+    rec.event(tl.HANG, quiet=18.0)
+    assert [(e["kind"], e.get("node"), e["m"]) for e in events[2:]] == [
+        ("beat", "b 1", 101.0), ("beat", "a 0", 102.0), ("hang", None, 120.0)]
