@@ -19,6 +19,7 @@ INSTALL_HINT = "pip install 'cluster[train]'"
 
 # Colours: a quiet palette, the failure red.
 GREY, BLUE, GREEN, RED, ORANGE, PURPLE = "#b0b0b0", "#9ecae1", "#74c476", "#d62728", "#fd8d3c", "#9467bd"
+STALLED = "#f6c5c5"               # a hang: running, but no progress
 BANDS = ("#f7f7f7", "#e8eef7")
 
 
@@ -69,7 +70,7 @@ def draw(data: dict[str, Any], path: Path) -> None:
     ax.set_xlim(-0.01 * end, end * 1.04)
     ax.set_xlabel("seconds since the launch began" + _clock(data))
     ax.set_title(_title(data), fontsize=10, loc="left")
-    fig.legend(handles=_legend(), loc="lower center", ncol=6, fontsize=7, frameon=False)
+    fig.legend(handles=_legend(), loc="lower center", ncol=7, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.5 / height, 1, 1))      # room below for the legend's two rows
     _save(fig, path)
 
@@ -84,9 +85,14 @@ def _save(fig: Any, path: Path) -> None:
 
 
 def _title(data: dict[str, Any]) -> str:
+    """How the run ended, with the worker's own error when one failed."""
     ended = [a["ended"] for a in data["attempts"] if a["ended"]]
     last = ended[-1] if ended else "no end recorded"
-    return f"run {data.get('run_id') or '?'}: {_short(last, 90)}"
+    final = data["attempts"][-1]["attempt"] if data["attempts"] else 0
+    what = next((i.get("what") for lane in data["lanes"].values() for i in lane
+                 if i["kind"] == tl.FAILED and i.get("attempt", 0) == final), None)
+    tries = f" in attempt {len(data['attempts'])}" if len(data["attempts"]) > 1 else ""
+    return f"run {data.get('run_id') or '?'}: {_short(last + tries + (f' ({what})' if what else ''), 110)}"
 
 
 def _clock(data: dict[str, Any]) -> str:
@@ -116,22 +122,37 @@ def _bands(ax: Any, data: dict[str, Any], end: float) -> None:
 
 def _lane(ax: Any, y: int, items: list[dict[str, Any]], data: dict[str, Any], end: float,
           size: float) -> None:
-    """One node: a bar from its start to its exit (blue until it joined, then green; red
-    when its exit failed), and its marks, `size` times their size in a full-height lane."""
+    """One node: a bar from its start to its exit: blue until its workers joined (or beat,
+    which they do only after), green while they ran, then red from its failure (the node that
+    failed first) or orange from the stop (the others) to its exit. Its marks, `size` times
+    their size in a full-height lane."""
     for attempt in sorted({a["attempt"] for a in data["attempts"]}):
         mine = [i for i in items if i.get("attempt", 0) == attempt]
         start = _job_x(data, tl.STARTED, attempt) or _job_x(data, tl.START, attempt)
         if start is None:
             continue
-        joined = next((i["x"] for i in mine if i["kind"] == tl.JOINED), None)
         ex = next((i for i in mine if i["kind"] == tl.EXIT), None)
         stop = _attempt_end(data, attempt, end) if ex is None else ex["x"]
-        run_from = joined if joined is not None else stop
-        ax.broken_barh([(start, max(run_from - start, 0))], (y - 0.18, 0.36), color=BLUE, zorder=2)
-        if joined is not None:
-            colour = GREEN if ex is None or ex.get("ok") else (RED if _failed_first(mine) else ORANGE)
-            ax.broken_barh([(joined, max(stop - joined, 0))], (y - 0.18, 0.36), color=colour, zorder=2)
+        ran = [i["x"] for i in mine if i["kind"] in (tl.JOINED, tl.BEAT)]
+        joined = min(ran) if ran else stop
+        failed = next((i["x"] for i in mine if i["kind"] == tl.FAILED), None)
+        ended = ex is not None and not ex.get("ok")
+        stall = next((s["at"] for s in data["stalled"] if s["attempt"] == attempt), None) if ended else None
+        stopped = _job_x(data, tl.STOP, attempt) if ended else None
+        cut = min(x for x in (failed, stall, stopped, stop) if x is not None)
+        _bar(ax, y, start, joined, BLUE)
+        _bar(ax, y, joined, cut, GREEN)
+        if stall is not None:
+            _bar(ax, y, stall, stopped or stop, STALLED, hatch="xx")
+            cut = stopped or stop
+        _bar(ax, y, cut, stop, RED if failed is not None else ORANGE)
         _marks(ax, y, mine, ex, size)
+
+
+def _bar(ax: Any, y: int, start: float, end: float, colour: str, hatch: str | None = None) -> None:
+    if end > start:
+        ax.broken_barh([(start, end - start)], (y - 0.18, 0.36), facecolor=colour,
+                       edgecolor=RED if hatch else colour, hatch=hatch, lw=0, zorder=2)
 
 
 def _marks(ax: Any, y: int, mine: list[dict[str, Any]], ex: dict[str, Any] | None,
@@ -142,7 +163,7 @@ def _marks(ax: Any, y: int, mine: list[dict[str, Any]], ex: dict[str, Any] | Non
         ax.plot([b["x"] for b in beats], [y] * len(beats), "|", color="black", ms=7 * size, zorder=3)
         rate = _rate(beats)
         if rate and words:
-            ax.text(beats[-1]["x"], y - 0.26, f"{rate} ", fontsize=7, ha="right", va="bottom")
+            ax.text(beats[0]["x"], y + 0.24, f" {rate}", fontsize=7, va="top")
     first_out = next((i for i in mine if i["kind"] == tl.OUTPUT), None)
     if first_out:
         ax.plot(first_out["x"], y, "o", mfc="white", mec="black", ms=5 * size, zorder=4)
@@ -153,28 +174,25 @@ def _marks(ax: Any, y: int, mine: list[dict[str, Any]], ex: dict[str, Any] | Non
         ax.plot(slow["x"], y, "v", color=PURPLE, ms=8 * size, zorder=5)
     failed = next((i for i in mine if i["kind"] == tl.FAILED), None)
     if failed:
-        ax.plot(failed["x"], y, "X", color=RED, ms=max(6.0, 10 * size), zorder=5)
-        ax.text(failed["x"], y + (0.3 if words else 0), " " + _short(failed.get("what", "failed"), 60), fontsize=7,
-                color=RED, va="top")
+        ax.plot(failed["x"], y, "X", color=RED, mec="black", ms=max(6.0, 10 * size), zorder=5)
+        if words:
+            ax.text(failed["x"], y - 0.26, _short(failed.get("what", "failed"), 60) + " ",
+                    fontsize=7, color=RED, ha="right", va="bottom")
     if ex is not None:
         ax.plot(ex["x"], y, "s", color="black" if ex.get("ok") else RED, ms=5 * size, zorder=4)
 
 
 def _rate(beats: list[dict[str, Any]]) -> str:
-    """Beats per second between the first recorded beat and the last (each carries how many
-    beats it stands for)."""
+    """The mean interval between beats, the first recorded one to the last (each carries how
+    many beats it stands for). A node reports a heartbeat at most once a second: a faster
+    step rate reads as 'a beat every 1.0 s'."""
     if len(beats) < 2:
         return ""
     span = beats[-1]["x"] - beats[0]["x"]
     count = sum(b.get("n", 1) for b in beats[1:])
     if span <= 0:
         return ""
-    per = count / span
-    return f"{per:.1f} steps/s" if per >= 0.1 else f"{span / count:.0f} s/step"
-
-
-def _failed_first(mine: list[dict[str, Any]]) -> bool:
-    return any(i["kind"] == tl.FAILED for i in mine)
+    return f"a beat every {span / count:.1f} s"
 
 
 def _job_x(data: dict[str, Any], kind: str, attempt: int) -> float | None:
@@ -191,14 +209,14 @@ def _job(ax: Any, data: dict[str, Any], lanes: int) -> None:
     for j in data["job"]:
         if j["kind"] == tl.STOP:
             ax.axvline(j["x"], color=RED, ls="--", lw=1, zorder=3)
-            ax.text(j["x"], lanes - 0.45, " stop", color=RED, fontsize=7, va="bottom")
+            ax.text(j["x"], -0.5, " stop", color=RED, fontsize=7, va="center")
         elif j["kind"] == tl.RESTART:
             ax.axvline(j["x"], color="#555555", ls=":", lw=1, zorder=3)
         elif j["kind"] == tl.DETACHED:
             ax.axvline(j["x"], color="#555555", ls=":", lw=1, zorder=3)
             ax.text(j["x"], -0.5, " detached: nothing recorded after", fontsize=7, color="#555555")
     for s in data["stalled"]:
-        ax.axvspan(s["at"], s["hang"], color=RED, alpha=0.12, hatch="xx", zorder=1)
+        ax.axvspan(s["at"], s["hang"], color=RED, alpha=0.06, zorder=1)
         ax.axvline(s["at"], color=RED, lw=1.5, zorder=3)
         ax.text(s["at"], -0.5, " progress stopped here", color=RED, fontsize=8, va="center")
 
@@ -209,6 +227,7 @@ def _legend() -> list[Any]:
     return [Patch(color=GREY, alpha=0.5, label="check"), Patch(color=BLUE, label="starting"),
             Patch(color=GREEN, label="running"), Patch(color=RED, label="failed first"),
             Patch(color=ORANGE, label="stopped"),
+            Patch(facecolor=STALLED, edgecolor=RED, hatch="xx", lw=0, label="no progress"),
             Line2D([], [], marker=">", color="#2c7a2c", ls="", label="joined"),
             Line2D([], [], marker="o", mfc="white", mec="black", ls="", label="first output"),
             Line2D([], [], marker="|", color="black", ls="", label="heartbeat"),
