@@ -145,7 +145,7 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
         t0 = time.monotonic()
         timeline.event(tl.START)
         procs = backend.start(plan, detach=options.detach, secrets=secrets, run=run)
-        timeline.event(tl.STARTED, nodes=[p.node.label for p in procs])
+        timeline.event(tl.STARTED, nodes=list(plan.log_names))    # each node's label (a lane)
         console.info(backend.start_note(procs, plan)
                      + (f" (attempt {job.attempt + 1} of {options.restarts + 1})" if job.attempt else ""))
         run.update(**backend.started(plan, procs, run),

@@ -216,7 +216,9 @@ class FakeBackend:
         from cluster.plan import render
         return render(inventory, job, templates)
 
-    def start(self, plan: Any, detach: bool, secrets: Any, run: Any) -> list[FakeNode]:
+    def start(self, plan: Any, detach: bool, secrets: Any, run: Any) -> list[Any]:
+        if detach:
+            return [4321, 4322]                # a detached start hands back each node's pid
         self.attempts += 1
         fail = self.attempts == 1
         return [FakeNode("local0 0", [{"joined": True, "group_rank": 0}, b"hi\n"], NodeExit(code=0)),
