@@ -20,6 +20,8 @@ from .hang_timeout import timeout_of
 from .plan import Job, Plan, Templates
 from .runs import RunDir
 from .spec import HangAuto, Inventory
+from . import timeline as tl
+from . import timeline_png
 from .watch import Watcher, WatchResult
 
 def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
@@ -96,7 +98,34 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
        environ: Mapping[str, str] = os.environ) -> int:
     """Check, start, watch; after a failure, with restarts left, the whole job again on a
     fresh rendezvous (CLUSTER_RESTART_COUNT on the nodes), leaving lost nodes out while
-    options.min_nodes remain."""
+    options.min_nodes remain. Each step goes into runs/<id>/events.jsonl as it happens; an
+    attached run ends by writing its timeline (cluster.timeline_png)."""
+    timeline = tl.recorder_for(run.path)
+    try:
+        code = _up(inventory, job, templates, backend, run, argv, console, options, environ,
+                   timeline)
+    except BaseException as exc:
+        timeline.event(tl.OUTCOME, ok=False, error=str(exc) or type(exc).__name__)
+        if not options.detach and tl.CHECK in timeline.kinds:     # not for a refused command line
+            _timeline(run, console)
+        raise
+    timeline.event(tl.OUTCOME, ok=code == 0, code=code)
+    if not options.detach:
+        _timeline(run, console)
+    return code
+
+
+def _timeline(run: RunDir, console: Console) -> None:
+    """The picture of the run; a failure to draw it is said, never the run's outcome."""
+    try:
+        timeline_png.write(run, console)
+    except Exception as exc:  # matplotlib's own errors: the run's outcome matters more
+        console.info(f"timeline not drawn: {exc}")
+
+
+def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[Any], run: RunDir,
+        argv: list[str], console: Console, options: Options, environ: Mapping[str, str],
+        timeline: tl.Recorder) -> int:
     secrets = secret_values(inventory, environ)
     ensure_open_files(len(inventory.hosts))
     if hasattr(backend, "note"):        # what the backend tells the user goes where the run's does
@@ -104,8 +133,11 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
     history: list[Record] = []
     while True:
         job = dataclasses.replace(job, attempt=len(history))
+        timeline.attempt = job.attempt
+        timeline.event(tl.CHECK)
         inventory, plan = checked_plan(inventory, job, templates, backend, run, argv, console,
                                        options, history)
+        timeline.event(tl.CHECKED)
         if options.stop is not None and options.stop.is_set():
             checks = node_checks(backend)
             if checks is not None:
@@ -113,24 +145,31 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
             raise Interrupted(f"stopped before run {plan.run_id} started; nothing was started",
                               signum=signal.SIGTERM)
         t0 = time.monotonic()
+        timeline.event(tl.START)
         procs = backend.start(plan, detach=options.detach, secrets=secrets, run=run)
+        timeline.event(tl.STARTED, nodes=list(plan.log_names))    # each node's label (a lane)
         console.info(backend.start_note(procs, plan)
                      + (f" (attempt {job.attempt + 1} of {options.restarts + 1})" if job.attempt else ""))
         run.update(**backend.started(plan, procs, run),
                    timings={**(run.meta().get("timings") or {}), "start": round(time.monotonic() - t0, 3)})
         if options.detach:
+            timeline.event(tl.DETACHED)
             console.info(f"detached; follow with `cluster logs -f {plan.run_id}`, "
                          f"stop with `cluster down {plan.run_id}`")
             return 0
         logs = {label: run.path / "logs" / name for label, name in plan.log_names.items()}
         timeout = timeout_of(options.hang_timeout, options.hang_auto, console.info)
         result = Watcher(procs, console, logs, settle=plan.stop_grace + 30,
-                         hang_timeout=timeout, stop=options.stop).run()
+                         hang_timeout=timeout, stop=options.stop,
+                         timeline=timeline).run()
+        timeline.flush()
         _record(run, plan, backend, procs, result, history, console)
+        timeline.event(tl.ENDED, how=_ending(result))
         retry = _retry(result, plan, options, history)
         if retry is None:
             return _outcome(result, plan, console)
         console.info(retry)
+        timeline.event(tl.RESTART, why=retry)
         inventory = _without_lost(inventory, result, options)
 
 

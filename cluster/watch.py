@@ -24,6 +24,7 @@ from .errors import StopRequested, signum_of
 from .hang_timeout import FixedTimeout, LearnedTimeout
 from .backends import NodeProcess
 from .nodes import NodeExit, signal_name
+from . import timeline as tl
 
 __all__ = ["Console", "Hang", "LineSplitter", "TAIL_LINES", "WatchResult", "Watcher"]
 
@@ -147,8 +148,9 @@ class Watcher:
                  log_paths: dict[str, Path], settle: float = 30.0,
                  hang_timeout: float | FixedTimeout | LearnedTimeout = 0.0,
                  clock: Callable[[], float] = time.monotonic, stop: threading.Event | None = None,
-                 poll: float = 0.5) -> None:
+                 poll: float = 0.5, timeline: tl.Recorder | None = None) -> None:
         self.procs = list(procs)
+        self.timeline = timeline or tl.Recorder()     # what happened, for runs/<id>/timeline
         self.console = console
         self.log_paths = log_paths
         self.settle = settle                   # how long to wait for stopped nodes to report
@@ -197,6 +199,7 @@ class Watcher:
         except KeyboardInterrupt as exc:
             result.interrupted = True
             result.signum = signum_of(exc)
+            self.timeline.event(tl.INTERRUPTED, signal=signal_name(result.signum))
             self.console.info(f"interrupted ({signal_name(result.signum)}): "
                               f"stopping {len(pending)} node(s)")
             result.stops = self.stop_all(pending)
@@ -263,6 +266,7 @@ class Watcher:
 
     def _collect_stacks(self, pending: set[str]) -> Hang:
         quiet = self.clock() - self.progress
+        self.timeline.event(tl.HANG, quiet=round(quiet, 3))
         self.console.info(f"no progress on any node for {quiet:.0f} s ({self.timeout.why()}): "
                           f"collecting every worker's stack before stopping")
         targets = [p for p in self.procs if p.node.label in pending]
@@ -290,9 +294,11 @@ class Watcher:
                 self.result.joined.add(label)
                 self.result.group_ranks[label] = int(record.get("group_rank", -1))
                 self.progress = self.clock()
+                self.timeline.event(tl.JOINED, label, group_rank=record.get("group_rank"))
             elif "beat" in record:
                 self.progress = self.clock()
                 self.timeout.beat(label, self.progress)
+                self.timeline.beat(label)
             elif record.get("workers"):
                 self.result.had_workers.add(label)
             elif "stack" in record:
@@ -318,6 +324,7 @@ class Watcher:
         if not targets:
             return {}
         self.muted.update(labels)
+        self.timeline.event(tl.STOP, nodes=sorted(labels))
         self.console.info("output of the stopped node(s) continues in their log files only")
         while True:
             try:
@@ -340,6 +347,7 @@ class Watcher:
         words whenever the rest of its report arrives: only what preceded the banner."""
         errors = self.errors.get(label)
         cause = errors.cause(printed_only=early) if errors else None
+        self.timeline.event(tl.FAILED, label, what=cause or what)
         self.console.info(f"node [{label}] failed first: {what}" + (f": {cause}" if cause else ""))
         if others:
             self.console.info(f"stopping the other {others} node(s)")
@@ -382,12 +390,14 @@ class Watcher:
             ex = proc.wait()
         except Exception as exc:
             ex = NodeExit(lost=True, reason=str(exc))
+        self.timeline.event(tl.EXIT, label, ok=ex.ok, how=ex.describe())
         self.events.put((proc, ex))
 
     def _emit(self, label: str, index: int, line: str, sub: str | None = None) -> None:
         """One line of node `label` (shown under `sub`, a node of a job, when that differs)."""
         sub = sub or label
         self.progress = self.clock()
+        self.timeline.output(label)
         self.tails[label].append(line if sub == label else f"[{sub}] {line}")
         self.errors[label].feed(line)
         if label not in self.muted:

@@ -16,7 +16,9 @@ from ..console import Console
 
 @main.command(context_settings=CONTEXT)
 @click.argument("run", required=False, shell_complete=complete_run)
-def status(run: str | None) -> None:
+@click.option("--timeline", "draw", is_flag=True,
+              help="Also write runs/RUN/timeline.png (timeline.json without matplotlib) and print its path.")
+def status(run: str | None, draw: bool) -> None:
     """Each node of RUN (default: the newest): running / exited with code / stopped / lost."""
     from rich.console import Console as RichConsole
     from rich.table import Table
@@ -43,6 +45,9 @@ def status(run: str | None) -> None:
                       markup=False, highlight=False)
     for line in run_notes(meta, started=bool(rows)):
         out.print(line, markup=False, highlight=False)
+    if draw:
+        from .. import timeline_png
+        timeline_png.write(rd, Console())
 
 
 def run_notes(meta: dict, started: bool) -> list[str]:

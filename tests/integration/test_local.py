@@ -337,3 +337,19 @@ def test_hang_timeout_auto_learns_from_the_beats_and_stops_a_hang_within_a_minut
     assert 30 <= took < 60, took
     assert "beat_then_hang.py" in (hang / "summary.txt").read_text()
     assert run_processes(run.name) == []
+def test_an_attached_run_leaves_its_timeline_and_status_draws_it_again(tmp_path: Path) -> None:
+    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", str(ALLREDUCE), "--sleep", "2")
+    assert res.returncode == 0, res.stderr
+    run = only_run(tmp_path)
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    kinds = {(e["kind"], e.get("node")) for e in events}
+    for node in ("local0 0", "local1 1"):
+        assert {("joined", node), ("exit", node)} <= kinds, kinds
+    assert {("check", None), ("checked", None), ("start", None), ("outcome", None)} <= kinds
+    data = json.loads((run / "timeline.json").read_text())
+    assert list(data["lanes"]) == ["local0 0", "local1 1"]
+    drawn = "timeline.png" if (run / "timeline.png").exists() else "timeline.json"
+    assert f"timeline: runs/{run.name}/{drawn}" in res.stderr, res.stderr
+    again = cluster(tmp_path, "status", run.name, "--timeline")
+    assert again.returncode == 0, again.stderr
+    assert f"timeline: runs/{run.name}/{drawn}" in again.stderr, again.stderr

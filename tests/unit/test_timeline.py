@@ -1,0 +1,279 @@
+"""A run's timeline: the recorder on a fake clock (events in, JSON out), the watcher's events
+from fake nodes, the grouping into lanes and attempts, the picture when matplotlib is there and
+the one-line fallback to timeline.json when it is not."""
+from __future__ import annotations
+
+import builtins
+import json
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster import timeline as tl
+from cluster import timeline_png
+from cluster.backends import NodeExit
+from cluster.runs import RunDir
+from cluster.watch import Watcher
+from tests.unit.test_watch import FakeNode, console
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def recorder(thin: float = tl.THIN) -> tuple[tl.Recorder, list[tl.Event], Clock]:
+    events: list[tl.Event] = []
+    clock = Clock()
+    return tl.Recorder(events.append, clock=clock, wall=lambda: clock.now + 1e9, thin=thin), events, clock
+
+
+def test_each_event_has_its_wall_and_monotonic_time_read_once() -> None:
+    rec, events, clock = recorder()
+    rec.event(tl.CHECK)
+    clock.now = 102.5
+    rec.event(tl.JOINED, "a 0", group_rank=0)
+    assert events == [{"t": 1e9 + 100, "m": 100.0, "kind": "check", "attempt": 0},
+                      {"t": 1e9 + 102.5, "m": 102.5, "kind": "joined", "attempt": 0,
+                       "node": "a 0", "group_rank": 0}]
+
+
+def test_without_a_sink_nothing_is_recorded() -> None:
+    rec = tl.Recorder()
+    rec.event(tl.CHECK)
+    rec.beat("a 0")
+    rec.flush()
+    assert rec.kinds == set()
+
+
+def test_beats_are_thinned_and_the_count_kept_then_flushed_at_the_exit() -> None:
+    rec, events, clock = recorder(thin=5)
+    for second in range(12):                 # a beat a second for 12 s
+        clock.now = 100.0 + second
+        rec.beat("a 0")
+    beats = [e for e in events if e["kind"] == "beat"]
+    assert [(b["m"], b["n"]) for b in beats] == [(100.0, 1), (105.0, 5), (110.0, 5)]
+    clock.now = 113.0
+    rec.event(tl.EXIT, "a 0", ok=True, how="exit code 0")
+    assert [(e["kind"], e["m"], e.get("n")) for e in events[-2:]] == [("beat", 111.0, 1),
+                                                                      ("exit", 113.0, None)]
+    assert sum(e["n"] for e in events if e["kind"] == "beat") == 12       # every beat counted
+
+
+def test_output_is_recorded_first_then_thinned_per_node() -> None:
+    rec, events, clock = recorder(thin=5)
+    rec.output("a 0")
+    rec.output("a 0")
+    rec.output("b 1")
+    rec.flush()
+    assert [(e["node"], e["n"]) for e in events] == [("a 0", 1), ("b 1", 1), ("a 0", 1)]
+
+
+def test_the_events_file_is_private_and_a_cut_line_is_left_out(tmp_path: Path) -> None:
+    rec = tl.recorder_for(tmp_path)
+    rec.event(tl.CHECK)
+    rec.event(tl.STARTED, nodes=["a 0"])
+    path = tmp_path / tl.EVENTS
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with path.open("a") as f:
+        f.write('{"t": 1, "kind": "ex')              # the launcher killed mid-write
+    assert [e["kind"] for e in tl.read_events(path)] == ["check", "started"]
+    assert tl.read_events(tmp_path / "none.jsonl") == []
+
+
+def test_the_watcher_records_join_beats_output_failure_stop_and_exits(tmp_path: Path) -> None:
+    events: list[tl.Event] = []
+    rec = tl.Recorder(events.append)
+    c, _, _ = console()
+    failing = FakeNode("b 1", [{"joined": True, "group_rank": 1}, {"beat": 1.0}, b"boom\n"],
+                       NodeExit(code=3), delay=0.1)
+    other = FakeNode("a 0", [{"joined": True, "group_rank": 0}, b"hello\n"], None)
+    Watcher([other, failing], c, {}, timeline=rec).run()
+    kinds = {(e["kind"], e.get("node")) for e in events}
+    assert {("joined", "a 0"), ("joined", "b 1"), ("beat", "b 1"), ("output", "a 0"),
+            ("output", "b 1"), ("failed", "b 1"), ("stop", None), ("exit", "a 0"),
+            ("exit", "b 1")} <= kinds
+    exits = {e["node"]: e for e in events if e["kind"] == "exit"}
+    assert exits["b 1"]["ok"] is False and exits["b 1"]["how"] == "exit code 3"
+    assert next(e for e in events if e["kind"] == "stop")["nodes"] == ["a 0"]
+
+
+def launch_events() -> list[tl.Event]:
+    """What launch and the watcher record for a job of two nodes that hangs, restarts, and
+    finishes, on a fake clock."""
+    rec, events, clock = recorder(thin=1)
+
+    def at(now: float, kind: str, node: str | None = None, **detail: Any) -> None:
+        clock.now = 100.0 + now
+        rec.event(kind, node, **detail)
+    at(0, tl.CHECK)
+    at(1, tl.CHECKED)
+    at(1, tl.START)
+    at(2, tl.STARTED, nodes=["a 0", "b 1"])
+    at(4, tl.JOINED, "a 0")
+    at(4.5, tl.JOINED, "b 1")
+    for s in (5, 6, 7):
+        clock.now = 100.0 + s
+        rec.beat("a 0")
+    at(17, tl.HANG, quiet=10.0)
+    at(18, tl.STOP, nodes=["a 0", "b 1"])
+    at(19, tl.EXIT, "a 0", ok=False, how="killed by SIGTERM")
+    at(19, tl.EXIT, "b 1", ok=False, how="killed by SIGTERM")
+    at(19.5, tl.ENDED, how="hang: no progress for 10 s")
+    at(19.5, tl.RESTART, why="restarting")
+    rec.attempt = 1
+    at(20, tl.CHECK)
+    at(21, tl.CHECKED)
+    at(22, tl.STARTED, nodes=["a 0", "b 1"])
+    at(30, tl.EXIT, "a 0", ok=True, how="exit code 0")
+    at(30, tl.EXIT, "b 1", ok=True, how="exit code 0")
+    at(30, tl.ENDED, how="finished")
+    at(30.5, tl.OUTCOME, ok=True, code=0)
+    return events
+
+
+def test_the_timeline_groups_lanes_attempts_checks_and_where_progress_stopped() -> None:
+    data = tl.timeline(launch_events(), {"run_id": "r1", "backend": "local"})
+    json.dumps(data)                                      # plain JSON
+    assert data["run_id"] == "r1" and data["start"] == 1e9 + 100 and data["end"] == 30.5
+    assert list(data["lanes"]) == ["a 0", "b 1"]
+    assert [(i["kind"], i["x"]) for i in data["lanes"]["a 0"] if i["attempt"] == 0] == [
+        ("joined", 4.0), ("beat", 5.0), ("beat", 6.0), ("beat", 7.0), ("exit", 19.0)]
+    assert [(a["attempt"], a["start"], a["end"], a["ended"]) for a in data["attempts"]] == [
+        (0, 0.0, 19.5, "hang: no progress for 10 s"), (1, 20.0, 30.5, "finished")]
+    assert [(c["start"], c["end"], c["ok"]) for c in data["checks"]] == [(0.0, 1.0, True),
+                                                                        (20.0, 21.0, True)]
+    assert data["stalled"] == [{"attempt": 0, "at": 7.0, "hang": 17.0}]
+    assert data["notes"] == []
+
+
+def test_a_failed_check_ends_its_band_at_the_outcome_and_a_detached_run_says_so() -> None:
+    rec, events, clock = recorder()
+    rec.event(tl.CHECK)
+    clock.now += 3
+    rec.event(tl.OUTCOME, ok=False, error="1 check(s) failed")
+    data = tl.timeline(events, {"nodes": [{"name": "a", "rank": 0}]})
+    assert data["checks"] == [{"attempt": 0, "start": 0.0, "end": 3.0, "ok": False}]
+    assert data["attempts"][0]["ended"] == "1 check(s) failed"
+    rec.event(tl.DETACHED)
+    assert "detached" in tl.timeline(events)["notes"][0]
+    empty = tl.timeline([], {"nodes": [{"name": "a", "rank": 0}]})
+    assert list(empty["lanes"]) == ["a 0"] and "no events" in empty["notes"][0]
+
+
+def run_dir(tmp_path: Path) -> RunDir:
+    run = RunDir.create("r1", root=tmp_path / "runs")
+    sink = tl.EventsFile(run.path / tl.EVENTS)
+    for ev in launch_events():
+        sink(ev)
+    return run
+
+
+def test_the_picture_is_drawn_when_matplotlib_is_there(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run = run_dir(tmp_path)
+    c, _, err = console()
+    path = timeline_png.write(run, c)
+    assert path == run.path / "timeline.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert f"timeline: {path}" in err.getvalue()
+    assert json.loads((run.path / "timeline.json").read_text())["end"] == 30.5
+
+
+def test_without_matplotlib_one_line_says_so_and_the_json_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_import = builtins.__import__
+
+    def blocked(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", blocked)
+    run = run_dir(tmp_path)
+    c, _, err = console()
+    path = timeline_png.write(run, c)
+    assert path == run.path / "timeline.json" and not (run.path / "timeline.png").exists()
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 1 and "matplotlib is not installed" in lines[0] and str(path) in lines[0]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+class FakeBackend:
+    """A backend without node checks whose nodes are test_watch's FakeNodes: in the first
+    attempt node b fails after a finished, in the second both finish."""
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def plan(self, inventory: Any, job: Any, templates: Any, ifnames: Any = None) -> Any:
+        from cluster.plan import render
+        return render(inventory, job, templates)
+
+    def start(self, plan: Any, detach: bool, secrets: Any, run: Any) -> list[Any]:
+        if detach:
+            return [4321, 4322]                # a detached start hands back each node's pid
+        self.attempts += 1
+        fail = self.attempts == 1
+        return [FakeNode("local0 0", [{"joined": True, "group_rank": 0}, b"hi\n"], NodeExit(code=0)),
+                FakeNode("local1 1", [{"joined": True, "group_rank": 1}, {"beat": 1.0}],
+                         NodeExit(code=1 if fail else 0), delay=0.2)]
+
+    def start_note(self, procs: Any, plan: Any) -> str:
+        return "started"
+
+    def started(self, plan: Any, procs: Any, run: Any) -> dict[str, Any]:
+        return {}
+
+    def ended(self, plan: Any, procs: Any, result: Any) -> dict[str, Any]:
+        return {}
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_launch_records_each_step_and_an_attached_run_ends_with_its_timeline(
+        tmp_path: Path, detach: bool) -> None:
+    from cluster import launch
+    from cluster.backends.local import local_inventory
+    from cluster.plan import Job, Templates
+    (tmp_path / "tpl").mkdir()
+    (tmp_path / "tpl" / "node.sh.j2").write_text("exec true\n")
+    run = RunDir.create("r1", root=tmp_path / "runs")
+    c, _, err = console()
+    job = Job(run_id="r1", script="x", node_root=str(tmp_path / "nodes"))
+    code = launch.up(local_inventory(2), job, Templates(tmp_path / "tpl"), FakeBackend(), run,  # type: ignore[arg-type]
+                     ["up"], c, launch.Options(restarts=1, detach=detach))
+    assert code == 0
+    events = tl.read_events(run.path / tl.EVENTS)
+    kinds = [(e["kind"], e.get("node"), e["attempt"]) for e in events]
+    if detach:
+        assert [k for k, _, _ in kinds] == ["check", "checked", "start", "started", "detached",
+                                            "outcome"]
+        assert not (run.path / "timeline.json").exists() and "timeline" not in err.getvalue()
+        return
+    for attempt in (0, 1):
+        for node in ("local0 0", "local1 1"):
+            assert ("joined", node, attempt) in kinds and ("exit", node, attempt) in kinds
+        assert ("check", None, attempt) in kinds and ("started", None, attempt) in kinds
+    assert ("failed", "local1 1", 0) in kinds and ("restart", None, 0) in kinds
+    assert kinds[-1] == ("outcome", None, 1)
+    data = json.loads((run.path / "timeline.json").read_text())
+    assert [a["ended"] for a in data["attempts"]] == [
+        "node [local1 1] failed: exit code 1", "finished"]
+    assert "timeline: " in err.getvalue()
+
+
+def test_a_hang_writes_every_nodes_held_beat_first_in_order() -> None:
+    rec, events, clock = recorder(thin=5)
+    for node, at in (("a 0", 0.0), ("b 1", 0.0), ("b 1", 1.0), ("a 0", 2.0)):
+        clock.now = 100.0 + at
+        rec.beat(node)
+    clock.now = 120.0
+    rec.event(tl.HANG, quiet=18.0)
+    assert [(e["kind"], e.get("node"), e["m"]) for e in events[2:]] == [
+        ("beat", "b 1", 101.0), ("beat", "a 0", 102.0), ("hang", None, 120.0)]
