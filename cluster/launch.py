@@ -19,7 +19,8 @@ from .hang import save as save_hang
 from .hang_timeout import timeout_of
 from .plan import Job, Plan, Templates
 from .runs import RunDir
-from .spec import HangAuto, Inventory
+from .slow import SlowNodes
+from .spec import HangAuto, Inventory, SlowNode
 from .watch import Watcher, WatchResult
 
 def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
@@ -87,6 +88,7 @@ class Options:
     min_nodes: int | None = None  # a lost node is left out of the next attempt while this many remain
     hang_timeout: float | str = 0.0   # no progress anywhere for this long: stacks, then stop
     hang_auto: HangAuto = HangAuto()  # how hang_timeout 'auto' learns it (cluster.hang_timeout)
+    slow_node: SlowNode = SlowNode()  # when a node is named slow (cluster.slow)
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -125,7 +127,8 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
         logs = {label: run.path / "logs" / name for label, name in plan.log_names.items()}
         timeout = timeout_of(options.hang_timeout, options.hang_auto, console.info)
         result = Watcher(procs, console, logs, settle=plan.stop_grace + 30,
-                         hang_timeout=timeout, stop=options.stop).run()
+                         hang_timeout=timeout, stop=options.stop,
+                         slow=SlowNodes(options.slow_node)).run()
         _record(run, plan, backend, procs, result, history, console)
         retry = _retry(result, plan, options, history)
         if retry is None:
@@ -142,7 +145,8 @@ def _record(run: RunDir, plan: Plan, backend: Backend[Any], procs: list[NodeProc
     history.append({"attempt": len(history), "nodes": plan.node_names or result.nodes,
                     "master_port": plan.master_port,
                     "ended": _ending(result), "joined": sorted(joined(result)),
-                    "seconds": round(time.monotonic() - result.started, 1)})
+                    "seconds": round(time.monotonic() - result.started, 1),
+                    **({"slow_nodes": result.slow} if result.slow else {})})
     run.update(exits={k: dataclasses.asdict(v) for k, v in result.exits.items()},
                interrupted=signal.Signals(result.signum).name if result.interrupted else None,
                attempts=history, **backend.ended(plan, procs, result))

@@ -23,7 +23,7 @@ LAYERS = [
     ["cluster.check"],
     ["cluster.watch", "cluster.hang"],
     ["cluster.backends"],
-    ["cluster.preflight", "cluster.hang_timeout"],
+    ["cluster.preflight", "cluster.hang_timeout", "cluster.slow"],
     ["cluster.runs"],
     ["cluster.sbatch"],
     ["cluster.plan"],
