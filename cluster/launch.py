@@ -128,7 +128,8 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
         timeout = timeout_of(options.hang_timeout, options.hang_auto, console.info)
         result = Watcher(procs, console, logs, settle=plan.stop_grace + 30,
                          hang_timeout=timeout, stop=options.stop,
-                         slow=SlowNodes(options.slow_node)).run()
+                         slow=SlowNodes(options.slow_node),
+                         on_slow=lambda slow: run.update(slow_nodes=slow)).run()
         _record(run, plan, backend, procs, result, history, console)
         retry = _retry(result, plan, options, history)
         if retry is None:
@@ -149,7 +150,7 @@ def _record(run: RunDir, plan: Plan, backend: Backend[Any], procs: list[NodeProc
                     **({"slow_nodes": result.slow} if result.slow else {})})
     run.update(exits={k: dataclasses.asdict(v) for k, v in result.exits.items()},
                interrupted=signal.Signals(result.signum).name if result.interrupted else None,
-               attempts=history, **backend.ended(plan, procs, result))
+               attempts=history, slow_nodes=result.slow, **backend.ended(plan, procs, result))
 
 
 def _ending(result: WatchResult) -> str:

@@ -149,9 +149,11 @@ class Watcher:
                  log_paths: dict[str, Path], settle: float = 30.0,
                  hang_timeout: float | FixedTimeout | LearnedTimeout = 0.0,
                  clock: Callable[[], float] = time.monotonic, stop: threading.Event | None = None,
-                 poll: float = 0.5, slow: SlowNodes | None = None) -> None:
+                 poll: float = 0.5, slow: SlowNodes | None = None,
+                 on_slow: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.procs = list(procs)
         self.slow = slow or SlowNodes()        # names a node whose ranks' own work is slower
+        self.on_slow = on_slow                 # told every slow node named so far, at once
         self.console = console
         self.log_paths = log_paths
         self.settle = settle                   # how long to wait for stopped nodes to report
@@ -309,6 +311,8 @@ class Watcher:
                 self.result.nodes = list(record["nodes"])
         for line in named:
             self.console.info(line)
+        if named and self.on_slow is not None:
+            self.on_slow(list(self.result.slow))
         if "info" in record:
             self.console.info(record["info"])
 

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration]
 
 WINDOW = 10.0
 QUOTA = 0.25            # of one CPU, for the throttled node
-TRAIN = ["--", "cluster-train/train.py", "--epochs", "1", "--max-steps", "400", "--ckpt-every",
+TRAIN = ["--", "cluster-train/train.py", "--epochs", "8", "--ckpt-every",
          "0", "--log-every", "50", "--no-plot", "--no-resume", "--out", "out"]
 
 
@@ -73,7 +73,7 @@ def run_json(cli: Cli) -> dict:
 
 
 def up(ssh_nodes, cli: Cli) -> tuple[object, float]:
-    inv = Path(ssh_nodes.write_inventory(cli.home / "inv.yaml", nodes=[0, 1, 2]))
+    inv = Path(ssh_nodes.write_inventory(cli.home / "inv.yaml", nodes=[1, 2, 3]))
     inv.write_text(inv.read_text() + f"slow_node: {{window: {WINDOW}}}\n")
     t0 = time.monotonic()
     proc = cli.run("up", "-i", str(inv), *TRAIN, timeout=500)

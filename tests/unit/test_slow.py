@@ -106,7 +106,9 @@ def test_the_watcher_names_the_slow_node_once_from_its_beats() -> None:
     clock, stop = FakeClock(), threading.Event()
     nodes = [QuietNode(label) for label in ("a 0", "b 1", "c 2")]
     c, _, err = console()
-    watcher = Watcher(nodes, c, {}, settle=5, clock=clock, poll=0.01, stop=stop)
+    told: list = []
+    watcher = Watcher(nodes, c, {}, settle=5, clock=clock, poll=0.01, stop=stop,
+                      on_slow=told.append)
     results: list = []
     thread = threading.Thread(target=lambda: results.append(watcher.run()), daemon=True)
     thread.start()
@@ -124,3 +126,15 @@ def test_the_watcher_names_the_slow_node_once_from_its_beats() -> None:
     assert "slow node b 1: ranks 2,3 take 1.4" in said and "(compute: 0.300 s" in said
     assert [v["node"] for v in results[0].slow] == ["b 1"]
     assert results[0].slow[0]["part"] == "compute"
+    assert told == [results[0].slow]             # at once, for run.json while the job runs
+
+
+def test_status_and_top_show_the_slow_node_from_run_json() -> None:
+    from cluster.cli.runs import run_notes
+    from cluster.top import Row, cells, marked
+    slow = [{"node": "b 1", "ranks": [2, 3], "ratio": 1.52, "part": "data", "after_s": 65.0}]
+    notes = run_notes({"slow_nodes": slow}, started=True)
+    assert notes == ["slow node b 1: ranks 2,3 at 1.52x the other nodes (data), named after 65.0 s"]
+    rows = marked([Row(0, "a", "running"), Row(1, "b", "running", detail="x")], slow)
+    assert cells(rows[0])[-1] == "" and cells(rows[1])[-1] == "slow: 1.52x (data); x"
+    assert run_notes({}, started=True) == []
