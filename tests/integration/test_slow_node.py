@@ -26,11 +26,16 @@ TRAIN = ["--", "cluster-train/train.py", "--epochs", "8", "--ckpt-every",
 
 
 def cpu_cgroup() -> Path | None:
-    """The folder to make a cpu cgroup in: cgroup v2 with the cpu controller, or v1's cpu."""
+    """The folder to make a cpu cgroup in: cgroup v2 with the cpu controller (enabled for its
+    children), or v1's cpu hierarchy (cpu.cfs_quota_us); None when neither is writable."""
     v2 = Path("/sys/fs/cgroup")
-    if "cpu" in (v2 / "cgroup.controllers").read_text().split() \
-            if (v2 / "cgroup.controllers").exists() else False:
-        return v2
+    try:
+        if "cpu" in (v2 / "cgroup.controllers").read_text().split():
+            if "cpu" not in (v2 / "cgroup.subtree_control").read_text().split():
+                (v2 / "cgroup.subtree_control").write_text("+cpu\n")
+            return v2
+    except OSError:
+        pass
     v1 = Path("/sys/fs/cgroup/cpu")
     return v1 if (v1 / "cpu.cfs_quota_us").exists() and os.access(v1, os.W_OK) else None
 
