@@ -46,11 +46,12 @@ class Verdict:
     after: float = 0.0        # seconds from its first report to the verdict
 
     def line(self) -> str:
-        """'slow node b: ranks 2,3 take 1.52x the median step (compute: 0.31 s vs 0.20 s)'."""
+        """'slow node [b 1]: ranks 2,3 take 1.52x the other nodes' median step (compute:
+        0.310 s vs 0.204 s per step)'."""
         mine, ref = (self.compute, self.ref_compute) if self.part == "compute" \
             else (self.data, self.ref_data)
         ranks = ",".join(str(r) for r in self.ranks) or "?"
-        return (f"slow node {self.node}: ranks {ranks} take {self.ratio:.2f}x the other nodes' "
+        return (f"slow node [{self.node}]: ranks {ranks} take {self.ratio:.2f}x the other nodes' "
                 f"median step ({self.part}: {mine:.3f} s vs {ref:.3f} s per step)")
 
     def record(self) -> dict[str, object]:

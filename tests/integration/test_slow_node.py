@@ -70,7 +70,7 @@ class Throttle:
 
 
 def named(proc) -> list[str]:
-    return re.findall(r"slow node (\S+)", proc.stderr)
+    return re.findall(r"slow node \[(\S+)", proc.stderr)
 
 
 def run_json(cli: Cli) -> dict:

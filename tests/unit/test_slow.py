@@ -35,7 +35,7 @@ def test_a_node_one_and_a_half_times_slower_is_named_after_the_window_once() -> 
     assert v.node == "b" and v.ranks == [2, 3] and v.part == "compute"
     assert 1.3 < v.ratio < 1.8
     assert 60 <= at <= 62                  # slow from the first report: named after the window
-    assert "slow node b: ranks 2,3 take 1." in v.line()
+    assert "slow node [b]: ranks 2,3 take 1." in v.line()
     assert v.record()["node"] == "b"
 
 
@@ -123,7 +123,7 @@ def test_the_watcher_names_the_slow_node_once_from_its_beats() -> None:
     thread.join(10)
     said = err.getvalue()
     assert said.count("slow node") == 1, said
-    assert "slow node b 1: ranks 2,3 take 1.4" in said and "(compute: 0.300 s" in said
+    assert "slow node [b 1]: ranks 2,3 take 1.4" in said and "(compute: 0.300 s" in said
     assert [v["node"] for v in results[0].slow] == ["b 1"]
     assert results[0].slow[0]["part"] == "compute"
     assert told == [results[0].slow]             # at once, for run.json while the job runs
@@ -134,7 +134,7 @@ def test_status_and_top_show_the_slow_node_from_run_json() -> None:
     from cluster.top import Row, cells, marked
     slow = [{"node": "b 1", "ranks": [2, 3], "ratio": 1.52, "part": "data", "after_s": 65.0}]
     notes = run_notes({"slow_nodes": slow}, started=True)
-    assert notes == ["slow node b 1: ranks 2,3 at 1.52x the other nodes (data), named after 65.0 s"]
+    assert notes == ["slow node [b 1]: ranks 2,3 at 1.52x the other nodes (data), named after 65.0 s"]
     rows = marked([Row(0, "a", "running"), Row(1, "b", "running", detail="x")], slow)
     assert cells(rows[0])[-1] == "" and cells(rows[1])[-1] == "slow: 1.52x (data); x"
     assert run_notes({}, started=True) == []
