@@ -1,7 +1,9 @@
 """The slow node, for real: three SSH test nodes running the reference trainer, one of them
 throttled to a fraction of a CPU by a cpu cgroup around its sshd (its sessions, torchrun and
 the workers inherit it). The run names that node, and never the others; a balanced run names
-none. The window is shortened (slow_node.window) so that the runs stay short."""
+none. The default settings (1.3x over a 60 s window): a 10 s window was tried to keep the runs
+short, and on this machine's two shared cores (three nodes, one always waiting for a core) it
+named nodes of the balanced run (1.3-1.5x over 10 s); 60 s is what the setting is for."""
 from __future__ import annotations
 
 import json
@@ -19,9 +21,8 @@ except ImportError:  # run with tests/integration on sys.path
 
 pytestmark = [pytest.mark.integration]
 
-WINDOW = 10.0
 QUOTA = 0.25            # of one CPU, for the throttled node
-TRAIN = ["--", "cluster-train/train.py", "--epochs", "8", "--ckpt-every",
+TRAIN = ["--", "cluster-train/train.py", "--epochs", "20", "--ckpt-every",
          "0", "--log-every", "50", "--no-plot", "--no-resume", "--out", "out"]
 
 
@@ -79,7 +80,6 @@ def run_json(cli: Cli) -> dict:
 
 def up(ssh_nodes, cli: Cli) -> tuple[object, float]:
     inv = Path(ssh_nodes.write_inventory(cli.home / "inv.yaml", nodes=[1, 2, 3]))
-    inv.write_text(inv.read_text() + f"slow_node: {{window: {WINDOW}}}\n")
     t0 = time.monotonic()
     proc = cli.run("up", "-i", str(inv), *TRAIN, timeout=500)
     return proc, time.monotonic() - t0
@@ -101,7 +101,7 @@ def test_the_throttled_node_is_named_and_no_other(ssh_nodes4, cli):
     assert [s["node"].split()[0] for s in slow] == [victim]
     assert slow[0]["ratio"] >= 1.3 and slow[0]["part"] == "compute"
     print(f"named {victim}: ratio {slow[0]['ratio']}, after {slow[0]['after_s']} s "
-          f"(window {WINDOW} s; run {seconds:.0f} s)")
+          f"(run {seconds:.0f} s)")
 
 
 def test_a_balanced_run_names_none(ssh_nodes4, cli):
