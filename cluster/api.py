@@ -122,7 +122,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
         restarts=inventory.restarts if r.max_restarts is None else r.max_restarts,
         restart_after=r.restart_after or 0.0, min_nodes=r.min_nodes,
         hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout,
-        hang_auto=inventory.hang_auto)
+        hang_auto=inventory.hang_auto, slow_node=inventory.slow_node)
     return Prepared(inventory, job, templates, backend, name, options, r.dry_run)
 
 

@@ -19,7 +19,8 @@ from .hang import save as save_hang
 from .hang_timeout import timeout_of
 from .plan import Job, Plan, Templates
 from .runs import RunDir
-from .spec import HangAuto, Inventory
+from .slow import SlowNodes
+from .spec import HangAuto, Inventory, SlowNode
 from . import timeline as tl
 from . import timeline_png
 from .watch import Watcher, WatchResult
@@ -89,6 +90,7 @@ class Options:
     min_nodes: int | None = None  # a lost node is left out of the next attempt while this many remain
     hang_timeout: float | str = 0.0   # no progress anywhere for this long: stacks, then stop
     hang_auto: HangAuto = HangAuto()  # how hang_timeout 'auto' learns it (cluster.hang_timeout)
+    slow_node: SlowNode = SlowNode()  # when a node is named slow (cluster.slow)
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -161,7 +163,8 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
         timeout = timeout_of(options.hang_timeout, options.hang_auto, console.info)
         result = Watcher(procs, console, logs, settle=plan.stop_grace + 30,
                          hang_timeout=timeout, stop=options.stop,
-                         timeline=timeline).run()
+                         timeline=timeline, slow=SlowNodes(options.slow_node),
+                         on_slow=lambda slow: run.update(slow_nodes=slow)).run()
         timeline.flush()
         _record(run, plan, backend, procs, result, history, console)
         timeline.event(tl.ENDED, how=_ending(result))
@@ -181,10 +184,11 @@ def _record(run: RunDir, plan: Plan, backend: Backend[Any], procs: list[NodeProc
     history.append({"attempt": len(history), "nodes": plan.node_names or result.nodes,
                     "master_port": plan.master_port,
                     "ended": _ending(result), "joined": sorted(joined(result)),
-                    "seconds": round(time.monotonic() - result.started, 1)})
+                    "seconds": round(time.monotonic() - result.started, 1),
+                    **({"slow_nodes": result.slow} if result.slow else {})})
     run.update(exits={k: dataclasses.asdict(v) for k, v in result.exits.items()},
                interrupted=signal.Signals(result.signum).name if result.interrupted else None,
-               attempts=history, **backend.ended(plan, procs, result))
+               attempts=history, slow_nodes=result.slow, **backend.ended(plan, procs, result))
 
 
 def _ending(result: WatchResult) -> str:

@@ -275,6 +275,15 @@ class HangAuto:
 
 
 @dataclass(frozen=True)
+class SlowNode:
+    """When a node is named slow while the job runs (cluster.slow says how it is measured)."""
+    ratio: float = key(1.3, "a node is slow when its ranks' step work takes this many times "
+                       "the other nodes' median", "number", 1)
+    window: float = key(60.0, "... as the median over this many seconds of its reports",
+                        "seconds")
+
+
+@dataclass(frozen=True)
 class Inventory:
     hosts: tuple[Host, ...] = key(dataclasses.MISSING, "the hosts, in order: names or mappings "
                                   "of host keys (not needed with backend: slurm)", None,
@@ -292,6 +301,8 @@ class Inventory:
                                     "heartbeats (see hang_auto)", "hang_timeout")
     hang_auto: HangAuto = key(HangAuto(), "how hang_timeout: auto learns (see hang_auto below)",
                               "section", HangAuto)
+    slow_node: SlowNode = key(SlowNode(), "when a slow node is named (see slow_node below)",
+                              "section", SlowNode)
     text: str = ""                 # the file as read, recorded in the run directory
     hosts_given: bool = True       # False: SLURM chooses the nodes (one placeholder host)
     # NCCL settings `cluster up` took from `cluster doctor --tune-nccl`'s cache (cluster.tuning)
@@ -359,6 +370,7 @@ def dump(inv: Inventory) -> str:
     data = {"source": inv.source, "backend": inv.backend, "stop_grace": inv.stop_grace,
             "restarts": inv.restarts, "hang_timeout": inv.hang_timeout,
             "hang_auto": dataclasses.asdict(inv.hang_auto),
+            "slow_node": dataclasses.asdict(inv.slow_node),
             "ssh": dataclasses.asdict(inv.ssh),
             "slurm": {**dataclasses.asdict(inv.slurm), "extra": dict(inv.slurm.extra)},
             "hosts": [host(h) for h in inv.hosts]}

@@ -12,11 +12,12 @@ there (a job step of our own inside the user's allocation would compete with it)
 """
 from __future__ import annotations
 
+
 import json
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -176,7 +177,21 @@ def collect(run: RunDir, backend: Any) -> list[Row]:
         metrics = metrics_file(args, host.workdir) if rec["rank"] == 0 else None
         return backend.run_program(host, "status", *status_args(rec.get("dir") or rec["run_dir"],
                                                                 metrics), timeout=20)
-    return [row_from(rec, answer) for rec, answer in backend.each(nodes, ask)]
+    return marked([row_from(rec, answer) for rec, answer in backend.each(nodes, ask)],
+                  meta.get("slow_nodes") or [])
+
+
+def marked(rows: list[Row], slow: list[dict[str, Any]]) -> list[Row]:
+    """The rows of nodes named slow (run.json's slow_nodes) with the mark in their detail."""
+    by_node = {str(s.get("node", "")).split(" ")[0]: s for s in slow}
+    out = []
+    for row in rows:
+        s = by_node.get(row.node)
+        if s is not None:
+            mark = f"slow: {s.get('ratio')}x ({s.get('part')})"
+            row = replace(row, detail=f"{mark}; {row.detail}" if row.detail else mark)
+        out.append(row)
+    return out
 
 
 def collect_slurm(run: RunDir, backend: Any) -> list[Row]:

@@ -22,6 +22,7 @@ from typing import IO, Any
 from .console import TAIL_LINES, Console, LineSplitter
 from .errors import StopRequested, signum_of
 from .hang_timeout import FixedTimeout, LearnedTimeout
+from .slow import SlowNodes
 from .backends import NodeProcess
 from .nodes import NodeExit, signal_name
 from . import timeline as tl
@@ -125,6 +126,7 @@ class WatchResult:
     hang: Hang | None = None
     started: float = 0.0                              # monotonic time the watch began
     not_retried: str | None = None   # why a failed run is not restarted (cluster.launch decides)
+    slow: list[dict[str, Any]] = field(default_factory=list)   # the slow nodes named (cluster.slow)
 
     @property
     def ok(self) -> bool:
@@ -148,9 +150,13 @@ class Watcher:
                  log_paths: dict[str, Path], settle: float = 30.0,
                  hang_timeout: float | FixedTimeout | LearnedTimeout = 0.0,
                  clock: Callable[[], float] = time.monotonic, stop: threading.Event | None = None,
-                 poll: float = 0.5, timeline: tl.Recorder | None = None) -> None:
+                 poll: float = 0.5, timeline: tl.Recorder | None = None,
+                 slow: SlowNodes | None = None,
+                 on_slow: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.procs = list(procs)
         self.timeline = timeline or tl.Recorder()     # what happened, for runs/<id>/timeline
+        self.slow = slow or SlowNodes()        # names a node whose ranks' own work is slower
+        self.on_slow = on_slow                 # told every slow node named so far, at once
         self.console = console
         self.log_paths = log_paths
         self.settle = settle                   # how long to wait for stopped nodes to report
@@ -289,6 +295,7 @@ class Watcher:
                         last_lines=last)
 
     def _control(self, label: str, record: dict[str, Any]) -> None:
+        named: list[str] = []
         with self.lock:
             if record.get("joined"):
                 self.result.joined.add(label)
@@ -299,6 +306,8 @@ class Watcher:
                 self.progress = self.clock()
                 self.timeout.beat(label, self.progress)
                 self.timeline.beat(label)
+                if record.get("steps"):
+                    named = self._step_times(label, record["steps"])
             elif record.get("workers"):
                 self.result.had_workers.add(label)
             elif "stack" in record:
@@ -307,8 +316,26 @@ class Watcher:
                 self.dumped.add(label)
             elif "nodes" in record:
                 self.result.nodes = list(record["nodes"])
+        for line in named:
+            self.console.info(line)
+        if named and self.on_slow is not None:
+            self.on_slow(list(self.result.slow))
         if "info" in record:
             self.console.info(record["info"])
+
+    def _step_times(self, label: str, steps: Any) -> list[str]:
+        """A node's ranks' own step times ({rank: [compute, data]}, from its supervisor): to
+        the slow-node comparison. The lines naming a slow node (once each; kept for run.json)."""
+        try:
+            times = {int(r): (float(cd[0]), float(cd[1])) for r, cd in steps.items()}
+        except (AttributeError, TypeError, ValueError, IndexError):
+            return []                       # a program's malformed report: no comparison
+        self.slow.report(label, times, self.progress)
+        verdicts = self.slow.check(self.progress)
+        self.result.slow += [v.record() for v in verdicts]
+        for v in verdicts:
+            self.timeline.event(tl.SLOW, v.node, **{k: x for k, x in v.record().items() if k != "node"})
+        return [v.line() for v in verdicts]
 
     def _collect(self, pending: set[str], result: WatchResult) -> None:
         deadline = time.monotonic() + self.settle

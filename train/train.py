@@ -111,6 +111,7 @@ if __package__ in (None, ""):
     import metrics as metrics_mod
     import models as models_mod
     import schedule as schedule_mod
+    import steptime
 else:
     from . import checkpoint as ckpt_mod
     from . import data as data_mod
@@ -119,6 +120,7 @@ else:
     from . import metrics as metrics_mod
     from . import models as models_mod
     from . import schedule as schedule_mod
+    from . import steptime
 
 import torch
 import torch.nn as nn
@@ -277,6 +279,7 @@ class Run:
     heartbeat: lifecycle.Heartbeat
     hooks: TestHooks
     t_start: float
+    step_times: steptime.StepTimes   # each step's own compute and data time, for the launcher
 
     def amp(self):
         if self.plan.amp_dtype is None:
@@ -316,11 +319,13 @@ def train(args, info: du.DistInfo, stop: lifecycle.GracefulStop) -> int:
     parts = build_model(args, info, plan, data)
     progress, resumed_from = restore(args, info, plan, parts)
     wrap_model(args, info, plan, parts)
+    step_times = steptime.StepTimes(heartbeat.path, info.rank, info.device)
+    step_times.watch(parts.model)
     run = Run(args, info, plan, data, parts,
               log=metrics_mod.MetricsLog(args.out, info.is_main, progress.step if resumed_from else None),
               stop=stop, ledger=lifecycle.StepLedger(info.device, progress.point()),
               metrics=metrics_mod.StepMetrics(info.device), heartbeat=heartbeat,
-              hooks=TestHooks.from_env(), t_start=t_start)
+              hooks=TestHooks.from_env(), t_start=t_start, step_times=step_times)
     announce(run, progress, resumed_from)
     train_epochs(run, progress)
     return finish(run, progress, resumed_from)
@@ -591,8 +596,9 @@ def train_step(run: Run, progress: Progress, batches) -> None:
     """One optimizer step: --accum micro-steps, gradients all-reduced on the last one only
     (DDP's no_sync() on the others), then the parameter update, recorded in the ledger."""
     p, accum = run.parts, run.args.accum
+    run.step_times.begin()
     for m in range(accum):
-        x, y = next(batches)
+        x, y = run.step_times.next(batches)
         skip_sync = p.ddp is not None and m < accum - 1
         with p.ddp.no_sync() if skip_sync else contextlib.nullcontext():
             with run.amp():
@@ -610,6 +616,7 @@ def train_step(run: Run, progress: Progress, batches) -> None:
         p.sched.step()
         progress.pos += 1
         progress.step += 1
+    run.step_times.end()
 
 
 def after_step(run: Run, progress: Progress) -> None:

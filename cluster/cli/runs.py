@@ -64,7 +64,16 @@ def run_notes(meta: dict, started: bool) -> list[str]:
         notes.append(f"ended with exit code {meta.get('exit_code')}: {error}")
     elif not started:
         notes.append("no node has started yet (the nodes are being checked)")
+    for slow in meta.get("slow_nodes") or []:        # this attempt's, named while it runs
+        notes.append(slow_note(slow))
     return notes
+
+
+def slow_note(slow: dict) -> str:
+    """'slow node [b 1]: ranks 2,3 at 1.52x the other nodes (compute), named after 65 s'."""
+    ranks = ",".join(str(r) for r in slow.get("ranks") or [])
+    return (f"slow node [{slow.get('node')}]: ranks {ranks} at {slow.get('ratio')}x the other "
+            f"nodes ({slow.get('part')}), named after {slow.get('after_s')} s")
 
 
 @main.command(context_settings=CONTEXT)

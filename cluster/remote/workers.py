@@ -15,6 +15,7 @@ Imported by supervisor.py, which sits beside it in the node's run directory, wit
   PYTHONFAULTHANDLER) through SIGABRT, one worker at a time while torchrun is paused, so
   that its dump can be told from the others' and torchrun does not tear the rest down first.
 """
+import json
 import os
 import shutil
 import signal
@@ -123,6 +124,7 @@ class Progress(threading.Thread):
         (up to every 2 s) while they are not there yet, then never again; the heartbeat file
         (one stat) every 0.25 s."""
         done_joining, last_mtime, last_beat = False, None, 0.0
+        seen: dict = {}                 # step-times file -> its mtime when last sent
         scan_every, next_scan = 0.25, 0.0
         while not self.done.wait(0.25):
             if not done_joining and time.time() >= next_scan:
@@ -141,7 +143,35 @@ class Progress(threading.Thread):
             now = time.time()
             if mtime != last_mtime and now - last_beat >= BEAT_EVERY:
                 last_mtime, last_beat = mtime, now
-                self.emit({"beat": mtime})
+                steps = step_times(self.heartbeat_file, seen)
+                self.emit({"beat": mtime, **({"steps": steps} if steps else {})})
+
+
+def step_times(heartbeat_file, seen):
+    """The ranks' own step times written since the last beat: {rank: [compute, data]}, from
+    the files `<heartbeat>.steps.<RANK>` (one JSON line each; the protocol is in
+    docs/failures.md). A file not rewritten since it was sent is left out (a finished or
+    stuck rank reports nothing new); an unreadable one too."""
+    folder, base = os.path.split(heartbeat_file)
+    try:
+        names = [n for n in os.listdir(folder or ".") if n.startswith(base + ".steps.")
+                 and not n.endswith(".tmp")]
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            mtime = os.stat(path).st_mtime
+            if seen.get(path) == mtime:
+                continue
+            seen[path] = mtime
+            with open(path) as f:
+                line = json.loads(f.readline())
+            found[str(int(line["rank"]))] = [float(line["compute"]), float(line["data"])]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
 
 
 class Tap:

@@ -53,3 +53,17 @@ def test_control_a_different_batch_gives_different_weights(reference, tmp_path):
     weights far more than the tolerance."""
     run_train(1, COMMON + ["--batch-size", "16", "--out", str(tmp_path)])
     assert max_abs_diff(final_weights(tmp_path), reference[1]) > 100 * ATOL
+
+
+def test_step_times_reported_and_training_unchanged(reference, tmp_path):
+    """With a heartbeat file, each rank writes its own compute and data time per step beside
+    it (train/steptime.py); the hooks that measure only read the clock: same weights."""
+    import json
+    beat = tmp_path / "run" / "heartbeat"
+    final = run_train(2, COMMON + ["--batch-size", "16", "--out", str(tmp_path / "out")],
+                      env={"CLUSTER_HEARTBEAT_FILE": str(beat)})
+    _check_same(final, final_weights(tmp_path / "out"), reference)
+    for rank in (0, 1):
+        line = json.loads((tmp_path / "run" / f"heartbeat.steps.{rank}").read_text())
+        assert line["rank"] == rank and line["steps"] >= 1
+        assert line["compute"] > 0 and line["data"] >= 0

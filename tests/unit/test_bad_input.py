@@ -21,8 +21,9 @@ NASTY = ["$(touch {canary})", "`touch {canary}`", "a\nb", "x\x00y", "\r", "'", '
          "--rm", "~", "%s", "{{ 7*7 }}", "é", "", " ", "0", "-1", "65536", "1e9", "auto", "on"]
 KEYS = {
     "top": ["defaults", "hosts", "backend", "ssh", "slurm", "stop_grace", "restarts",
-            "hang_timeout", "hang_auto", "bogus"],
+            "hang_timeout", "hang_auto", "slow_node", "bogus"],
     "hang_auto": ["startup", "multiple", "floor", "cap", "flor"],
+    "slow_node": ["ratio", "window", "windw"],
     "host": ["name", "address", "user", "port", "identity_file", "workdir", "python",
              "nproc_per_node", "master_port", "rendezvous", "network", "env", "secret_env",
              "env_forward", "setup", "torchrun_args", "container", "gpus", "adress"],
@@ -61,7 +62,8 @@ document = st.fixed_dictionaries({}, optional={
     "hosts": hosts, "defaults": mapping("host", 2), "ssh": mapping("ssh", 1),
     "slurm": mapping("slurm", 1), "backend": st.sampled_from(["ssh", "slurm", "local", "x", 3]),
     "stop_grace": scalar, "restarts": scalar, "hang_timeout": scalar,
-    "hang_auto": mapping("hang_auto", 1), "bogus": scalar})
+    "hang_auto": mapping("hang_auto", 1), "slow_node": mapping("slow_node", 1),
+    "bogus": scalar})
 
 
 # What each property test saw, filled in only when every one of its examples passed: the record

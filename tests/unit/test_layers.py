@@ -23,7 +23,7 @@ LAYERS = [
     ["cluster.check"],
     ["cluster.watch", "cluster.hang", "cluster.timeline_png"],
     ["cluster.backends"],
-    ["cluster.preflight", "cluster.hang_timeout", "cluster.timeline"],
+    ["cluster.preflight", "cluster.hang_timeout", "cluster.timeline", "cluster.slow"],
     ["cluster.runs"],
     ["cluster.sbatch"],
     ["cluster.plan"],

@@ -134,3 +134,19 @@ def test_workers_left_by_a_torchrun_that_died_are_reported(tmp_path: Path) -> No
     assert {"workers": 1} in records_of(out)
     assert not tagged_pids(RUN_ID, "n1")
     p.stdin.close()
+
+
+def test_step_times_are_read_beside_the_heartbeat_once_each(tmp_path) -> None:
+    """The ranks' `<heartbeat>.steps.<RANK>` files go with the next beat, each only when it
+    was rewritten; a half-written (.tmp) or malformed file is left out."""
+    beat = tmp_path / "heartbeat"
+    (tmp_path / "heartbeat.steps.0").write_text('{"rank": 0, "compute": 0.2, "data": 0.01}\n')
+    (tmp_path / "heartbeat.steps.1").write_text('{"rank": 1, "compute": 0.3, "data": 0.02}\n')
+    (tmp_path / "heartbeat.steps.2").write_text("not json\n")
+    (tmp_path / "heartbeat.steps.3.tmp").write_text('{"rank": 3, "compute": 1, "data": 1}\n')
+    seen: dict = {}
+    assert workers.step_times(str(beat), seen) == {"0": [0.2, 0.01], "1": [0.3, 0.02]}
+    assert workers.step_times(str(beat), seen) == {}
+    os.utime(tmp_path / "heartbeat.steps.1", (1, 1))
+    assert workers.step_times(str(beat), seen) == {"1": [0.3, 0.02]}
+    assert workers.step_times(str(tmp_path / "gone" / "heartbeat"), {}) == {}

@@ -1,0 +1,143 @@
+"""The slow node on a fake clock: reports in (a node's ranks' compute and data seconds per
+step, at a time), verdicts out. A node 1.5x slower is named after the window, once; a balanced
+job with noise never is; the slow part (compute or data) is attributed; a blip shorter than
+the window is not named; with two nodes the slower is compared to the other one."""
+from __future__ import annotations
+
+import random
+
+from cluster.slow import SlowNodes, Verdict
+from cluster.spec import SlowNode
+
+
+def run(nodes: dict[str, tuple[float, float]], seconds: float, noise: float = 0.0,
+        settings: SlowNode = SlowNode(), slow: SlowNodes | None = None, start: float = 0.0,
+        seed: int = 1) -> tuple[SlowNodes, list[tuple[float, Verdict]]]:
+    """Every node reports once a second, 2 ranks each, (compute, data) x (1 +- noise)."""
+    rng = random.Random(seed)
+    slow = slow or SlowNodes(settings)
+    named = []
+    at = start
+    while at <= start + seconds:
+        for i, (name, (c, d)) in enumerate(nodes.items()):
+            times = {2 * i + r: (c * (1 + rng.uniform(-noise, noise)),
+                                 d * (1 + rng.uniform(-noise, noise))) for r in range(2)}
+            slow.report(name, times, at)
+        named += [(at, v) for v in slow.check(at)]
+        at += 1.0
+    return slow, named
+
+
+def test_a_node_one_and_a_half_times_slower_is_named_after_the_window_once() -> None:
+    _, named = run({"a": (0.2, 0.02), "b": (0.3, 0.03), "c": (0.2, 0.02)}, 200, noise=0.1)
+    assert len(named) == 1
+    at, v = named[0]
+    assert v.node == "b" and v.ranks == [2, 3] and v.part == "compute"
+    assert 1.3 < v.ratio < 1.8
+    assert 60 <= at <= 62                  # slow from the first report: named after the window
+    assert "slow node [b]: ranks 2,3 take 1." in v.line()
+    assert v.record()["node"] == "b"
+
+
+def test_a_balanced_job_with_noise_is_never_named() -> None:
+    for seed in range(20):
+        _, named = run({f"n{i}": (0.2, 0.05) for i in range(4)}, 600, noise=0.25, seed=seed)
+        assert named == []
+
+
+def test_slow_data_loading_is_attributed_to_data() -> None:
+    _, named = run({"a": (0.2, 0.01), "b": (0.2, 0.2), "c": (0.2, 0.01)}, 100, noise=0.05)
+    assert [(v.node, v.part) for _, v in named] == [("b", "data")]
+    assert named[0][1].data > 0.15 and named[0][1].ref_data < 0.02
+
+
+def test_a_blip_shorter_than_half_the_window_is_not_named() -> None:
+    nodes = {"a": (0.2, 0.0), "b": (0.2, 0.0), "c": (0.2, 0.0)}
+    slow, named = run(nodes, 60)
+    slow, named2 = run({**nodes, "b": (0.5, 0.0)}, 25, slow=slow, start=61)
+    slow, named3 = run(nodes, 120, slow=slow, start=87)
+    assert named + named2 + named3 == []
+
+
+def test_slow_less_than_half_of_every_window_is_not_named_more_is() -> None:
+    nodes = {"a": (0.2, 0.0), "b": (0.2, 0.0), "c": (0.2, 0.0)}
+
+    def cycles(slow_s: float, normal_s: float) -> list:
+        slow, start, named = SlowNodes(), 0.0, []
+        for _ in range(6):
+            slow, got = run({**nodes, "b": (0.4, 0.0)}, slow_s - 1, slow=slow, start=start)
+            slow, got2 = run(nodes, normal_s - 1, slow=slow, start=start + slow_s)
+            named += got + got2
+            start += slow_s + normal_s
+        return named
+    assert cycles(20, 40) == []                         # a third of the time: never
+    assert [v.node for _, v in cycles(40, 20)] == ["b"]   # two thirds: it is the slow one
+
+
+def test_two_nodes_the_slower_is_compared_to_the_other() -> None:
+    _, named = run({"a": (0.2, 0.0), "b": (0.3, 0.0)}, 100)
+    assert [(v.node, round(v.ratio, 2)) for _, v in named] == [("b", 1.5)]
+    _, named = run({"a": (0.2, 0.0), "b": (0.24, 0.0)}, 300, noise=0.1)
+    assert named == []
+
+
+def test_the_settings_ratio_and_window() -> None:
+    nodes = {"a": (0.2, 0.0), "b": (0.25, 0.0), "c": (0.2, 0.0)}
+    assert run(nodes, 200)[1] == []                            # 1.25x: under the default 1.3
+    _, named = run(nodes, 200, settings=SlowNode(ratio=1.2, window=10))
+    assert [(at, v.node) for at, v in named] == [(10.0, "b")]
+
+
+def test_a_node_that_stops_reporting_is_left_out() -> None:
+    slow, _ = run({"a": (0.2, 0.0), "b": (0.2, 0.0), "c": (0.6, 0.0)}, 5)
+    _, named = run({"a": (0.2, 0.0), "b": (0.2, 0.0)}, 100, slow=slow, start=6)
+    assert named == []
+
+
+def test_one_node_alone_is_never_named() -> None:
+    assert run({"a": (5.0, 5.0)}, 200)[1] == []
+
+
+def test_the_watcher_names_the_slow_node_once_from_its_beats() -> None:
+    """Beats carrying each rank's own step times, through the Watcher: the line said once on
+    the console after the window, the verdict kept for run.json; malformed reports ignored."""
+    import threading
+
+    from cluster.watch import Watcher
+    from tests.unit.test_watch import console
+    from tests.unit.test_watchdog import FakeClock, QuietNode
+    clock, stop = FakeClock(), threading.Event()
+    nodes = [QuietNode(label) for label in ("a 0", "b 1", "c 2")]
+    c, _, err = console()
+    told: list = []
+    watcher = Watcher(nodes, c, {}, settle=5, clock=clock, poll=0.01, stop=stop,
+                      on_slow=told.append)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(watcher.run()), daemon=True)
+    thread.start()
+    for second in range(90):
+        clock.set(float(second))
+        for i, node in enumerate(nodes):
+            compute = 0.3 if i == 1 else 0.2
+            node.say({"beat": float(second), "steps": {str(2 * i): [compute, 0.01],
+                                                         str(2 * i + 1): [compute, 0.01]}})
+        nodes[0].say({"beat": float(second), "steps": {"x": "y"}})
+    stop.set()
+    thread.join(10)
+    said = err.getvalue()
+    assert said.count("slow node") == 1, said
+    assert "slow node [b 1]: ranks 2,3 take 1.4" in said and "(compute: 0.300 s" in said
+    assert [v["node"] for v in results[0].slow] == ["b 1"]
+    assert results[0].slow[0]["part"] == "compute"
+    assert told == [results[0].slow]             # at once, for run.json while the job runs
+
+
+def test_status_and_top_show_the_slow_node_from_run_json() -> None:
+    from cluster.cli.runs import run_notes
+    from cluster.top import Row, cells, marked
+    slow = [{"node": "b 1", "ranks": [2, 3], "ratio": 1.52, "part": "data", "after_s": 65.0}]
+    notes = run_notes({"slow_nodes": slow}, started=True)
+    assert notes == ["slow node [b 1]: ranks 2,3 at 1.52x the other nodes (data), named after 65.0 s"]
+    rows = marked([Row(0, "a", "running"), Row(1, "b", "running", detail="x")], slow)
+    assert cells(rows[0])[-1] == "" and cells(rows[1])[-1] == "slow: 1.52x (data); x"
+    assert run_notes({}, started=True) == []

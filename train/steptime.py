@@ -1,0 +1,127 @@
+"""Each rank's own work per step, for the launcher's slow-node comparison (cluster/slow.py).
+
+What is measured, per optimizer step (all micro-steps of --accum together):
+- data: the time spent in next(batches), waiting on the data loader.
+- compute: per micro-step, from the moment the model's own forward starts to the moment this
+  rank's LAST parameter gradient was accumulated by its backward; summed over the micro-steps.
+  The start is a forward pre-hook on the inner module, so it comes after DDP's broadcast of
+  the buffers at the start of DDP's forward: that broadcast is a collective, and a fast rank
+  waits in it for a slow one still in its previous optimizer step or its data (measured
+  from the step's start, the fast ranks' compute was seen as long as the throttled one's).
+  The end is when the rank is ready for its final all-reduce; what comes after it (waiting in
+  the all-reduce for slower ranks, the optimizer step, the metrics' collectives) is not
+  counted. Both moments come from hooks that only read the clock (a forward pre-hook and a
+  post-accumulate-grad hook on every parameter), so training is unchanged (no no_sync(), no
+  other comm hook). On CUDA the kernels are asynchronous, so the moments are CUDA events
+  recorded in those hooks and read after the step.
+
+The file protocol (any program can write it; docs/failures.md): every ~second, each rank
+replaces `$CLUSTER_HEARTBEAT_FILE.steps.<RANK>` with one JSON line
+`{"rank": R, "compute": S, "data": S, "steps": N}`: mean seconds per step over the N steps
+since its previous line. The node's supervisor sends them with its heartbeats.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+EVERY_S = 1.0
+
+
+class StepTimes:
+    def __init__(self, heartbeat_path: str | None, rank: int, device: torch.device,
+                 every_s: float = EVERY_S):
+        self.path = f"{heartbeat_path}.steps.{rank}" if heartbeat_path else None
+        self.rank, self.every_s = rank, every_s
+        self.cuda = device.type == "cuda"
+        self.last_write = float("-inf")      # the first step is written at once
+        self.compute = self.data = 0.0
+        self.steps = 0
+        self._step_data = self._step_compute = 0.0
+        self._fwd_at: float | None = None        # this micro-step's forward start ...
+        self._grad_at: float | None = None       # ... and its last gradient
+        self._fwd_ev = self._grad_ev = None
+        self._spans: list = []                   # CUDA: (forward start, last gradient) events
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Hooks on the inner model (not DDP's wrapper): its forward starting, and each
+        parameter's gradient ready (the last one wins)."""
+        if self.path is None:
+            return
+        model.register_forward_pre_hook(self._forward_starts)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _event(self):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _forward_starts(self, _module, _inputs) -> None:
+        self._close_micro_step()
+        self._fwd_at = time.perf_counter()
+        if self.cuda:
+            self._fwd_ev = self._event()
+
+    def _grad_ready(self, _param) -> None:
+        self._grad_at = time.perf_counter()
+        if self.cuda:
+            self._grad_ev = self._event()
+
+    def _close_micro_step(self) -> None:
+        """Count the span from the last forward start to its last gradient, if it had one."""
+        if self._fwd_at is not None and self._grad_at is not None and self._grad_at > self._fwd_at:
+            if self.cuda:
+                self._spans.append((self._fwd_ev, self._grad_ev))
+            else:
+                self._step_compute += self._grad_at - self._fwd_at
+        self._fwd_at = self._grad_at = None
+
+    def begin(self) -> None:
+        """A step starts (an evaluation's forwards before it are not counted)."""
+        self._step_data = self._step_compute = 0.0
+        self._fwd_at = self._grad_at = None
+        self._spans = []
+
+    def next(self, batches):
+        """next(batches), its time counted as data."""
+        t = time.perf_counter()
+        item = next(batches)
+        self._step_data += time.perf_counter() - t
+        return item
+
+    def end(self) -> None:
+        """The step is done (its all-reduce included): count it; write the file now and then."""
+        if self.path is None:
+            return
+        self._close_micro_step()
+        # CUDA: every event recorded is done once the step is over
+        compute = self._step_compute + sum(a.elapsed_time(b) / 1e3 for a, b in self._spans)
+        if compute <= 0:
+            return                  # no backward seen (a model without trainable parameters)
+        self.compute += compute
+        self.data += self._step_data
+        self.steps += 1
+        now = time.monotonic()
+        if now - self.last_write >= self.every_s:
+            self._write()
+            self.last_write = now
+
+    def _write(self) -> None:
+        line = {"rank": self.rank, "compute": self.compute / self.steps,
+                "data": self.data / self.steps, "steps": self.steps}
+        self.compute = self.data = 0.0
+        self.steps = 0
+        tmp = f"{self.path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(json.dumps(line) + "\n")
+            os.replace(tmp, self.path)
+        except OSError as e:
+            print(f"warning: step times {self.path}: {e}; no more step times", file=sys.stderr)
+            self.path = None
