@@ -137,15 +137,6 @@ def where(request: Request, secrets: tuple[str, ...] = (),
     return name, host_settings(inventory, r.python, r.user, r.port, r.identity_file)
 
 
-def inventory(path: str | None, hosts: str | None, exclude: str | None, nodes: int | None,
-              backend: str | None, nproc: int | None, extra_env: dict[str, str],
-              environ: Mapping[str, str] = os.environ) -> Inventory:
-    """where() of a command that names its options one by one (cluster doctor)."""
-    request = Request(inventory_path=path, hosts=hosts, exclude=exclude, nodes=nodes,
-                      backend=backend, nproc_per_node=nproc, env=extra_env)
-    return where(request, (), environ)[1]
-
-
 def override(inventory: Inventory, nproc: int | None, extra_env: dict[str, str],
              environ: Mapping[str, str] = os.environ) -> Inventory:
     """The inventory's env, then what its env_forward copies from this shell, then --env."""

@@ -11,6 +11,7 @@ from .main import CONTEXT, SafePath, host_options, main
 from ..errors import InputError, PreflightError
 from ..preflight import FAIL, Finding
 from ..plan import Templates
+from ..request import Request
 
 
 @main.command(context_settings=CONTEXT)
@@ -36,11 +37,10 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
     import json as json_mod
     from .. import doctor as doc
     from .. import tuning
-    backend_name = "local" if force_local else None
-    inventory = resolve.inventory(inventory_path, hosts, exclude, nodes, backend_name, None, {})
-    inventory = resolve.settings(inventory, (), None, None, host_key_policy)
-    inventory = resolve.host_settings(inventory, python, user, port, identity_file)
-    name = backend_name or inventory.backend
+    request = Request(inventory_path=inventory_path, nodes=nodes, hosts=hosts, exclude=exclude,
+                      python=python, user=user, port=port, identity_file=identity_file,
+                      force_local=force_local, host_key_policy=host_key_policy)
+    name, inventory = resolve.where(request)
     if not supports(name, NODE_CHECKS):
         raise InputError("cluster doctor checks SSH or local nodes; under SLURM, run it inside "
                          "an allocation with the allocated hosts (--hosts)")

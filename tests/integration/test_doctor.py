@@ -243,8 +243,8 @@ SWEEP = """
 import json, sys
 from cluster import doctor, resolve, tuning
 from cluster.plan import Templates
-inv = resolve.inventory(sys.argv[1], None, None, 2, None, None, {})
-inv = resolve.settings(inv, (), None, None, None)
+from cluster.request import Request
+_, inv = resolve.where(Request(inventory_path=sys.argv[1], nodes=2))
 backend = resolve.backend("ssh", inv, sync=[])
 measure = doctor.collective(inv, backend, Templates())
 seen = []
