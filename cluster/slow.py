@@ -13,10 +13,13 @@ How it decides:
   `window` seconds: a median, so that what lasts less than half the window (a garbage
   collection, an evaluation, a pause of the data loader, the noise of a shared machine) moves
   nothing, and what lasts more than half of it does.
-- The reference for a node is the median of the OTHER nodes' paces. With 3 nodes or more that
-  is the job's median without the node itself (so a slow node does not pull its own reference
-  up); with 2 nodes it is simply the other node: the slower of two is named when it takes
-  `ratio` times the faster one's time.
+- The reference is the job's median pace, over all the nodes that report (the node itself
+  included); with 2 nodes it is the other node: the slower of two is named when it takes
+  `ratio` times the faster one's time. With 3 nodes or more a named node is slower than half
+  the job, so most of the job is never named: a first version compared each node with the
+  median of the OTHER nodes, and a balanced run of three nodes on two shared cores (two nodes
+  sharing one core, the third alone on the other) named the two that shared, at 1.30x and
+  1.32x, each against the mean of the fast node and the other sharer.
 - A node is named, once per attempt, when it has reported for `window` seconds and its pace is
   at least `ratio` x its reference. Which part is slow: the one (compute or data) whose excess
   over the reference nodes' median of that part is larger.
@@ -43,26 +46,28 @@ class Verdict:
     ranks: list[int]
     ratio: float
     part: str                 # "compute" or "data"
-    compute: float            # the node's seconds per step, and the other nodes' median
+    compute: float            # the node's seconds per step, and the reference's
     data: float
     ref_compute: float
     ref_data: float
     after: float = 0.0        # seconds from its first report to the verdict
+    reference: str = "the job's median"     # or, with two nodes, "the other node's"
 
     def line(self) -> str:
-        """'slow node [b 1]: ranks 2,3 take 1.52x the other nodes' median step (compute:
-        0.310 s vs 0.204 s per step)'."""
+        """'slow node [b 1]: ranks 2,3 take 1.52x the job's median step (compute: 0.310 s vs
+        0.204 s per step)'."""
         mine, ref = (self.compute, self.ref_compute) if self.part == "compute" \
             else (self.data, self.ref_data)
         ranks = ",".join(str(r) for r in self.ranks) or "?"
-        return (f"slow node [{self.node}]: ranks {ranks} take {self.ratio:.2f}x the other nodes' "
-                f"median step ({self.part}: {mine:.3f} s vs {ref:.3f} s per step)")
+        return (f"slow node [{self.node}]: ranks {ranks} take {self.ratio:.2f}x {self.reference} "
+                f"step ({self.part}: {mine:.3f} s vs {ref:.3f} s per step)")
 
     def record(self) -> dict[str, object]:
         return {"node": self.node, "ranks": self.ranks, "ratio": round(self.ratio, 3),
                 "part": self.part, "compute_s": round(self.compute, 4),
                 "data_s": round(self.data, 4), "ref_compute_s": round(self.ref_compute, 4),
-                "ref_data_s": round(self.ref_data, 4), "after_s": round(self.after, 1)}
+                "ref_data_s": round(self.ref_data, 4), "after_s": round(self.after, 1),
+                "reference": self.reference}
 
 
 @dataclass
@@ -101,16 +106,20 @@ class SlowNodes:
             others = [p for other, p in paces.items() if other != name]
             if not others:
                 continue
-            ref_c = statistics.median(c for c, _ in others)
-            ref_d = statistics.median(d for _, d in others)
-            ref = statistics.median(c + d for c, d in others)
+            # two nodes: the other one; more: the job's median, the node itself included
+            against = others if len(others) == 1 else list(paces.values())
+            ref_c = statistics.median(c for c, _ in against)
+            ref_d = statistics.median(d for _, d in against)
+            # the upper median: with half the job slow, the slow half is not "a slow node"
+            ref = statistics.median_high(c + d for c, d in against)
             ratio = (compute + data) / ref if ref > 0 else 1.0
             if node.named or ratio < self.settings.ratio or at - node.first < self.settings.window:
                 continue
             node.named = True
             part = "compute" if compute - ref_c >= data - ref_d else "data"
             verdict = Verdict(name, sorted(node.ranks), ratio, part, compute, data, ref_c, ref_d,
-                              after=at - node.first)
+                              after=at - node.first, reference="the other node's"
+                              if against is others else "the job's median")
             self.named.append(verdict)
             new.append(verdict)
         return new

@@ -278,7 +278,7 @@ class HangAuto:
 class SlowNode:
     """When a node is named slow while the job runs (cluster.slow says how it is measured)."""
     ratio: float = key(1.3, "a node is slow when its ranks' step work takes this many times "
-                       "the other nodes' median", "number", 1)
+                       "the job's median node's (with two nodes, the other one's)", "number", 1)
     window: float = key(60.0, "... as the median over this many seconds of its reports",
                         "seconds")
 

@@ -70,10 +70,11 @@ def run_notes(meta: dict, started: bool) -> list[str]:
 
 
 def slow_note(slow: dict) -> str:
-    """'slow node [b 1]: ranks 2,3 at 1.52x the other nodes (compute), named after 65 s'."""
+    """'slow node [b 1]: ranks 2,3 at 1.52x the job's median (compute), named after 65 s'."""
     ranks = ",".join(str(r) for r in slow.get("ranks") or [])
-    return (f"slow node [{slow.get('node')}]: ranks {ranks} at {slow.get('ratio')}x the other "
-            f"nodes ({slow.get('part')}), named after {slow.get('after_s')} s")
+    reference = slow.get("reference", "the job's median").removesuffix("'s")
+    return (f"slow node [{slow.get('node')}]: ranks {ranks} at {slow.get('ratio')}x "
+            f"{reference} ({slow.get('part')}), named after {slow.get('after_s')} s")
 
 
 @main.command(context_settings=CONTEXT)
