@@ -1,0 +1,94 @@
+"""train/steptime.py in process: what a rank reports as its own compute per step.
+
+On CUDA the kernels run after the Python that queued them has returned, so a clock read in
+the hooks would count the launch, not the work: the compute is read from CUDA events recorded
+in those hooks. The check queues GPU work that takes a known time (torch.cuda._sleep) inside
+the forward and asserts that it is counted, while the CPU spent next to nothing there."""
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_helpers import load_train_module  # noqa: E402
+
+steptime = load_train_module("steptime")
+
+# `cuda`: this skip is allowed under CLUSTER_REQUIRE_INTEGRATION=1 (tests/require.py)
+CUDA = [pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+class Busy(torch.nn.Module):
+    """A linear layer whose forward first queues `cycles` of GPU sleep (none on the CPU)."""
+
+    def __init__(self, cycles: int = 0):
+        super().__init__()
+        self.cycles = cycles
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.cycles:
+            torch.cuda._sleep(self.cycles)
+        return self.linear(x)
+
+
+def steps(device: torch.device, model: torch.nn.Module, path: str, n: int = 3) -> float:
+    """Run n steps through StepTimes; the CPU seconds spent in the forward calls."""
+    times = steptime.StepTimes(path, 0, device, every_s=0.0)
+    times.watch(model)
+    batches = iter([torch.ones(4, 8, device=device)] * n)
+    in_forward = 0.0
+    for _ in range(n):
+        times.begin()
+        x = times.next(batches)
+        t = time.perf_counter()
+        out = model(x)
+        in_forward += time.perf_counter() - t
+        out.sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.end()
+    return in_forward
+
+
+def report(path) -> dict:
+    return json.loads(open(f"{path}.steps.0").read())
+
+
+def test_cpu_compute_is_the_forward_and_backward(tmp_path):
+    path = str(tmp_path / "heartbeat")
+    steps(torch.device("cpu"), Busy(), path)
+    line = report(path)
+    assert line["rank"] == 0 and line["steps"] >= 1
+    assert 0 < line["compute"] < 1.0 and line["data"] >= 0
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_cuda_compute_counts_the_gpu_work_not_its_launch(tmp_path, device):
+    dev = torch.device(device)
+    # ~0.25 s at an H100/H200's top clock (about 2 GHz); longer at a lower clock
+    model = Busy(cycles=500_000_000).to(dev)
+    steps(dev, Busy().to(dev), str(tmp_path / "warm"), n=2)     # CUDA's start-up, not counted
+    path = str(tmp_path / "heartbeat")
+    in_forward = steps(dev, model, path)
+    line = report(path)
+    assert in_forward / 3 < 0.05, "the forward waited for the GPU: the check shows nothing"
+    assert line["compute"] >= 0.15, line          # the GPU's sleep, counted by the events
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
+def test_the_trainer_reports_its_step_times_on_cuda(tmp_path, device):
+    """The whole trainer on the GPU: every event it records is read after its step (a read of
+    an event not yet done would raise), and each step's compute is reported."""
+    from train_helpers import run_train
+    beat = tmp_path / "run" / "heartbeat"
+    beat.parent.mkdir()
+    run_train(1, ["--device", device, "--epochs", "1", "--max-steps", "30", "--ckpt-every", "0",
+                  "--no-plot", "--no-resume", "--out", str(tmp_path / "out")],
+              env={"CLUSTER_HEARTBEAT_FILE": str(beat)})
+    line = json.loads((tmp_path / "run" / "heartbeat.steps.0").read_text())
+    assert line["steps"] >= 1 and 0 < line["compute"] < 5.0, line
