@@ -4,11 +4,14 @@ and memory, and the reference trainer's latest step, loss and images/s.
 Over SSH and locally, one round trip per node per refresh, every node at once: the node-side
 program cluster/remote/status.py (status_args) asks the node's supervisor for its status,
 nvidia-smi for its GPUs (when it has one: a CPU node shows "-"), and, on rank 0's node, reads
-the last lines of the trainer's metrics.jsonl (under its recorded `--out`). The answers are
-parsed by pure functions into Rows,
+the last lines of the trainer's metrics.jsonl (under its recorded `--out`), and every node's
+ranks' own step reports beside its heartbeat file (`<heartbeat>.steps.<RANK>`, the protocol of
+docs/failures.md): the node's step rate and work per step. The answers are parsed by pure
+functions into Rows,
 which render() turns into a table. Under SLURM the rows come from the scheduler (squeue) and the
 metrics from the job's output folder here (shared with the nodes); GPU figures are not read
-there (a job step of our own inside the user's allocation would compete with it).
+there (a job step of our own inside the user's allocation would compete with it), nor are the
+step reports (they lie in each node's run folder, which only a job step could read).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +31,9 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 METRICS_LINES = 20
+# A node whose newest step report is older than this (or than 3 of its own report intervals,
+# for steps slower than that) has stalled: the job ended, is stuck, or is between attempts.
+STALE_S = 10.0
 # States after which a node shows nothing new: top stops refreshing when every node is in one.
 # An unreachable node is not among them (it may answer at the next refresh).
 ENDED = frozenset({"exited", "stopped", "gone", "lost", "unknown", "not submitted", "completed",
@@ -51,6 +57,19 @@ class Metrics:
 
 
 @dataclass(frozen=True)
+class Pace:
+    """A node's steps, from its ranks' own reports: the slowest rank's."""
+    rate: float | None              # steps/s, the lowest of its ranks'; None: no rank said
+    work: float | None              # s per step of its own work (compute + data), the highest
+    age: float                      # seconds since its newest report
+    every: float | None = None      # the longest of its ranks' report intervals (s)
+
+    @property
+    def stale(self) -> bool:
+        return self.age > max(STALE_S, 3 * (self.every or 0))
+
+
+@dataclass(frozen=True)
 class Row:
     rank: int
     node: str
@@ -59,6 +78,7 @@ class Row:
     gpus: tuple[Gpu, ...] | None = None       # None: no nvidia-smi there (or not asked)
     metrics: Metrics | None = None            # rank 0's node, when the trainer wrote some
     detail: str = ""
+    pace: Pace | None = None                  # None: no rank of the node reported (or not asked)
 
 
 # --- what to ask a node, and what its answer means (pure) ---------------------------------------
@@ -81,24 +101,25 @@ def metrics_file(args: Sequence[str], workdir: str) -> str | None:
 
 def status_args(run_dir: str, metrics: str | None) -> list[str]:
     """What to ask one node's status program (cluster/remote/status.py): the supervisor's
-    status, the GPUs, the metrics' tail."""
-    args = ["--dir", run_dir, "--gpus"]
+    status, the GPUs, the ranks' step reports beside the heartbeat file the supervisor gives
+    the run (`<run dir>/heartbeat`), the metrics' tail."""
+    args = ["--dir", run_dir, "--gpus", "--steps", f"{run_dir.rstrip('/')}/heartbeat"]
     if metrics:
         args += ["--metrics", metrics, "--lines", str(METRICS_LINES)]
     return args
 
 
-def split_answer(text: str) -> tuple[dict[str, Any] | None, list[str] | None, list[str] | None]:
-    """(status, GPU lines or None, metrics lines or None) of a node's answer: its last line, a
-    JSON object (a setup line's output may come before); status None when it is not one."""
+def split_answer(text: str) -> dict[str, Any] | None:
+    """A node's answer: its last line, a JSON object with a "status" (a setup line's output
+    may come before); None when it is not one."""
     lines = text.strip().splitlines()
     try:
         said = json.loads(lines[-1]) if lines else None
     except ValueError:
         said = None
     if not isinstance(said, dict) or not isinstance(said.get("status"), dict):
-        return None, None, None
-    return said["status"], said.get("gpus"), said.get("metrics")
+        return None
+    return said
 
 
 def parse_gpus(lines: Sequence[str] | None) -> tuple[Gpu, ...] | None:
@@ -146,20 +167,46 @@ def parse_metrics(lines: Sequence[str] | None) -> Metrics | None:
     return Metrics(step, loss, ips)
 
 
+def parse_steps(reports: Any) -> Pace | None:
+    """A node's pace from its ranks' step reports (status.py's "steps"): the slowest rank's
+    rate and work, the newest report's age; a report that is not one is skipped."""
+    if not isinstance(reports, list):
+        return None
+    rates, works, ages, everies = [], [], [], []
+    for r in reports:
+        if not isinstance(r, dict) or not _number(r.get("age")):
+            continue
+        ages.append(float(r["age"]))
+        if _number(r.get("rate")):
+            rates.append(float(r["rate"]))
+        if _number(r.get("compute")) and _number(r.get("data")):
+            works.append(float(r["compute"]) + float(r["data"]))
+        if _number(r.get("seconds")):
+            everies.append(float(r["seconds"]))
+    if not ages:
+        return None
+    return Pace(min(rates) if rates else None, max(works) if works else None, min(ages),
+                max(everies) if everies else None)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def row_from(rec: dict[str, Any], answer: Any) -> Row:
     """One node's row from its answer (a transport Result) or the exception it raised."""
     if isinstance(answer, Exception):
         return Row(rec["rank"], rec["name"], "unreachable", detail=str(answer).splitlines()[0])
     if answer.code is None:
         return Row(rec["rank"], rec["name"], "unreachable", detail=answer.text()[-200:] or "no answer")
-    status, gpu_lines, metrics_lines = split_answer(answer.stdout.decode(errors="replace"))
-    if status is None:
-        status = {"state": "unknown", "reason": answer.text()[-200:]}
+    said = split_answer(answer.stdout.decode(errors="replace")) or {}
+    status = said.get("status") or {"state": "unknown", "reason": answer.text()[-200:]}
     detail = status.get("reason") or ""
     if status.get("code") is not None and status.get("state") in ("exited", "stopped"):
         detail = f"exit code {status['code']}" + (f"; {detail}" if detail else "")
     return Row(rec["rank"], rec["name"], status.get("state", "unknown"), status.get("uptime"),
-               parse_gpus(gpu_lines), parse_metrics(metrics_lines), detail)
+               parse_gpus(said.get("gpus")), parse_metrics(said.get("metrics")), detail,
+               parse_steps(said.get("steps")))
 
 
 # --- collecting -------------------------------------------------------------------------------
@@ -226,8 +273,12 @@ def ended(rows: Sequence[Row]) -> bool:
 
 
 COLUMNS = ("rank", "node", "state", "uptime", "GPU %", "GPU mem", "step", "loss", "img/s",
-           "detail")
-NUMERIC = frozenset({"rank", "step", "loss", "img/s"})
+           "step/s", "work s", "detail")
+NUMERIC = frozenset({"rank", "step", "loss", "img/s", "step/s", "work s"})
+# Shown only when some row has something in them (cells() says '-' / '' otherwise).
+OPTIONAL: dict[str, Callable[[Row], bool]] = {
+    "step/s": lambda r: r.pace is not None, "work s": lambda r: r.pace is not None,
+    "detail": lambda r: bool(r.detail)}
 UNBOUNDED = 100_000      # the width a table is measured in when nothing bounds it
 
 
@@ -241,7 +292,29 @@ def cells(row: Row) -> list[str]:
             "-" if not m or m.step is None else str(m.step),
             "-" if not m or m.loss is None else f"{m.loss:.4f}",
             "-" if not m or m.images_per_s is None else f"{m.images_per_s:,.0f}",
-            row.detail]
+            _rate(row.pace), _work(row.pace), row.detail]
+
+
+def _rate(pace: Pace | None) -> str:
+    """The node's steps/s; a stalled node says how long since its last report instead."""
+    if pace is None:
+        return "-"
+    if pace.stale:
+        return f"stalled {_ago(pace.age)}"
+    if pace.rate is None:
+        return "-"
+    return f"{pace.rate:.2f}" if pace.rate < 100 else f"{pace.rate:,.0f}"
+
+
+def _work(pace: Pace | None) -> str:
+    return "-" if pace is None or pace.work is None else f"{pace.work:.3f}"
+
+
+def _ago(seconds: float) -> str:
+    s = int(seconds)
+    if s < 120:
+        return f"{s} s"
+    return f"{s // 60} min" if s < 7200 else f"{s // 3600} h"
 
 
 def _pct(value: float | None) -> str:
@@ -262,15 +335,19 @@ def _uptime(seconds: float | None) -> str:
 
 
 def render(rows: Sequence[Row], title: str) -> Table:
-    """A rich Table of the rows; the detail column only when a row has one."""
+    """A rich Table of the rows; the step/s, work and detail columns only when a row has
+    something in them."""
     from rich.table import Table
     table = Table(title=title, title_justify="left")
-    shown = [c for c in COLUMNS if c != "detail" or any(r.detail for r in rows)]
-    for col in shown:
+    shown = [i for i, c in enumerate(COLUMNS)
+             if c not in OPTIONAL or any(OPTIONAL[c](r) for r in rows)]
+    for i in shown:
+        col = COLUMNS[i]
         table.add_column(col, justify="right" if col in NUMERIC else "left",
-                         no_wrap=col in ("node", "state", "uptime"))
+                         no_wrap=col in ("node", "state", "uptime", "step/s"))
     for row in sorted(rows, key=lambda r: r.rank):
-        table.add_row(*cells(row)[:len(shown)])
+        row_cells = cells(row)
+        table.add_row(*(row_cells[i] for i in shown))
     return table
 
 

@@ -17,8 +17,11 @@ What is measured, per optimizer step (all micro-steps of --accum together):
 
 The file protocol (any program can write it; docs/failures.md): every ~second, each rank
 replaces `$CLUSTER_HEARTBEAT_FILE.steps.<RANK>` with one JSON line
-`{"rank": R, "compute": S, "data": S, "steps": N}`: mean seconds per step over the N steps
-since its previous line. The node's supervisor sends them with its heartbeats.
+`{"rank": R, "compute": S, "data": S, "steps": N, "seconds": W}`: mean seconds per step over
+the N steps since its previous line, and W the wall-clock seconds since that line (the first
+line: since its first step began), so that N / W is the rank's step rate (`seconds` is
+optional: a reader without it has no rate). The node's supervisor sends them with its
+heartbeats; `cluster top` reads them for its step/s and work columns.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class StepTimes:
         self.rank, self.every_s = rank, every_s
         self.cuda = device.type == "cuda"
         self.last_write = float("-inf")      # the first step is written at once
+        self.since: float | None = None      # the previous line's write (monotonic)
         self.compute = self.data = 0.0
         self.steps = 0
         self._step_data = self._step_compute = 0.0
@@ -84,6 +88,8 @@ class StepTimes:
 
     def begin(self) -> None:
         """A step starts (an evaluation's forwards before it are not counted)."""
+        if self.since is None:
+            self.since = time.monotonic()    # the first line's seconds count from here
         self._step_data = self._step_compute = 0.0
         self._fwd_at = self._grad_at = None
         self._spans = []
@@ -109,14 +115,17 @@ class StepTimes:
         self.steps += 1
         now = time.monotonic()
         if now - self.last_write >= self.every_s:
-            self._write()
+            self._write(now)
             self.last_write = now
 
-    def _write(self) -> None:
+    def _write(self, now: float) -> None:
+        # Wall-clock time, evaluations and uncounted steps included: a rate, not a work time.
         line = {"rank": self.rank, "compute": self.compute / self.steps,
-                "data": self.data / self.steps, "steps": self.steps}
+                "data": self.data / self.steps, "steps": self.steps,
+                "seconds": now - (self.since if self.since is not None else now)}
         self.compute = self.data = 0.0
         self.steps = 0
+        self.since = now
         tmp = f"{self.path}.tmp"
         try:
             with open(tmp, "w") as f:

@@ -1,4 +1,5 @@
-"""`cluster top [RUN]`: one row per node, refreshed: state, uptime, GPUs, the trainer's step."""
+"""`cluster top [RUN]`: one row per node, refreshed: state, uptime, GPUs, the trainer's step,
+the node's step rate."""
 from __future__ import annotations
 
 import time
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
 @click.option("--once", is_flag=True, help="Print one table and exit (for scripts).")
 def top(run: str | None, interval: float, once: bool) -> None:
     """Each node of RUN (default: the newest), refreshed until the run ends or Ctrl-C: state,
-    uptime, GPU utilisation and memory per GPU, the reference trainer's step, loss, images/s."""
+    uptime, GPU utilisation and memory per GPU, the reference trainer's step, loss, images/s,
+    and each node's steps/s and own work per step (its slowest rank's)."""
     from rich.console import Console as RichConsole
     from rich.live import Live
     from .. import top as tp

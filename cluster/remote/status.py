@@ -4,18 +4,22 @@ Standard library only, Python 3.8+. It travels in a bundle (backends/shipping.py
 itself comes from the supervisor the run's start left in the run's folder (the one that runs
 the run), imported from there.
 
-    status.py --dir DIR [--gpus] [--metrics PATH [--lines N]]
+    status.py --dir DIR [--gpus] [--metrics PATH [--lines N]] [--steps HEARTBEAT]
 
 One JSON line: {"status": the supervisor's status, or {"state": "gone"} when DIR is no longer
 there (cluster clean removed it: nothing of the run can be running from it); "gpus": with
 --gpus, nvidia-smi's CSV lines (index, utilization %, memory used, total MiB), null without
 nvidia-smi; "metrics": with --metrics, the last N lines of that file, null when it is not
-there}.
+there; "steps": with --steps, what each rank of the node last said of its steps in
+`HEARTBEAT.steps.<RANK>` (the protocol is in docs/failures.md): a list of {"rank", "rate" (steps
+per second, null when the line has no "seconds"), "seconds", "compute", "data", "age" (seconds
+since the file was written)}, sorted by rank, an unreadable or partial file left out}.
 """
 import json
 import os
 import subprocess
 import sys
+import time
 
 GPU_QUERY = "index,utilization.gpu,memory.used,memory.total"
 
@@ -27,18 +31,20 @@ def main(argv):
         out["gpus"] = gpus()
     if opts["metrics"]:
         out["metrics"] = tail(os.path.expanduser(opts["metrics"]), int(opts["lines"]))
+    if opts["steps"]:
+        out["steps"] = steps(os.path.expanduser(opts["steps"]))
     sys.stdout.write(json.dumps(out) + "\n")
     sys.stdout.flush()
     return 0
 
 
 def parse(argv):
-    opts = {"dir": None, "gpus": False, "metrics": None, "lines": "20"}
+    opts = {"dir": None, "gpus": False, "metrics": None, "lines": "20", "steps": None}
     it = iter(argv)
     for arg in it:
         if arg == "--gpus":
             opts["gpus"] = True
-        elif arg in ("--dir", "--metrics", "--lines"):
+        elif arg in ("--dir", "--metrics", "--lines", "--steps"):
             opts[arg[2:]] = next(it)
         else:
             raise SystemExit("status.py: unknown argument %r" % arg)
@@ -77,6 +83,43 @@ def tail(path, lines):
     except OSError:
         return None
     return data.decode(errors="replace").splitlines()[-lines:]
+
+
+def steps(heartbeat, now=None):
+    """Each rank's last step report beside the heartbeat file, with the file's age."""
+    folder, base = os.path.split(heartbeat)
+    try:
+        names = sorted(n for n in os.listdir(folder or ".")
+                       if n.startswith(base + ".steps.") and not n.endswith(".tmp"))
+    except OSError:
+        return []
+    now = time.time() if now is None else now
+    found = []
+    for name in names:
+        report = step_report(os.path.join(folder, name), now)
+        if report is not None:
+            found.append(report)
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def step_report(path, now):
+    """One file's line as {rank, rate, seconds, compute, data, age}; None when it cannot be
+    read or is not a whole line of the protocol (a writer that does not rename may be cut)."""
+    try:
+        age = now - os.stat(path).st_mtime
+        with open(path) as f:
+            line = json.loads(f.readline())
+        rank, compute, data = int(line["rank"]), float(line["compute"]), float(line["data"])
+        n = line.get("steps")
+        seconds = line.get("seconds")
+        seconds = float(seconds) if seconds is not None else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    rate = None
+    if isinstance(n, (int, float)) and seconds is not None and seconds > 0 and n > 0:
+        rate = n / seconds
+    return {"rank": rank, "rate": rate, "seconds": seconds, "compute": compute, "data": data,
+            "age": max(0.0, age)}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster.top import STALE_S
+
 try:
     from tests.integration.conftest import PROGRAMS, Cli, run_processes_in, wait_until
     from tests.integration.fixtures import kill_pids
@@ -178,6 +180,8 @@ def top_rows(proc) -> dict[str, list[str]]:
 
 
 def test_top_shows_each_node_and_the_trainers_progress_while_it_runs(ssh_nodes4, cli):
+    """A top snapshot of a real run: both nodes running, rank 0's metrics, and every node's
+    step rate and work per step."""
     inv = inventory(ssh_nodes4, cli)
     up = cli.run("up", "-i", inv, "--nodes", "2", "--detach", "--", "cluster-train/train.py",
                  "--epochs", "500", "--no-resume", "--out", "top-out", "--checkpoint-dir", "top-ckpt",
@@ -209,6 +213,20 @@ def test_top_shows_each_node_and_the_trainers_progress_while_it_runs(ssh_nodes4,
         assert rank0[3] != "-" and rank0[4] == "-" and rank0[5] == "-", "CPU nodes show no GPU"
         assert int(rank0[6]) > 0 and float(rank0[7]) > 0 and rank0[8] != "-", proc.dump()
         assert rank1[6:9] == ["-", "-", "-"], "only rank 0's node has the trainer's metrics"
+        # Every node's own pace, from its ranks' step reports beside its heartbeat file:
+        # steps/s (not 'stalled': they report every second) and seconds of work per step.
+        assert "step/s" in proc.stdout and "work s" in proc.stdout, proc.dump()
+        for cells in (rank0, rank1):
+            assert float(cells[9].replace(",", "")) > 0 and float(cells[10]) > 0, proc.dump()
         assert seconds < 30, f"one refresh took {seconds:.1f} s"
+        # Stopped: no report comes any more, and past 10 s the rate says so.
+        down = cli.run("down", run_id, timeout=120)
+        assert down.popen.returncode == 0, down.dump()
+        time.sleep(STALE_S + 1)
+        after = cli.run("top", run_id, "--once", timeout=60)
+        assert len(top_rows(after)) == 2, after.dump()
+        for cells in top_rows(after).values():
+            assert cells[2] == "stopped" and cells[9].startswith("stalled "), after.dump()
+            assert float(cells[10]) > 0, "the last work per step stays shown"
     finally:
         cli.run("down", run_id, timeout=120)

@@ -67,3 +67,4 @@ def test_step_times_reported_and_training_unchanged(reference, tmp_path):
         line = json.loads((tmp_path / "run" / f"heartbeat.steps.{rank}").read_text())
         assert line["rank"] == rank and line["steps"] >= 1
         assert line["compute"] > 0 and line["data"] >= 0
+        assert line["seconds"] >= line["compute"] * line["steps"], "wall clock, waits included"

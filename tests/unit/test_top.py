@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console as RichConsole
@@ -19,8 +21,9 @@ from cluster.errors import ClusterError
 from cluster.nodes import NodeStatus
 from cluster.runs import RunDir
 from cluster.spec import Host
-from cluster.top import (Gpu, Metrics, Row, cells, collect, collect_slurm, ended, metrics_file,
-                         parse_gpus, parse_metrics, render, row_from, status_args, tail)
+from cluster.top import (STALE_S, Gpu, Metrics, Pace, Row, cells, collect, collect_slurm, ended,
+                         metrics_file, parse_gpus, parse_metrics, parse_steps, render, row_from,
+                         status_args, tail)
 
 SMI = """#!/bin/sh
 echo "0, 97, 40960, 81920"
@@ -88,6 +91,70 @@ def test_a_cpu_node_without_metrics_shows_dashes(tmp_path: Path) -> None:
     assert cells(row)[4:9] == ["-", "-", "-", "-", "-"]
 
 
+def steps_file(d: Path, name: str, text: str, age: float = 0.0) -> None:
+    f = d / f"heartbeat.steps.{name}"
+    f.write_text(text)
+    when = time.time() - age
+    os.utime(f, (when, when))
+
+
+def test_the_ranks_step_reports_give_the_nodes_slowest_rate_and_work(tmp_path: Path) -> None:
+    """Two ranks on the node: the rate is the slower one's (steps / seconds), the work the
+    larger compute + data; an old line without "seconds", a file being written (.tmp) and a
+    garbage file are read as far as they go."""
+    d = node_dir(tmp_path, {"started": "1.0", "pgid": "5"})
+    steps_file(d, "0", '{"rank": 0, "compute": 0.2, "data": 0.004, "steps": 5, "seconds": 1.25}\n')
+    steps_file(d, "1", '{"rank": 1, "compute": 0.25, "data": 0.01, "steps": 4, "seconds": 1.6}\n', 3)
+    steps_file(d, "2", '{"rank": 2, "compute": 0.3, "data": 0.0, "steps": 3}\n')   # no "seconds"
+    steps_file(d, "3.tmp", '{"rank": 3, "compute": 9, "data": 9, "steps": 1, "seconds": 90}\n')
+    steps_file(d, "4", '{"rank": 4, "compute"')                                  # cut
+    answer = ask(status_args(str(d), None), node_bin(tmp_path, None))
+    said = json.loads(answer.stdout.decode().splitlines()[-1])
+    assert [r["rank"] for r in said["steps"]] == [0, 1, 2], said
+    assert said["steps"][0]["rate"] == 4.0 and said["steps"][1]["rate"] == 2.5
+    assert said["steps"][2]["rate"] is None and said["steps"][2]["seconds"] is None
+    assert 2.5 < said["steps"][1]["age"] < 3 + 10 and said["steps"][0]["age"] < 10
+    row = row_from({"rank": 0, "name": "n1"}, answer)
+    assert row.pace is not None and row.pace.rate == 2.5 and not row.pace.stale
+    assert row.pace.work == 0.3 and row.pace.age < 3
+    assert cells(row)[9:11] == ["2.50", "0.300"]
+
+
+def test_a_node_whose_reports_stopped_coming_reads_stalled(tmp_path: Path) -> None:
+    d = node_dir(tmp_path, {"started": "1.0", "pgid": "5"})
+    steps_file(d, "0", '{"rank": 0, "compute": 0.2, "data": 0.0, "steps": 5, "seconds": 1.0}\n', 42)
+    steps_file(d, "1", '{"rank": 1, "compute": 0.2, "data": 0.0, "steps": 5, "seconds": 1.0}\n', 50)
+    row = row_from({"rank": 0, "name": "n1"}, ask(status_args(str(d), None), node_bin(tmp_path, None)))
+    assert row.pace is not None and row.pace.stale
+    rate, work = cells(row)[9:11]
+    assert rate.startswith("stalled 4") and rate.endswith(" s") and 42 <= int(rate.split()[1]) < 50
+    assert work == "0.200", "the last work per step stays shown"
+
+
+def test_a_node_without_step_reports_has_no_pace(tmp_path: Path) -> None:
+    d = node_dir(tmp_path, {})
+    row = row_from({"rank": 0, "name": "n1"}, ask(status_args(str(d), None), node_bin(tmp_path, None)))
+    assert row.pace is None and cells(row)[9:11] == ["-", "-"]
+
+
+def test_parse_steps_takes_the_slowest_rank_and_the_newest_report() -> None:
+    pace = parse_steps([{"rank": 0, "rate": 4.0, "seconds": 1.0, "compute": 0.1, "data": 0.1, "age": 5.0},
+                        {"rank": 1, "rate": 3.0, "seconds": 1.2, "compute": 0.3, "data": 0.0, "age": 1.0},
+                        {"rank": 2, "rate": None, "seconds": None, "compute": 0.1, "data": 0.0, "age": 0.5},
+                        {"rank": 3, "age": "soon"}, "junk"])
+    assert pace == Pace(3.0, 0.3, 0.5, 1.2)
+    assert parse_steps([]) is None and parse_steps(None) is None and parse_steps({"0": 1}) is None
+    assert parse_steps([{"rank": 0, "compute": 0.1, "data": 0.0, "age": 1.0}]) == Pace(None, 0.1, 1.0)
+
+
+def test_stalled_after_ten_seconds_or_three_report_intervals_when_steps_are_slower() -> None:
+    assert not Pace(2.0, 0.4, STALE_S - 1).stale and Pace(2.0, 0.4, STALE_S + 1).stale
+    slow = Pace(0.05, 19.0, 45.0, every=20.0)          # one step per 20 s: a report each 20 s
+    assert not slow.stale and replace(slow, age=61.0).stale
+    assert cells(Row(0, "n", "running", pace=Pace(None, None, 130.0)))[9] == "stalled 2 min"
+    assert cells(Row(0, "n", "running", pace=Pace(1234.5, 0.0008, 1.0)))[9:11] == ["1,234", "0.001"]
+
+
 def test_a_removed_run_folder_reads_gone(tmp_path: Path) -> None:
     answer = ask(status_args(str(tmp_path / "removed"), None), node_bin(tmp_path, None))
     assert row_from({"rank": 1, "name": "n2"}, answer).state == "gone"
@@ -144,8 +211,10 @@ def test_collect_asks_every_node_once_and_only_rank_0_for_metrics(tmp_path: Path
     assert rows[0].metrics == Metrics(7, 1.5, None) and rows[1].metrics is None
     (c1,), (c2,) = fake.asked["n1"], fake.asked["n2"]
     assert c1 == ("status", "--dir", "/home/u/w/.cluster/r/n1", "--gpus",
+                  "--steps", "/home/u/w/.cluster/r/n1/heartbeat",
                   "--metrics", "~/w/.cluster/r/train/metrics.jsonl", "--lines", "20")
-    assert c2 == ("status", "--dir", "~/w/.cluster/r/n2", "--gpus")
+    assert c2 == ("status", "--dir", "~/w/.cluster/r/n2", "--gpus",
+                  "--steps", "~/w/.cluster/r/n2/heartbeat")
     assert not ended(rows)
     assert ended([Row(0, "n1", "exited"), Row(1, "n2", "stopped")])
     assert not ended([Row(0, "n1", "exited"), Row(1, "n2", "unreachable")]), \
@@ -184,6 +253,22 @@ def test_render_shows_a_row_per_node_and_detail_only_when_there_is_one() -> None
     text = io.StringIO()
     RichConsole(file=text, width=200).print(render([Row(0, "n1", "running")], "run x"))
     assert "detail" not in text.getvalue()
+    assert "step/s" not in text.getvalue() and "work s" not in text.getvalue()
+
+
+def test_render_shows_the_pace_columns_when_a_node_reported() -> None:
+    rows = [Row(0, "n1", "running", pace=Pace(4.25, 0.204, 1.0)),
+            Row(1, "n2", "running", pace=Pace(1.5, 0.61, 42.0)), Row(2, "n3", "unreachable")]
+    text = io.StringIO()
+    RichConsole(file=text, width=200).print(render(rows, "run x"))
+    lines = text.getvalue().splitlines()
+    head = [c.strip() for c in lines[2].split("┃")[1:-1]]
+    assert head[-2:] == ["step/s", "work s"], head
+    body = {c[1]: c for c in ([x.strip() for x in l.split("│")[1:-1]] for l in lines)
+            if len(c) > 2 and c[1].startswith("n")}
+    assert body["n1"][-2:] == ["4.25", "0.204"]
+    assert body["n2"][-2:] == ["stalled 42 s", "0.610"]
+    assert body["n3"][-2:] == ["-", "-"]
 
 
 LONG_NAME = ".".join(["n" + "x" * 59] * 4)          # 243 characters: a host name may be 253

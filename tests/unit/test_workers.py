@@ -138,9 +138,11 @@ def test_workers_left_by_a_torchrun_that_died_are_reported(tmp_path: Path) -> No
 
 def test_step_times_are_read_beside_the_heartbeat_once_each(tmp_path) -> None:
     """The ranks' `<heartbeat>.steps.<RANK>` files go with the next beat, each only when it
-    was rewritten; a half-written (.tmp) or malformed file is left out."""
+    was rewritten; a half-written (.tmp) or malformed file is left out; a line with the
+    optional "steps" and "seconds" reads as one without."""
     beat = tmp_path / "heartbeat"
-    (tmp_path / "heartbeat.steps.0").write_text('{"rank": 0, "compute": 0.2, "data": 0.01}\n')
+    (tmp_path / "heartbeat.steps.0").write_text(
+        '{"rank": 0, "compute": 0.2, "data": 0.01, "steps": 5, "seconds": 1.1}\n')
     (tmp_path / "heartbeat.steps.1").write_text('{"rank": 1, "compute": 0.3, "data": 0.02}\n')
     (tmp_path / "heartbeat.steps.2").write_text("not json\n")
     (tmp_path / "heartbeat.steps.3.tmp").write_text('{"rank": 3, "compute": 1, "data": 1}\n')
