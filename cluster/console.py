@@ -84,6 +84,7 @@ class NodeProgress:
     help) and when stderr is not a terminal (a log file wants no redrawn lines)."""
 
     VERBS = {"check": "checked", "sync": "synced"}
+    UNITS: dict[str, str] = {}            # what a phase counts, when not nodes
 
     def __init__(self, stream: IO[str] | None = None, min_nodes: int = 8,
                  enabled: bool | None = None) -> None:
@@ -101,7 +102,8 @@ class NodeProgress:
             bar = self._bar or self._start()
             if phase not in self._tasks:
                 self._tasks[phase] = bar.add_task(phase, total=total,
-                                                  verb=self.VERBS.get(phase, phase))
+                                                  verb=self.VERBS.get(phase, phase),
+                                                  unit=self.UNITS.get(phase, "nodes"))
             bar.update(self._tasks[phase], completed=done, total=total)
         if phase == "check" and done >= total:
             self.close()                  # the last phase before the nodes' own lines
@@ -110,12 +112,21 @@ class NodeProgress:
         from rich.console import Console as RichConsole
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
         self._bar = Progress(
-            TextColumn("cluster: {task.fields[verb]} {task.completed}/{task.total} nodes"),
+            TextColumn("cluster: {task.fields[verb]} {task.completed}/{task.total} {task.fields[unit]}"),
             BarColumn(), TimeElapsedColumn(),
             console=RichConsole(file=self.stream, force_terminal=self.enabled),
             transient=True, redirect_stdout=False, redirect_stderr=False)
         self._bar.start()
         return self._bar
+
+    def above(self, line: str) -> bool:
+        """Print a whole line above the bar while it is drawn (through its console, so the
+        two don't garble each other); False when no bar is drawn."""
+        with self.lock:
+            if self._bar is None:
+                return False
+            self._bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            return True
 
     def close(self) -> None:
         with self.lock:

@@ -10,6 +10,8 @@ remote node's check brings into its workdir's .cluster/tools):
 the all_reduce sum, bus bandwidth per message size, and bandwidth between every pair of nodes,
 naming the slow one. `measure_collective` is the one function that runs such a collective with
 given environment variables; `--tune-nccl` (tune_nccl) runs it once per NCCL socket setting.
+While it measures, rank 0's '@@progress' lines are counted and said as they come (Capture,
+step_lines, PhaseLines).
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ SCHEMA = 1
 COLLECTIVE = Path(__file__).resolve().parent / "remote" / "collective.py"
 SLOW_LINK = 0.5                          # a pair below half the median bandwidth is slow
 DEEP_SIZES = (65536, 1 << 20, 16 << 20)  # --deep's message sizes, bytes
+PROGRESS = "@@progress "                 # rank 0's line after each measurement (collective.py)
+
+# The collective's steps as they end: steps(done, total, say), say "" or a line for the user.
+Steps = Callable[[int, int, str], None]
 
 
 @dataclass
@@ -204,38 +210,57 @@ def collective_env(sizes: Sequence[int], iters: int,
 
 class Measure(Protocol):
     def __call__(self, env: Mapping[str, str], sizes: Sequence[int] = ...,
-                 iters: int = ...) -> dict[str, Any]: ...
+                 iters: int = ..., show_steps: bool = ...) -> dict[str, Any]: ...
 
 
 def collective(inventory: Inventory, backend: Any, templates: Templates) -> Measure:
     """measure(env, sizes, iters): one run of the collective on the inventory's nodes with env
     added, started and recorded like any run, through cluster.launch: as runs/doctor-<id>/,
     which status, logs, down and top pass over when no RUN is named. Remote nodes get the
-    collective program with each check (backend.tools), in the same round trip."""
+    collective program with each check (backend.tools), in the same round trip. With
+    show_steps, each measurement as it ends goes to backend.progress (step_lines)."""
     from . import launch
     shipped = supports(backend, REMOTE_NODES)
     if shipped:
         backend.tools[COLLECTIVE.name] = COLLECTIVE.read_bytes()
 
-    def measure(env: Mapping[str, str], sizes: Sequence[int] = DEEP_SIZES, iters: int = 5) -> dict[str, Any]:
+    def measure(env: Mapping[str, str], sizes: Sequence[int] = DEEP_SIZES, iters: int = 5,
+                show_steps: bool = True) -> dict[str, Any]:
         job = collective_job(f"{DOCTOR_PREFIX}{new_run_id()}", shipped)
         run = RunDir.create(job.run_id)
         if not shipped:        # nodes on this machine: their folders under the run's here
             job = dataclasses.replace(job, node_root=run.node_root())
+        steps = step_lines(getattr(backend, "progress", None)) if show_steps else None
         return measure_collective(
             inventory, lambda inv, j, c: launch.up(inv, j, templates, backend, run,
                                                    ["cluster", "doctor"], c),
-            job, collective_env(sizes, iters, extra=env))
+            job, collective_env(sizes, iters, extra=env), steps=steps)
     return measure
 
 
+def step_lines(progress: Any) -> Steps | None:
+    """The collective's steps told to doctor's progress (PhaseLines): counted as the phase
+    "measure" (the collective's launch checks the nodes in between: a phase of its own, so
+    the step count is one too), each say written as a line by progress.say, if it has one."""
+    if progress is None:
+        return None
+    say = getattr(progress, "say", None)
+
+    def steps(done: int, total: int, text: str) -> None:
+        progress("measure", done, total)
+        if text and say is not None:
+            say(text)
+    return steps
+
+
 def measure_collective(inventory: Inventory, launch_job: Callable[[Inventory, Job, Console], int],
-                       job: Job, env: Mapping[str, str]) -> dict[str, Any]:
+                       job: Job, env: Mapping[str, str], steps: Steps | None = None) -> dict[str, Any]:
     """Run the collective across the inventory's nodes with `env` added to every node's
     environment; return what rank 0 measured (sum_ok, allreduce bandwidth per size, pairs).
-    `launch_job` is cluster.launch.up bound to a backend: the same path as any run."""
+    `launch_job` is cluster.launch.up bound to a backend: the same path as any run. `steps`
+    hears of each measurement as rank 0 ends it."""
     hosts = tuple(h.replace(env=tuple({**dict(h.env), **env}.items())) for h in inventory.hosts)
-    console = Capture()
+    console = Capture(steps)
     try:
         launch_job(dataclasses.replace(inventory, hosts=hosts), job, console)
     except RunFailed as exc:
@@ -285,15 +310,20 @@ def tuning_lines(tuned: dict[str, Any]) -> list[str]:
 
 
 class Capture(Console):
-    """A console that keeps what the nodes print instead of showing it."""
+    """A console that keeps what the nodes print instead of showing it; rank 0's progress
+    lines ('@@progress {"done", "total", "say"}') also go to `steps` as they come."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps: Steps | None = None) -> None:
         super().__init__(color=False)
         self.lines: list[str] = []
+        self.steps = steps
 
     def node_line(self, label: str, index: int, text: str) -> None:
         with self.lock:
             self.lines.append(text)
+        step = parse_step(text) if self.steps is not None and PROGRESS in text else None
+        if step is not None and self.steps is not None:
+            self.steps(*step)
 
     def info(self, text: str) -> None:
         with self.lock:
@@ -301,6 +331,21 @@ class Capture(Console):
 
     def raw(self, text: str) -> None:
         pass
+
+
+def parse_step(line: str) -> tuple[int, int, str] | None:
+    """(done, total, say) from a node's line with '@@progress {json}' in it; None when the
+    JSON is cut or not what collective.py writes (a progress line is never worth failing)."""
+    try:
+        told = json.loads(line.split(PROGRESS, 1)[1])
+    except ValueError:
+        return None
+    if not isinstance(told, dict):
+        return None
+    done, total, say = told.get("done"), told.get("total"), told.get("say", "")
+    if not (isinstance(done, int) and isinstance(total, int) and isinstance(say, str)):
+        return None
+    return done, total, say
 
 
 def deep_summary(measured: dict[str, Any]) -> dict[str, Any]:
@@ -340,7 +385,8 @@ def deep_findings(deep: dict[str, Any]) -> list[Finding]:
 # --- output -------------------------------------------------------------------------------------
 
 
-# What each phase does, said as it begins; the phases without a count per node draw no bar.
+# What each phase does, said as it begins; the phases without a count draw no bar. "measure"
+# counts the collective's measurements (collective.py's steps), not nodes.
 PHASES = {
     "probe": "asking {total} node(s) what they have (python, torch, GPUs, disk, clock)",
     "inside": "starting {total} node(s)' container to see its torch and GPUs",
@@ -348,19 +394,23 @@ PHASES = {
     "collective": "running a collective across {total} node(s) (all_reduce, then every pair); "
                   "it is recorded as runs/doctor-<id>",
     "check": "checking {total} node(s) before the collective starts",
+    "measure": "measuring in {total} steps (the sum, each message size, each round of pairs)",
 }
 UNCOUNTED = {"reach", "collective"}
 
 
 class NodeCounts(NodeProgress):
-    VERBS = {**NodeProgress.VERBS, "probe": "probed", "inside": "looked inside"}
+    VERBS = {**NodeProgress.VERBS, "probe": "probed", "inside": "looked inside",
+             "measure": "measured"}
+    UNITS = {**NodeProgress.UNITS, "measure": "steps"}
 
 
 class PhaseLines:
     """Doctor's progress on stderr, as backend.progress(phase, done, total): a line as each
     phase begins (a log shows where the time went), and on a terminal a live count of the
-    nodes done (console.NodeProgress, from one node on). Phases come one after another, so
-    a new one ends the last one's count."""
+    nodes (or the collective's steps) done (console.NodeProgress, from one on). Phases come
+    one after another, so a new one ends the last one's count. say(text) writes what a step
+    found as a line of its own, on a terminal and in a log alike."""
 
     def __init__(self, stream: IO[str], terminal: bool | None = None,
                  counter: Callable[[str, int, int], None] | None = None) -> None:
@@ -381,6 +431,16 @@ class PhaseLines:
                 self.stream.flush()
             if phase not in UNCOUNTED:
                 self.counter(phase, done, total)
+
+    def say(self, text: str) -> None:
+        """One indented line; above the live count when one is drawn, so neither garbles
+        the other."""
+        line = f"cluster:   {text}"
+        with self.lock:
+            above = getattr(self.counter, "above", None)
+            if above is None or not above(line):
+                self.stream.write(line + "\n")
+                self.stream.flush()
 
     def close(self) -> None:
         close = getattr(self.counter, "close", None)

@@ -60,9 +60,12 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
     try:
         report = doc.diagnose(inventory, backend, templates, deep=deep, run_deep=lambda: measure({}))
         if tune_nccl and report.ok:
+            # Each setting is a short launch with a line of its own (shown): its steps would
+            # say the same bandwidths again, once per setting.
             try:
                 report.tuning = doc.tune_nccl(
-                    inventory, lambda env: measure({**env, "CLUSTER_DOCTOR_PAIRS": "0"}, tuning.SIZES, 10),
+                    inventory, lambda env: measure({**env, "CLUSTER_DOCTOR_PAIRS": "0"}, tuning.SIZES,
+                                                   10, show_steps=False),
                     tuning.Cache(tuning.cache_path()), shown=shown)
             except PreflightError as exc:
                 report.findings.append(Finding("all", "nccl tuning", FAIL, str(exc)))

@@ -1,6 +1,10 @@
 """`cluster doctor --deep` on the nodes: a real collective across all of them, under torchrun.
 
-NCCL on GPUs, gloo on CPUs. Rank 0 prints one line, '@@doctor ' and a JSON object:
+NCCL on GPUs, gloo on CPUs. As it measures, rank 0 prints '@@progress ' and a JSON object,
+{"done", "total", "say"}: once at the start (done 0), then after the sum, after each message
+size and after each round of pairs (total: 1 + sizes + rounds), "say" a short line for the sum,
+each size and the end of the pairs ("" for the other rounds). At the end it prints one line,
+'@@doctor ' and a JSON object:
     sum_ok        an all_reduce of rank+1 gave world*(world+1)/2 on every rank
     allreduce     [{bytes, seconds, busbw_gbps}] for each message size (bus bandwidth, as
                   nccl-tests counts it: algorithm bandwidth x 2(n-1)/n)
@@ -35,10 +39,18 @@ def main():
         torch.cuda.set_device(device)
     sizes = [int(s) for s in os.environ.get("CLUSTER_DOCTOR_SIZES", DEFAULT_SIZES).split(",")]
     iters = int(os.environ.get("CLUSTER_DOCTOR_ITERS", "5"))
-    result = {"backend": dist.get_backend(), "world_size": world, "sum_ok": check_sum(device, world),
-              "allreduce": [allreduce_bw(size, iters, device, world) for size in sizes]}
     want_pairs = os.environ.get("CLUSTER_DOCTOR_PAIRS", "1") != "0"
-    result["pairs"] = pairs(sizes[-1], iters, device, local) if want_pairs else []
+    nodes = leaders() if want_pairs else []
+    schedule = pair_rounds(len(nodes))
+    steps = Steps(rank == 0, total_steps(len(sizes), len(schedule)))
+    sum_ok = check_sum(device, world)
+    steps.tell(f"sum {'right' if sum_ok else 'WRONG'} over {world} process{'es' if world > 1 else ''}")
+    result = {"backend": dist.get_backend(), "world_size": world, "sum_ok": sum_ok, "allreduce": []}
+    for size in sizes:
+        measured = allreduce_bw(size, iters, device, world)
+        result["allreduce"].append(measured)
+        steps.tell(f"all_reduce {size_text(size)}: {measured['busbw_gbps']:.2f} GB/s bus bandwidth")
+    result["pairs"] = pairs(sizes[-1], iters, device, local, nodes, schedule, steps)
     result["nccl"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
     if rank == 0:
         sys.stdout.write("@@doctor " + json.dumps(result) + "\n")
@@ -46,6 +58,48 @@ def main():
     dist.barrier()
     dist.destroy_process_group()
     return 0 if result["sum_ok"] else 1
+
+
+class Steps:
+    """Rank 0's progress lines (the others stay silent): the launcher counts them live and
+    prints each "say", so a long measurement on many nodes is seen moving."""
+
+    def __init__(self, speak, total):
+        self.speak, self.total, self.done = speak, total, 0
+        self.write("")
+
+    def tell(self, say=""):
+        self.done += 1
+        self.write(say)
+
+    def write(self, say):
+        if self.speak:
+            line = {"done": self.done, "total": self.total, "say": say}
+            sys.stdout.write("@@progress " + json.dumps(line) + "\n")
+            sys.stdout.flush()       # a pipe buffers: the launcher would hear it all at the end
+
+
+def total_steps(sizes, rounds_of_pairs):
+    """The sum, each message size, each round of pairs."""
+    return 1 + sizes + rounds_of_pairs
+
+
+def size_text(n):
+    """65536 -> '64 KiB', 16777216 -> '16 MiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{n} B"
+
+
+def pairs_text(found):
+    """The line that ends the pairs: how many, and the slowest."""
+    if not found:
+        return "pairs: none measured"
+    worst = min(found, key=lambda p: p["gbps"])
+    return (f"pairs: {len(found)} measured, slowest {worst['a']}<->{worst['b']} "
+            f"{worst['gbps']:.2f} GB/s")
 
 
 def sync(device):
@@ -93,6 +147,11 @@ def leaders():
     return [(r, name) for r, local, name in everyone if local == 0]
 
 
+def pair_rounds(n):
+    """The rounds that have a pair in them (one node: none)."""
+    return [r for r in rounds(n) if r]
+
+
 def rounds(n):
     """Round-robin pairings of n players: every pair once, nobody twice in a round."""
     players = list(range(n)) + ([None] if n % 2 else [])
@@ -105,13 +164,16 @@ def rounds(n):
     return out
 
 
-def pairs(size, iters, device, local):
-    nodes = leaders()
+def pairs(size, iters, device, local, nodes, schedule, steps):
+    """Ping-pong between the first process of each two nodes, round by round (`schedule`),
+    every process in every round's barrier; each round ends a step."""
+    if not schedule:
+        return []
     index = {r: i for i, (r, _) in enumerate(nodes)}
     mine = index.get(dist.get_rank()) if local == 0 else None
     found = []
     x = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
-    for pairing in rounds(len(nodes)):
+    for number, pairing in enumerate(schedule, 1):
         for a, b in pairing:
             if mine not in (a, b):
                 continue
@@ -130,9 +192,13 @@ def pairs(size, iters, device, local):
                 found.append({"a": nodes[a][1], "b": nodes[b][1], "bytes": size,
                               "gbps": 2 * size / seconds / 1e9})
         dist.barrier()
+        if number < len(schedule):
+            steps.tell()
     gathered = [None] * dist.get_world_size()  # type: list
     dist.all_gather_object(gathered, found)
-    return [p for part in gathered for p in part]
+    everyone = [p for part in gathered for p in part]
+    steps.tell(pairs_text(everyone))       # the last round: said once all pairs are in
+    return everyone
 
 
 if __name__ == "__main__":

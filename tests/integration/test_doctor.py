@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -201,6 +202,20 @@ def test_doctor_deep_runs_a_real_collective_on_three_nodes(ssh_nodes4, cli, reco
         "cluster: running a collective across 3 node(s) (all_reduce, then every pair); it is "
         "recorded as runs/doctor-<id>"], text.stderr
     assert "\r" not in text.stderr and "\x1b" not in text.stderr
+    # The collective's steps as they end: the sum, each size, the pairs (1 + 3 + 3 rounds).
+    steps = phases[phases.index("cluster: checking 3 node(s) before the collective starts") + 1:]
+    assert steps[:2] == [
+        "cluster: measuring in 7 steps (the sum, each message size, each round of pairs)",
+        "cluster:   sum right over 3 processes"], text.stderr
+    said = [re.fullmatch(r"cluster:   all_reduce (.+): ([0-9.]+) GB/s bus bandwidth", line)
+            for line in steps[2:5]]
+    assert all(said) and [m.group(1) for m in said] == ["64 KiB", "1 MiB", "16 MiB"], text.stderr
+    reported = [float(g) for g in re.findall(r"all_reduce +[0-9.]+ MiB +bus bandwidth +([0-9.]+) GB/s",
+                                             text.stdout)]
+    assert len(reported) == 3 and all(abs(r - float(m.group(2))) <= 0.006   # 3 decimals and 2
+                                      for r, m in zip(reported, said)), (reported, steps)
+    assert re.fullmatch(r"cluster:   pairs: 3 measured, slowest node\d<->node\d [0-9.]+ GB/s",
+                        steps[5]), text.stderr
     # Its collectives are recorded apart: never "the newest run" of status, logs or down.
     recorded = cli.run_ids()
     assert len(recorded) == 2 and all(r.startswith("doctor-") for r in recorded), recorded

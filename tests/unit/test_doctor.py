@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cluster import inventory
-from cluster.doctor import (PhaseLines, Report, deep_findings, deep_summary, diagnose, render_text,
-                            survey)
+from cluster.doctor import (Capture, PhaseLines, Report, deep_findings, deep_summary, diagnose,
+                            measure_collective, render_text, step_lines, survey)
 from cluster.plan import Job, Templates, render
 from cluster.preflight import FAIL, PASS, WARN, Clock, clock_offset, evaluate, fingerprint
 
@@ -366,3 +366,155 @@ def test_a_listener_refused_by_the_node_is_reported_in_words_not_json(tmp_path) 
     finally:
         taken.close()
     assert str(caught.value) == f"cannot listen on port {port}: Address already in use"
+
+
+# --- --deep's progress: rank 0's '@@progress' lines, counted and said as they come --------------
+
+
+def collective_module():
+    spec = importlib.util.spec_from_file_location("collective", REMOTE / "collective.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_capture_hands_on_each_progress_line_and_ignores_a_malformed_one() -> None:
+    heard = []
+    capture = Capture(lambda done, total, say: heard.append((done, total, say)))
+    for text in ['[W socket] gloo: connected to 10.0.0.2',
+                 '@@progress {"done": 0, "total": 7, "say": ""}',
+                 '@@progress {"done": 1, "total": 7, "say": "sum right over 6 processes"}',
+                 'some rank warns about @@progress without JSON',
+                 '@@progress {"done": 2, "total": 7, "say": "all_red',        # cut mid-line
+                 '@@progress ["done", 2]', '@@progress {"done": "2", "total": 7}',
+                 'rank1 printed this in between',
+                 'prefix @@progress {"done": 2, "total": 7, "say": "all_reduce 64 KiB: 0.50 GB/s"}',
+                 '@@progress {"done": 3, "total": 7}',
+                 '@@doctor {"sum_ok": true}']:
+        capture.node_line("node1", 0, text)
+    assert heard == [(0, 7, ""), (1, 7, "sum right over 6 processes"),
+                     (2, 7, "all_reduce 64 KiB: 0.50 GB/s"), (3, 7, "")]
+    assert len(capture.lines) == 11, "every line is still kept (a failure shows the last ones)"
+    Capture().node_line("node1", 0, '@@progress {"done": 1, "total": 2, "say": ""}')  # nobody told
+
+
+def test_measure_collective_tells_its_steps_and_returns_the_result() -> None:
+    def launch_job(inv, job, console) -> int:
+        for say in ("sum right over 2 processes", "all_reduce 1 MiB: 1.00 GB/s bus bandwidth"):
+            step = {"done": 1 + say.startswith("all"), "total": 2, "say": say}
+            console.node_line("node1", 0, "@@progress " + json.dumps(step))
+        console.node_line("node1", 0, '@@doctor {"sum_ok": true, "pairs": []}')
+        return 0
+    stream, counter = Stream(tty=False), Counter()
+    lines = PhaseLines(stream, counter=counter)
+    got = measure_collective(inventory.parse_yaml("hosts: [a, b]\n", "x.yaml"), launch_job,
+                             Job(run_id="r", script="-"), {}, steps=step_lines(lines))
+    assert got == {"sum_ok": True, "pairs": []}
+    assert stream.text.splitlines() == [
+        "cluster: measuring in 2 steps (the sum, each message size, each round of pairs)",
+        "cluster:   sum right over 2 processes",
+        "cluster:   all_reduce 1 MiB: 1.00 GB/s bus bandwidth"]
+    assert counter.calls == [("measure", 1, 2), ("measure", 2, 2)]
+    assert step_lines(None) is None
+
+
+def test_a_progress_without_say_is_only_counted() -> None:
+    heard = []
+    steps = step_lines(lambda phase, done, total: heard.append((phase, done, total)))
+    steps(1, 3, "sum right over 2 processes")
+    steps(2, 3, "")
+    assert heard == [("measure", 1, 3), ("measure", 2, 3)]
+
+
+def test_says_are_lines_in_a_log_and_the_count_is_the_terminals() -> None:
+    """Not a terminal: the header and each say, one line each, nothing redrawn."""
+    stream = Stream(tty=False)
+    lines = PhaseLines(stream)
+    steps = step_lines(lines)
+    for done, say in [(0, ""), (1, "sum right over 6 processes"),
+                      (2, "all_reduce 64 KiB: 0.12 GB/s bus bandwidth"), (3, ""),
+                      (4, "pairs: 3 measured, slowest a<->b 0.80 GB/s")]:
+        steps(done, 4, say)
+    lines.close()
+    assert stream.text.splitlines() == [
+        "cluster: measuring in 4 steps (the sum, each message size, each round of pairs)",
+        "cluster:   sum right over 6 processes",
+        "cluster:   all_reduce 64 KiB: 0.12 GB/s bus bandwidth",
+        "cluster:   pairs: 3 measured, slowest a<->b 0.80 GB/s"]
+
+
+def test_on_a_terminal_the_steps_are_counted_live_and_the_says_printed_above() -> None:
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+    stream = Terminal()
+    lines = PhaseLines(stream)
+    steps = step_lines(lines)
+    steps(0, 7, "")
+    steps(1, 7, "sum right over 6 processes")
+    steps(3, 7, "")
+    assert lines.counter._bar is not None
+    lines.close()
+    text = stream.getvalue()
+    assert "cluster: measured 3/7 steps" in text, text
+    assert "nodes" not in text.replace("node(s)", ""), "the collective counts steps, not nodes"
+    assert "cluster:   sum right over 6 processes\n" in text, text
+
+
+def test_a_say_goes_through_the_live_count_while_it_is_drawn() -> None:
+    class Drawn(Counter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.above_lines: list[str] = []
+
+        def above(self, line: str) -> bool:
+            self.above_lines.append(line)
+            return True
+    stream, counter = Stream(tty=True), Drawn()
+    lines = PhaseLines(stream, counter=counter)
+    lines("measure", 1, 2)
+    lines.say("sum right over 2 processes")
+    assert counter.above_lines == ["cluster:   sum right over 2 processes"]
+    assert "sum right" not in stream.text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_collective_counts_the_sum_each_size_and_each_round_of_pairs() -> None:
+    mod = collective_module()
+    assert [len(mod.pair_rounds(n)) for n in range(1, 7)] == [0, 1, 3, 3, 5, 5]
+    assert mod.total_steps(3, len(mod.pair_rounds(6))) == 1 + 3 + 5
+    assert mod.total_steps(3, len(mod.pair_rounds(1))) == 4, "one node: no pairs to measure"
+    assert [mod.size_text(n) for n in (65536, 1 << 20, 16 << 20, 3 << 19, 100)] == [
+        "64 KiB", "1 MiB", "16 MiB", "1.5 MiB", "100 B"]
+    assert mod.pairs_text([{"a": "a", "b": "b", "gbps": 0.8}, {"a": "a", "b": "c", "gbps": 2.0},
+                           {"a": "b", "b": "c", "gbps": 1.9}]) == "pairs: 3 measured, slowest a<->b 0.80 GB/s"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_collective_on_one_process_prints_its_steps_before_the_result(tmp_path) -> None:
+    """collective.py itself, one gloo process on this machine: each step as it ends."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "CLUSTER_NODE": "n1", "CLUSTER_DOCTOR_SIZES": "1024,65536",
+           "CLUSTER_DOCTOR_ITERS": "2"}
+    done = subprocess.run([sys.executable, str(REMOTE / "collective.py")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    heard = []
+    capture = Capture(lambda *step: heard.append(step))
+    for line in done.stdout.splitlines():
+        capture.node_line("n1", 0, line)
+    assert [(d, t) for d, t, _ in heard] == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    says = [s for _, _, s in heard]
+    assert says[:2] == ["", "sum right over 1 process"]
+    assert says[2].startswith("all_reduce 1 KiB: ") and says[3].startswith("all_reduce 64 KiB: ")
+    assert all(s.endswith(" GB/s bus bandwidth") for s in says[2:])
+    assert done.stdout.splitlines()[-1].startswith("@@doctor "), "the result stays last"
