@@ -3,7 +3,9 @@
 On CUDA the kernels run after the Python that queued them has returned, so a clock read in
 the hooks would count the launch, not the work: the compute is read from CUDA events recorded
 in those hooks. The check queues GPU work that takes a known time (torch.cuda._sleep) inside
-the forward and asserts that it is counted, while the CPU spent next to nothing there."""
+the forward and asserts that it is counted, while the CPU spent next to nothing there. Each line's `seconds`
+is the wall-clock time its steps took (the first line: from its first step's start), so steps /
+seconds is the rank's step rate (cluster top's step/s)."""
 import json
 import os
 import sys
@@ -92,3 +94,37 @@ def test_the_trainer_reports_its_step_times_on_cuda(tmp_path, device):
               env={"CLUSTER_HEARTBEAT_FILE": str(beat)})
     line = json.loads((tmp_path / "run" / "heartbeat.steps.0").read_text())
     assert line["steps"] >= 1 and 0 < line["compute"] < 5.0, line
+
+
+PAUSE = 0.05
+
+
+def one_step(st, model, batches) -> None:
+    st.begin()
+    x = st.next(batches)
+    model(x).sum().backward()
+    time.sleep(PAUSE)               # wall-clock time that is neither compute nor data
+    st.end()
+
+
+def test_each_line_says_the_seconds_its_steps_took(tmp_path):
+    model = torch.nn.Linear(4, 1)
+    beat = tmp_path / "heartbeat"
+    st = steptime.StepTimes(str(beat), 3, torch.device("cpu"), every_s=0.3)
+    st.watch(model)
+    batches = iter([torch.ones(2, 4)] * 100)
+    one_step(st, model, batches)                     # the first step is written at once
+    first = json.loads((tmp_path / "heartbeat.steps.3").read_text())
+    assert first["rank"] == 3 and first["steps"] == 1
+    assert PAUSE <= first["seconds"] < PAUSE + 1.0
+    t0 = time.monotonic()
+    while json.loads((tmp_path / "heartbeat.steps.3").read_text()) == first:
+        one_step(st, model, batches)
+    took = time.monotonic() - t0
+    second = json.loads((tmp_path / "heartbeat.steps.3").read_text())
+    assert second["steps"] >= 2
+    assert 0.3 <= second["seconds"] <= took, (second, took)
+    rate = second["steps"] / second["seconds"]
+    assert rate <= 1 / PAUSE, "a step takes at least its pause"
+    assert second["compute"] < PAUSE, "the pause is not compute"
+    assert not (tmp_path / "heartbeat.steps.3.tmp").exists()
