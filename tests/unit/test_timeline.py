@@ -237,12 +237,13 @@ class FakeBackend:
 
 @pytest.mark.parametrize("detach", [False, True])
 def test_launch_records_each_step_and_an_attached_run_ends_with_its_timeline(
-        tmp_path: Path, detach: bool) -> None:
+        tmp_path: Path, detach: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from cluster import launch
     from cluster.backends.local import local_inventory
     from cluster.plan import Job, Templates
     (tmp_path / "tpl").mkdir()
     (tmp_path / "tpl" / "node.sh.j2").write_text("exec true\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")          # two CPU nodes, even on a GPU box
     run = RunDir.create("r1", root=tmp_path / "runs")
     c, _, err = console()
     job = Job(run_id="r1", script="x", node_root=str(tmp_path / "nodes"))
