@@ -15,6 +15,13 @@ Learning, per attempt (a restart starts over: it reloads, compiles and warms up 
   step changes nothing, and a long pause the job made once, an evaluation, a checkpoint,
   is still remembered when the next one comes half an hour later).
 
+Sections: a beat may say that its node enters a long pause that makes no steps (a checkpoint
+written, an evaluation): the heartbeat file holds `section NAME` (the reference trainer does it
+around its checkpoint writes; docs/failures.md has the protocol). While any node is in one,
+the timeout is at least `startup`, so a save of minutes never trips a timeout learned from
+1 s steps, and a save that hangs is still stopped. The interval from a section's beat to the
+node's next one is not a sample of the pace.
+
 Intervals are per node (a node's beat after its own last one): with many nodes the beats of
 all of them interleave, and the time between any two says nothing about a step. The node's
 supervisor reports a beat at most once a second (cluster/remote/workers.py), so a job that
@@ -33,7 +40,7 @@ The defaults (cluster.spec.HangAuto), for real clusters:
   of the beats) would stop it; at 30 s a job that beats every half second and hangs is
   stopped, its stacks collected, well within a minute of its last beat.
 - cap 1800 s (30 min): a job with minute-long steps would otherwise wait hours on a hang;
-  longer pauses than the cap allows (a checkpoint of many minutes that does not beat) want a
+  a pause longer than that (a checkpoint of many minutes) is a section (above), or wants a
   higher cap or a fixed timeout.
 """
 from __future__ import annotations
@@ -55,7 +62,7 @@ class FixedTimeout:
     def __init__(self, seconds: float) -> None:
         self.value = float(seconds)
 
-    def beat(self, node: str, at: float) -> None:
+    def beat(self, node: str, at: float, section: str | None = None) -> None:
         pass
 
     def seconds(self) -> float:
@@ -80,12 +87,18 @@ class LearnedTimeout:
         self.updated = 0.0                        # when `interval` was last updated
         self.value = settings.startup
         self.shown = settings.startup             # the last value said
+        self.sections: dict[str, str] = {}        # node -> the section it is in
 
-    def beat(self, node: str, at: float) -> None:
-        """A heartbeat of `node` at time `at` (seconds, the caller's monotonic clock)."""
+    def beat(self, node: str, at: float, section: str | None = None) -> None:
+        """A heartbeat of `node` at time `at` (seconds, the caller's monotonic clock); with
+        `section`, the node has entered that long pause (until its next beat without one)."""
         before = self.last_beat.get(node)
         self.last_beat[node] = at
-        if before is None:
+        was = self.sections.pop(node, None)
+        if section:
+            self.sections[node] = section
+            return
+        if before is None or was is not None:     # a section's length is not the pace
             return
         if node not in self.first_done:
             self.first_done.add(node)             # its first interval: start-up, not pace
@@ -109,6 +122,8 @@ class LearnedTimeout:
             self.say(self.line())
 
     def seconds(self) -> float:
+        if self.sections:
+            return max(self.value, self.settings.startup)
         return self.value
 
     def learning(self) -> bool:
@@ -116,6 +131,10 @@ class LearnedTimeout:
         return self.samples < MIN_SAMPLES
 
     def why(self) -> str:
+        if self.sections:
+            node, name = next(iter(self.sections.items()))
+            return (f"--hang-timeout auto: [{node}] is in its {name} section: the start-up "
+                    f"allowance, {self.settings.startup:g} s")
         if self.learning():
             return f"--hang-timeout auto: the start-up allowance, {self.settings.startup:g} s"
         return f"--hang-timeout auto: {self.reason()}"

@@ -304,7 +304,8 @@ class Watcher:
                 self.timeline.event(tl.JOINED, label, group_rank=record.get("group_rank"))
             elif "beat" in record:
                 self.progress = self.clock()
-                self.timeout.beat(label, self.progress)
+                section = record.get("section")
+                self.timeout.beat(label, self.progress, section if isinstance(section, str) else None)
                 self.timeline.beat(label)
                 if record.get("steps"):
                     named = self._step_times(label, record["steps"])

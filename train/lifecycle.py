@@ -91,6 +91,32 @@ class Heartbeat:
             print(f"warning: heartbeat file {self.path}: {e}; no more heartbeats", file=sys.stderr)
             self.path = None
 
+    @contextlib.contextmanager
+    def section(self, name: str):
+        """A long pause without steps (a checkpoint written): the file says `section NAME`
+        while it lasts, so a launcher's timeout learned from the steps allows for it (cluster's
+        --hang-timeout auto: its start-up allowance); a plain beat again when it ends."""
+        self._write(f"section {name}\n")
+        try:
+            yield
+        finally:
+            self._write("")
+            self.last = time.monotonic()
+
+    def _write(self, text: str) -> None:
+        """Replace the file's content (a new file renamed over it: a reader sees the old
+        content or the new, never half of it); the move is a beat."""
+        if not self.path:
+            return
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            print(f"warning: heartbeat file {self.path}: {e}; no more heartbeats", file=sys.stderr)
+            self.path = None
+
 
 def to_cpu(obj):
     """A copy of `obj` with every tensor copied to the CPU (nested dicts, lists, tuples)."""

@@ -80,7 +80,8 @@ Environment
                           in the start line and "restart_count" in FINAL when set
   CLUSTER_HEARTBEAT_FILE  every rank touches this file (creating it if missing) at start and
                           then at most once per second while steps complete (and while
-                          evaluation batches do), for a hang watchdog
+                          evaluation batches do), for a hang watchdog; rank 0 writes
+                          "section checkpoint" into it while it writes a checkpoint
 Exit codes: 0 done (also when --max-steps ended it); 143 stopped by SIGTERM; 1 an error;
 2 bad options.
 
@@ -723,7 +724,8 @@ def save_checkpoint(run: Run, progress: Progress) -> None:
     """Every rank's RNG state goes to rank 0 (one collective), which writes the file."""
     rng = du.all_gather_object(ckpt_mod.rng_state(), run.info)
     if run.info.is_main:
-        write_checkpoint(run, progress.point(), training_state(run), rng)
+        with run.heartbeat.section("checkpoint"):
+            write_checkpoint(run, progress.point(), training_state(run), rng)
     progress.saved_step = progress.step
 
 

@@ -17,6 +17,7 @@ Imported by supervisor.py, which sits beside it in the node's run directory, wit
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -144,7 +145,25 @@ class Progress(threading.Thread):
             if mtime != last_mtime and now - last_beat >= BEAT_EVERY:
                 last_mtime, last_beat = mtime, now
                 steps = step_times(self.heartbeat_file, seen)
-                self.emit({"beat": mtime, **({"steps": steps} if steps else {})})
+                section = section_of(self.heartbeat_file)
+                self.emit({"beat": mtime, **({"steps": steps} if steps else {}),
+                           **({"section": section} if section else {})})
+
+
+SECTION = re.compile(r"section ([A-Za-z0-9_.-]{1,40})\s*")
+
+
+def section_of(heartbeat_file):
+    """The long pause the job says it is in: the heartbeat file holds `section NAME` (a
+    checkpoint written, an evaluation; docs/failures.md), else None (a plain beat, whatever
+    else the file holds)."""
+    try:
+        with open(heartbeat_file, "rb") as f:
+            head = f.read(64).decode("ascii", "replace")
+    except OSError:
+        return None
+    found = SECTION.fullmatch(head)
+    return found.group(1) if found else None
 
 
 def step_times(heartbeat_file, seen):

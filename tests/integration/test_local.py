@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(
     reason="torch is not installed for this python")
 
 
-def cluster(tmp_path: Path, *args: str, timeout: float = 180,
-            umask: int | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1")
+def cluster(tmp_path: Path, *args: str, timeout: float = 180, umask: int | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1", **(env or {}))
     env.pop("CLUSTER_RUNS_DIR", None)
     return subprocess.run([sys.executable, "-m", "cluster", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout,
@@ -337,6 +337,29 @@ def test_hang_timeout_auto_learns_from_the_beats_and_stops_a_hang_within_a_minut
     assert 30 <= took < 60, took
     assert "beat_then_hang.py" in (hang / "summary.txt").read_text()
     assert run_processes(run.name) == []
+def test_hang_timeout_auto_waits_out_a_long_checkpoint_of_the_reference_trainer(tmp_path: Path) -> None:
+    """The reference trainer beats every second, so `auto` learns 30 s (the floor) within its
+    first 12 s of steps (0.2 s each, a test hook); then rank 0 takes 45 s to write the
+    checkpoint of step 60 (another). It says so in its heartbeat file (`section checkpoint`),
+    the timeout is the start-up allowance while it lasts, and the run finishes (without the
+    section, the same run was stopped: "no progress on any node for 36 s")."""
+    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--nproc-per-node", "1",
+                  "--hang-timeout", "auto",
+                  "--", str(REPO / "train" / "train.py"), "--epochs", "10", "--max-steps", "70",
+                  "--ckpt-every", "60", "--log-every", "10", "--no-plot", "--no-resume",
+                  "--checkpoint-dir", "ckpt", timeout=300,
+                  env={"CLUSTER_TRAIN_TEST_SAVE_SLEEP": "60:45",     # the nodes are children
+                       "CLUSTER_TRAIN_TEST_STEP_SLEEP": "0.2"})      # of this one here
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr
+    learned = [int(n) for n in re.findall(r"hang timeout now (\d+) s", res.stderr)]
+    assert learned and min(learned) < 45, res.stderr       # the 45 s save outlasted it
+    assert "no progress on any node" not in res.stderr, res.stderr
+    final = json.loads(res.stdout.split("FINAL ", 1)[1].splitlines()[0])
+    assert final["steps"] == 70
+    events = [json.loads(line) for line in (only_run(tmp_path) / "events.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["kind"] == "hang"]
+
+
 def test_an_attached_run_leaves_its_timeline_and_status_draws_it_again(tmp_path: Path) -> None:
     res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", str(ALLREDUCE), "--sleep", "2")
     assert res.returncode == 0, res.stderr

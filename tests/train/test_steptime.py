@@ -128,3 +128,20 @@ def test_each_line_says_the_seconds_its_steps_took(tmp_path):
     assert rate <= 1 / PAUSE, "a step takes at least its pause"
     assert second["compute"] < PAUSE, "the pause is not compute"
     assert not (tmp_path / "heartbeat.steps.3.tmp").exists()
+
+
+def test_the_heartbeat_says_its_section_while_a_checkpoint_is_written(tmp_path):
+    """train/lifecycle.py's Heartbeat.section: the file holds `section NAME` while it lasts
+    (cluster's --hang-timeout auto allows for it) and nothing after; each change is a beat."""
+    lifecycle = load_train_module("lifecycle")
+    path = tmp_path / "heartbeat"
+    hb = lifecycle.Heartbeat(str(path))
+    assert path.read_text() == ""
+    os.utime(path, (0, 0))
+    with hb.section("checkpoint"):
+        assert path.read_text() == "section checkpoint\n"
+        assert path.stat().st_mtime > 0                    # the move is a beat
+        os.utime(path, (0, 0))
+        hb.beat()                                          # another rank's beat meanwhile
+    assert path.read_text() == "" and path.stat().st_mtime > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["heartbeat"]

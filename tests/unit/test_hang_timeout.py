@@ -229,3 +229,36 @@ def test_the_inventory_refuses_garbage_with_file_line_and_key(tmp_path: Path, te
     msg = str(info.value)
     assert msg.startswith(f"{path}:{line}: {key}:"), msg
     assert words in msg, msg
+
+
+def test_a_section_gets_the_start_up_allowance_and_its_length_is_not_the_pace() -> None:
+    """A checkpoint written for 5 minutes by a job that steps every second: the learned 30 s
+    would stop it; in its section the timeout is the start-up allowance, and after it the
+    learned value is back, unchanged by the pause."""
+    t, said = learned()
+    last = beat_every(t, 1.0, 0.0, 60.0)
+    assert t.seconds() == DEFAULTS.floor
+    t.beat("a 0", last + 1.0, section="checkpoint")
+    assert t.seconds() == DEFAULTS.startup and "[a 0] is in its checkpoint section" in t.why()
+    assert not silence_fires(t, 300.0)
+    t.beat("a 0", last + 301.0)                 # the section ends: a plain beat
+    assert t.seconds() == DEFAULTS.floor and t.interval < 2.0
+    beat_every(t, 1.0, last + 302.0, last + 310.0)
+    assert t.seconds() == DEFAULTS.floor and silence_fires(t, 31.0)
+    assert all("300" not in line for line in said)
+
+
+def test_a_section_that_hangs_is_still_stopped_and_one_node_in_it_is_enough() -> None:
+    t, _ = learned()
+    beat_every(t, 1.0, 0.0, 60.0, node="a 0")
+    beat_every(t, 1.0, 0.0, 60.0, node="b 1")
+    t.beat("b 1", 61.0, section="checkpoint")
+    t.beat("a 0", 61.5)                         # another node beating changes nothing
+    assert t.seconds() == DEFAULTS.startup
+    assert silence_fires(t, DEFAULTS.startup + 1) and not silence_fires(t, DEFAULTS.startup - 1)
+
+
+def test_a_fixed_timeout_ignores_sections() -> None:
+    t = FixedTimeout(12.0)
+    t.beat("a 0", 1.0, section="checkpoint")
+    assert t.seconds() == 12.0

@@ -152,3 +152,14 @@ def test_step_times_are_read_beside_the_heartbeat_once_each(tmp_path) -> None:
     os.utime(tmp_path / "heartbeat.steps.1", (1, 1))
     assert workers.step_times(str(beat), seen) == {"1": [0.3, 0.02]}
     assert workers.step_times(str(tmp_path / "gone" / "heartbeat"), {}) == {}
+
+
+def test_a_section_is_read_from_the_heartbeat_file_and_nothing_else_is_one(tmp_path: Path) -> None:
+    beat = tmp_path / "heartbeat"
+    assert workers.section_of(str(beat)) is None                  # no file yet
+    for content, want in [("section checkpoint\n", "checkpoint"), ("section eval", "eval"),
+                          ("", None), ("1733150000.25\n", None),  # a program's own timestamp
+                          ("section two words\n", None), ("section \n", None),
+                          ("section " + "x" * 41, None), ("Section checkpoint", None)]:
+        beat.write_text(content)
+        assert workers.section_of(str(beat)) == want, content
