@@ -35,6 +35,7 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
     """Check every node, and the network between them, before a run: exit 0 only when nothing fails."""
     import dataclasses
     import json as json_mod
+    from .. import deep as deep_mod
     from .. import doctor as doc
     from .. import tuning
     request = Request(inventory_path=inventory_path, nodes=nodes, hosts=hosts, exclude=exclude,
@@ -49,7 +50,7 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
             h.replace(master_port=master_port) for h in inventory.hosts))
     templates = Templates()
     backend = resolve.backend(name, inventory, sync=[])
-    measure = doc.collective(inventory, backend, templates)
+    measure = deep_mod.collective(inventory, backend, templates)
     backend.progress = progress = doc.PhaseLines(sys.stderr)
 
     def shown(row: tuning.Row) -> None:
@@ -63,7 +64,7 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
             # Each setting is a short launch with a line of its own (shown): its steps would
             # say the same bandwidths again, once per setting.
             try:
-                report.tuning = doc.tune_nccl(
+                report.tuning = deep_mod.tune_nccl(
                     inventory, lambda env: measure({**env, "CLUSTER_DOCTOR_PAIRS": "0"}, tuning.SIZES,
                                                    10, show_steps=False),
                     tuning.Cache(tuning.cache_path()), shown=shown)

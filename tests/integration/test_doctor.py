@@ -256,12 +256,12 @@ def test_doctor_json_schema(ssh_nodes4, cli):
 # every launch, each launch measures, nothing is left), not which setting is best.
 SWEEP = """
 import json, sys
-from cluster import doctor, resolve, tuning
+from cluster import deep, resolve, tuning
 from cluster.plan import Templates
 from cluster.request import Request
 _, inv = resolve.where(Request(inventory_path=sys.argv[1], nodes=2))
 backend = resolve.backend("ssh", inv, sync=[])
-measure = doctor.collective(inv, backend, Templates())
+measure = deep.collective(inv, backend, Templates())
 seen = []
 def one(env):
     seen.append(measure({**env, "CLUSTER_DOCTOR_PAIRS": "0"}, (1 << 16, 1 << 20), 3))

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cluster import inventory
-from cluster.doctor import (Capture, PhaseLines, Report, deep_findings, deep_summary, diagnose,
-                            measure_collective, render_text, step_lines, survey)
+from cluster.deep import Capture, deep_findings, deep_summary, measure_collective, step_lines
+from cluster.doctor import PhaseLines, Report, diagnose, render_text, survey
 from cluster.plan import Job, Templates, render
 from cluster.preflight import FAIL, PASS, WARN, Clock, clock_offset, evaluate, fingerprint
 

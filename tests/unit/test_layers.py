@@ -19,6 +19,7 @@ LAYERS = [
     ["cluster.cli"],
     ["cluster.api"],
     ["cluster.doctor", "cluster.execute", "cluster.clean", "cluster.top", "cluster.pull"],
+    ["cluster.deep"],
     ["cluster.launch", "cluster.resolve", "cluster.tuning"],
     ["cluster.check"],
     ["cluster.watch", "cluster.hang", "cluster.timeline_png"],

@@ -11,7 +11,7 @@ import pytest
 
 from cluster import api, tuning
 from cluster.cli import run_cli
-from cluster.doctor import tune_nccl, tuning_lines
+from cluster.deep import tune_nccl, tuning_lines
 from cluster.errors import InputError, PreflightError
 from cluster.inventory import parse_yaml
 from cluster.runs import RunDir
