@@ -23,7 +23,7 @@ only (the bootloader reads them from the bundle): what runs there can be told at
 no secret is ever among them (secrets travel on the input, after the bundle).
 
 The node's programs are standard library only, so most start with `python -S`: no `site`, whose
-site-packages and .pth files cost a node 5-15 ms per process (docs/SCALE.md, "Where a node's
+site-packages and .pth files cost a node 4-18 ms per process (docs/SCALE.md, "Where a node's
 start-up goes"). The probe's facts keep it: they say where torch is as the job's python will
 find it (site-packages, and the paths .pth files add), and that same process becomes the
 supervisor. -S changes only how cluster's own interpreter starts: the environment it passes on
