@@ -28,6 +28,7 @@ import os
 import re
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -174,12 +175,26 @@ def port_free(port):
 # --- the container runtime and image ------------------------------------------------------------
 
 def runtime_start(argv):
-    """A runtime command, started: its Popen, or what kept it from starting (a string)."""
+    """A runtime command, started in a session of its own (what it starts can be ended with
+    it): its Popen, or what kept it from starting (a string)."""
     try:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+                                stderr=subprocess.PIPE, start_new_session=True)
     except OSError as exc:
         return exc.strerror or str(exc)
+
+
+def runtime_kill(proc):
+    """End a runtime command and what it started: its process group, which is its alone (its
+    own session, and not yet waited for, so the id cannot have been reused). Its pipes are not
+    read again: a process it left could hold them open."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
 
 
 def runtime_result(proc, timeout):
@@ -191,8 +206,7 @@ def runtime_result(proc, timeout):
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+        runtime_kill(proc)
         return None, "", "no answer within %g s" % timeout
     out = stdout.decode("utf-8", "replace").strip()
     err = stderr.decode("utf-8", "replace").strip()

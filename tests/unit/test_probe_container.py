@@ -4,6 +4,7 @@ node of a launch), and what each says still lands where it did when they ran one
 other."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -48,13 +49,39 @@ def test_the_version_and_the_image_are_asked_at_once(tmp_path: Path,
 
 def test_a_runtime_that_fails_says_so_and_its_image_question_is_not_waited_for(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    rt = runtime(tmp_path, monkeypatch, version="echo 'cannot connect to the daemon' >&2; exit 1",
-                 image="sleep 30; echo sha256:late")
+    """The image's question, still running (a child of its own holding its output open), is
+    ended with what it started, not waited for."""
+    pid_file = tmp_path / "inspect.pid"
+    rt = runtime(tmp_path, monkeypatch,
+                 version="sleep 0.3; echo 'cannot connect to the daemon' >&2; exit 1",
+                 image=f"echo $$ > {pid_file}; sleep 30; echo sha256:late")
     t0 = time.monotonic()
     out = probe.container_facts(rt, "img:1", look_remote=False)
     assert time.monotonic() - t0 < 10
     assert out["error"] == "fakerun: cannot connect to the daemon"
     assert out["version"] is None and out["image_id"] is None
+    group = int(pid_file.read_text())
+    deadline = time.monotonic() + 5               # SIGKILL is sent; its ending takes a moment
+    while alive_in_group(group) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive_in_group(group) == []
+
+
+def alive_in_group(pgid: int) -> list[int]:
+    """Processes of process group pgid that are not zombies (an orphan's exit may be collected
+    late, by whichever process reaps it)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry))
+    return alive
 
 
 def test_an_image_not_here_is_looked_for_in_its_registry(tmp_path: Path,
