@@ -28,6 +28,7 @@ import os
 import re
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -173,20 +174,48 @@ def port_free(port):
 
 # --- the container runtime and image ------------------------------------------------------------
 
-def runtime_call(argv, timeout):
-    """(exit code, standard output, what it said on error) of a runtime command; code None
-    when it could not run at all. Its warnings on stderr never mix into a value."""
+def runtime_start(argv):
+    """A runtime command, started in a session of its own (what it starts can be ended with
+    it): its Popen, or what kept it from starting (a string)."""
     try:
-        res = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, "", "no answer within %g s" % timeout
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
     except OSError as exc:
-        return None, "", exc.strerror or str(exc)
-    out = res.stdout.decode("utf-8", "replace").strip()
-    err = res.stderr.decode("utf-8", "replace").strip()
+        return exc.strerror or str(exc)
+
+
+def runtime_kill(proc):
+    """End a runtime command and what it started: its process group, which is its alone (its
+    own session, and not yet waited for, so the id cannot have been reused). Its pipes are not
+    read again: a process it left could hold them open."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def runtime_result(proc, timeout):
+    """(exit code, standard output, what it said on error) of a runtime command started by
+    runtime_start; code None when it could not run or did not end within timeout (it is
+    killed then). Its warnings on stderr never mix into a value."""
+    if isinstance(proc, str):
+        return None, "", proc
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        runtime_kill(proc)
+        return None, "", "no answer within %g s" % timeout
+    out = stdout.decode("utf-8", "replace").strip()
+    err = stderr.decode("utf-8", "replace").strip()
     said = [line for line in (err or out).splitlines() if "level=warning" not in line]
-    return res.returncode, out, "\n".join(said) or "exit code %d" % res.returncode
+    return proc.returncode, out, "\n".join(said) or "exit code %d" % proc.returncode
+
+
+def runtime_call(argv, timeout):
+    return runtime_result(runtime_start(argv), timeout)
 
 
 def container_facts(runtime, image, look_remote):
@@ -197,12 +226,17 @@ def container_facts(runtime, image, look_remote):
         out["error"] = "%s is not installed here (not on PATH: %s)" % (
             runtime, os.environ.get("PATH", ""))
         return out
-    code, text, said = runtime_call([runtime, "--version"], 30)
+    # Both at once: each is a process of tens of milliseconds (the image's, a round trip to the
+    # runtime's daemon), on every node of a launch, before the node can answer.
+    version = runtime_start([runtime, "--version"])
+    inspect = runtime_start([runtime, "image", "inspect", "--format", "{{.Id}}", image])
+    code, text, said = runtime_result(version, 30)
     if code != 0:
+        runtime_result(inspect, 0)       # not needed: ended, or killed now
         out["error"] = "%s: %s" % (runtime, said)
         return out
     out["version"] = text.splitlines()[0] if text else runtime
-    code, text, said = runtime_call([runtime, "image", "inspect", "--format", "{{.Id}}", image], 60)
+    code, text, said = runtime_result(inspect, 60)
     if code == 0:
         out["image_id"] = text.splitlines()[-1] if text else "?"
         return out

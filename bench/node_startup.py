@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Where one node's start-up goes, on this machine, without SSH: the node's process of a launch
+(the bootloader with the probe's bundle, its answer, then the start bundle that makes it the
+supervisor, which starts a launch.sh that only touches a marker), run as sshd would run it
+(`bash -c COMMAND`), with the bundles on its input.
+
+    python bench/node_startup.py [--python PATH] [--repeats N]
+
+Prints, as median [min-max] over N runs (interleaved):
+  interpreter  `python -c pass` with site, with -S, with -I
+  phases       wall-clock phases of the node's process, from time stamps a copy of the
+               bootloader writes to stderr (this benchmark's copy only; CLOCK_MONOTONIC, the
+               same clock on both sides)
+  cpu          user+system CPU of the node's process and its children, probe to the job's end
+The node's python is --python (default: $CLUSTER_TEST_PYTHON, else this one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cluster.backends import shipping  # noqa: E402
+
+
+def stamped_boot() -> str:
+    """The bootloader, writing '@WHAT SECONDS' to stderr at each step."""
+    b = shipping.BOOT.replace("import os,sys,json,types\n", "import os,sys,json,types,time\n"
+                              "def _s(w):os.write(2,('@%s %.6f\\n'%(w,time.monotonic())).encode())\n"
+                              "_s('boot')\n", 1)
+    b = b.replace(" exec(compile(s,f,'exec'),x.__dict__);return x\n",
+                  " _s('load '+n);exec(compile(s,f,'exec'),x.__dict__);_s('loaded '+n);return x\n")
+    return b.replace(" r=(k.get(n)", " _s('main '+n);r=(k.get(n)")
+
+
+def fmt(values: list[float]) -> str:
+    return f"{statistics.median(values):6.1f} ms [{min(values):.1f}-{max(values):.1f}]"
+
+
+def interpreter(python: str, repeats: int) -> None:
+    variants = {"site": [], "-S": ["-S"], "-I": ["-I"]}
+    took: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):
+        for name, flags in variants.items():
+            t0 = time.perf_counter()
+            subprocess.run([python, *flags, "-c", "pass"], check=True)
+            took[name].append((time.perf_counter() - t0) * 1000)
+    for name, values in took.items():
+        print(f"interpreter  python {name:5s} -c pass          {fmt(values)}")
+
+
+def one_node(python: str, boot: str, flags: str) -> tuple[dict[str, float], float]:
+    """(phase -> ms, CPU ms) of one node's process, probe to the job's marker."""
+    d = tempfile.mkdtemp(prefix="node-startup-")
+    marker = os.path.join(d, "marker")
+    probe = shipping.program("probe", "facts", "--workdir", d, "--own", "127.0.0.1",
+                             "--master", "127.0.0.1", "--dir", f"{d}/.cluster/r/n", "--port", "29999",
+                             dir=d)
+    command = " ".join([shlex.quote(python), flags, "-c", shlex.quote(boot), "probe", "facts"])
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with tempfile.TemporaryFile() as err:
+        t0 = time.monotonic()
+        p = subprocess.Popen(["bash", "-c", command], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=err)
+        assert p.stdin and p.stdout
+        p.stdin.write(probe.data)
+        p.stdin.flush()
+        facts = json.loads(p.stdout.readline())
+        t1 = time.monotonic()
+        start = shipping.start(facts["dir"], ["--run-id", "r", "--node", "n", "--grace", "5",
+                                              "--keepalive", "60"], f"touch {marker}\n".encode())
+        p.stdin.write(start.data + b'{"env": {}}\n')
+        p.stdin.flush()
+        while not os.path.exists(marker):
+            time.sleep(0.0002)
+        t2 = time.monotonic()
+        time.sleep(0.05)                 # the job has ended: the launcher goes, the node stops
+        p.stdin.close()
+        p.stdout.read()
+        p.wait()
+        err.seek(0)
+        at: dict[str, float] = {}
+        for line in err.read().decode().splitlines():
+            if line.startswith("@"):
+                what, value = line[1:].rsplit(" ", 1)
+                at.setdefault(what, float(value))
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) * 1000
+    spans = [("bash, interpreter, site", t0, at["boot"]),
+             ("probe: compile, imports", at["load probe"], at["loaded probe"]),
+             ("probe: its facts, answer read", at["main probe"], t1),
+             ("start bundle sent, read", t1, at["load supervisor"]),
+             ("supervisor: compile, imports", at["load supervisor"], at["loaded supervisor"]),
+             ("supervisor: to the job's marker", at["main supervisor"], t2),
+             ("total, probe to the job", t0, t2)]
+    return {name: (b - a) * 1000 for name, a, b in spans}, cpu
+
+
+def phases(python: str, repeats: int) -> None:
+    boot = stamped_boot()
+    variants = {"as shipped (site)": "", "all -S (torch not found)": "-S"}
+    rows: dict[str, dict[str, list[float]]] = {k: {} for k in variants}
+    for _ in range(repeats):
+        for name, flags in variants.items():
+            spans, cpu = one_node(python, boot, flags)
+            for span, ms in [*spans.items(), ("CPU of the node's processes", cpu)]:
+                rows[name].setdefault(span, []).append(ms)
+    for name, spans in rows.items():
+        print(f"phases       {name}")
+        for span, values in spans.items():
+            print(f"               {span:34s} {fmt(values)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--python", default=os.environ.get("CLUSTER_TEST_PYTHON", sys.executable))
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    print(f"node python: {args.python}")
+    interpreter(args.python, args.repeats)
+    phases(args.python, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""How cluster's interpreter starts on a node (backends/shipping.py): `python -S` (no site-packages,
+no .pth files) for every node program but the probe's facts, which say where torch is as the
+job's python finds it; and a job started by a supervisor that began under -S still gets the
+node's own python and environment. Run for real through the bootloader and bash, as sshd would."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.backends import shipping
+from cluster.plan import python_command
+
+
+def flags(command: str, exe: str) -> list[str]:
+    """The words between the interpreter and `-c` of a boot command."""
+    words = shlex.split(command)
+    start = len(shlex.split(exe))
+    return words[start:words.index("-c", start)]
+
+
+def test_only_the_probes_facts_start_with_site_packages(tmp_path: Path) -> None:
+    exe = python_command("/opt/py/bin/python3")
+    facts = shipping.program("probe", "facts", "--dir", str(tmp_path))
+    assert flags(shipping.boot_command(exe, facts), exe) == []
+    others = [shipping.program("probe", "listen", "--port", "1"),
+              shipping.program("probe", "connect", "--addr", "a", "--port", "1"),
+              shipping.program("status", "--dir", str(tmp_path)),
+              shipping.program("execute", "x"), shipping.program("clean", "--workdir", "w"),
+              shipping.on_disk(str(tmp_path), "stop", str(tmp_path)),
+              shipping.start(str(tmp_path), [], b"true\n")]
+    for b in others:
+        assert flags(shipping.boot_command(exe, b), exe) == ["-S"], b.run
+
+
+def test_the_flag_reaches_the_interpreter_through_setup_lines(tmp_path: Path) -> None:
+    """With setup lines the words are bash's, which ends in `exec python "$@"`: the flag must
+    come after the python, as one of those arguments, and reach it."""
+    exe = python_command(sys.executable, ("export CLUSTER_T=1",))
+    status = shipping.program("status", "--dir", str(tmp_path / "none"))
+    cmd = shipping.boot_command(exe, status)
+    assert cmd.startswith("bash -c ") and " cluster-setup -S -c " in cmd
+    res = subprocess.run(["bash", "-c", cmd], input=status.data, capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.decode().splitlines()[-1])
+
+
+def test_every_node_program_loads_without_site_packages() -> None:
+    """They are standard library only: every module of cluster/remote loads under -S."""
+    modules = ("family", "workers", "supervisor", "execute", "clean", "status", "probe")
+    b = shipping.bundle(["probe", "connect", "--addr", "127.0.0.1", "--port", "9",
+                         "--timeout", "0.2"], modules)
+    assert not b.site
+    res = subprocess.run(["bash", "-c", shipping.boot_command(sys.executable, b)], input=b.data,
+                         capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "ok" in json.loads(res.stdout.decode().splitlines()[-1])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch installed")
+def test_the_probe_finds_torch_where_the_job_will(tmp_path: Path) -> None:
+    facts = shipping.program("probe", "facts", "--dir", str(tmp_path / "run"))
+    res = subprocess.run(["bash", "-c", shipping.boot_command(sys.executable, facts)],
+                         input=facts.data, capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    torch = json.loads(res.stdout.decode().splitlines()[-1])["torch"]
+    assert torch and torch["version"], torch
+
+
+def test_a_job_started_under_dash_s_gets_the_nodes_python_and_environment(tmp_path: Path) -> None:
+    """The supervisor's interpreter skipped site; the job's (started by the node's script,
+    with the environment the supervisor passes on) does not, and sees PYTHONPATH."""
+    d, extra, out = tmp_path / "run", tmp_path / "extra", tmp_path / "job.json"
+    extra.mkdir()
+    job = ("import json, sys\n"
+           f"json.dump({{'no_site': sys.flags.no_site, 'path': sys.path}}, open({str(out)!r}, 'w'))\n")
+    script = f"{shlex.quote(sys.executable)} -c {shlex.quote(job)}\n".encode()
+    start = shipping.start(str(d), ["--run-id", "r1", "--node", "n1", "--detach"], script)
+    cmd = shipping.boot_command(shlex.quote(sys.executable), start)
+    assert flags(cmd, shlex.quote(sys.executable)) == ["-S"]
+    env = dict(os.environ, PYTHONPATH=str(extra))
+    res = subprocess.run(["bash", "-c", cmd], input=start.data + b'{"env": {}}\n', env=env,
+                         capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    deadline = time.time() + 30
+    while not (out.exists() and out.stat().st_size) and time.time() < deadline:
+        time.sleep(0.05)
+    seen = json.loads(out.read_text())
+    assert seen["no_site"] == 0
+    assert str(extra) in seen["path"]
+    assert any(p.endswith("-packages") for p in seen["path"]), seen["path"]
