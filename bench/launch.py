@@ -85,6 +85,11 @@ atexit.register(lambda: open(os.environ["CLUSTER_BENCH_SESSIONS"], "w").write(js
 """
 
 
+# The code measured: this checkout, and with --before the code before a change (a worktree),
+# run A B A B in the same session. Set by main().
+ROOTS: dict[str, Path] = {"cluster": ROOT}
+
+
 class Bench:
     def __init__(self, sn, tmp: Path) -> None:
         from tests.integration.fixtures import SshNodes  # noqa: F401  (typing only)
@@ -131,12 +136,15 @@ class Bench:
 
     # -- fan-out -------------------------------------------------------------------------
 
-    def fanout_cluster(self, n: int) -> tuple[float, dict]:
+    def env_of(self, code: str) -> dict[str, str]:
+        return dict(self.env, PYTHONPATH=str(ROOTS[code]))
+
+    def fanout_cluster(self, n: int, code: str = "cluster") -> tuple[float, dict]:
         self.clear()
         inv = self.inventory(n)
         t0 = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "cluster", "up", "-i", inv, "--templates",
-                                 str(self.tpl), "--", "x"], cwd=self.work, env=self.env,
+                                 str(self.tpl), "--", "x"], cwd=self.work, env=self.env_of(code),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         peak = Peak(proc.pid)
         took = self.until_marked(n, [proc], t0)
@@ -220,7 +228,8 @@ class Bench:
 
     # -- teardown -----------------------------------------------------------------------------
 
-    def teardown(self, n: int, how: str, real_torchrun: bool, prog: Path) -> float:
+    def teardown(self, n: int, how: str, real_torchrun: bool, prog: Path,
+                 code: str = "cluster") -> float:
         """Seconds from kill -9 of one worker (how='kill') or SIGINT to `cluster up`
         (how='ctrl-c') until no process but sshd's is left in any node's namespace."""
         inv = self.inventory(n)
@@ -228,7 +237,7 @@ class Bench:
         cmd = [sys.executable, "-m", "cluster", "up", "-i", inv, "--sync", str(prog), "--", *program]
         if not real_torchrun:
             cmd[cmd.index("--sync"):cmd.index("--sync")] = ["--templates", str(self.tpl_agent)]
-        proc = subprocess.Popen(cmd, cwd=self.work, env=self.env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(cmd, cwd=self.work, env=self.env_of(code), stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True, start_new_session=True)
         ready, seen = ("sleeping" if real_torchrun else "worker"), 0
         for line in proc.stdout:
@@ -289,26 +298,23 @@ def fanout(sizes: list[int], repeats: int, results: dict) -> None:
     for n in sizes:
         with SshNodes(n, max_sessions=50) as sn:
             b = Bench(sn, Path(tempfile.mkdtemp(prefix="cluster-bench-")))
-            b.fanout_cluster(n)                      # warm-up: workdirs, host keys, caches
-            ours, pdsh, pdsh_cpu, loop, facts = [], [], [], [], []
+            for code in ROOTS:
+                b.fanout_cluster(n, code)            # warm-up: workdirs, host keys, caches
+            ours: dict[str, list[float]] = {c: [] for c in ROOTS}
+            facts: dict[str, list[dict]] = {c: [] for c in ROOTS}
+            pdsh, pdsh_cpu, loop = [], [], []
             for _ in range(repeats):
-                took, f = b.fanout_cluster(n)
-                ours.append(took)
-                facts.append(f)
+                for code in ROOTS:
+                    took, f = b.fanout_cluster(n, code)
+                    ours[code].append(took)
+                    facts[code].append(f)
                 took, cpu = b.fanout_pdsh(n)
                 pdsh.append(took)
                 pdsh_cpu.append(cpu)
                 loop.append(b.fanout_ssh_loop(n))
-            ratio = statistics.median(ours) / statistics.median(pdsh)
+            for code in ROOTS:
+                fanout_line(n, code, ours, facts[code], pdsh, pdsh_cpu, loop)
             sessions = b.sessions_cluster(n)
-            cpu = statistics.median(x["cpu_s"] for x in facts)
-            f = facts[len(facts) // 2]
-            print(f"fanout {n:4d} nodes: cluster {stats(ours)}  pdsh {stats(pdsh)}  "
-                  f"ssh loop {stats(loop)}  cluster/pdsh {ratio:.2f}  launcher: "
-                  f"{max(x['rss_mb'] for x in facts):.0f} MB peak RSS, {max(x['threads'] for x in facts)} "
-                  f"threads, {cpu:.1f} s CPU (pdsh and its ssh clients: "
-                  f"{statistics.median(pdsh_cpu):.1f} s, ratio {cpu / statistics.median(pdsh_cpu):.2f}); "
-                  f"phases {f['timings']}", flush=True)
             def per(kind: str) -> str:      # "1 on 31 nodes, 2 on 1"
                 counts: dict[int, int] = {}
                 for c in sessions.values():
@@ -316,8 +322,28 @@ def fanout(sizes: list[int], repeats: int, results: dict) -> None:
                 return ", ".join(f"{k} on {v}" for k, v in sorted(counts.items()))
             print(f"fanout {n:4d} nodes: per node, SSH commands: {per('exec')}; SFTP sessions: "
                   f"{per('sftp')} (the master's second command is the port's listener)", flush=True)
-            results["fanout"][n] = {"cluster": ours, "pdsh": pdsh, "pdsh_cpu": pdsh_cpu,
-                                    "ssh_loop": loop, "launcher": facts, "sessions": sessions}
+            results["fanout"][n] = {"cluster": ours["cluster"], "pdsh": pdsh, "pdsh_cpu": pdsh_cpu,
+                                    "ssh_loop": loop, "launcher": facts["cluster"],
+                                    "sessions": sessions,
+                                    **({"before": ours["before"], "launcher_before": facts["before"]}
+                                       if "before" in ROOTS else {})}
+
+
+def fanout_line(n: int, code: str, ours: dict[str, list[float]], facts: list[dict],
+                pdsh: list[float], pdsh_cpu: list[float], loop: list[float]) -> None:
+    ratio = statistics.median(ours[code]) / statistics.median(pdsh)
+    cpu = statistics.median(x["cpu_s"] for x in facts)
+    threads = max(x["threads"] for x in facts)
+    f = facts[len(facts) // 2]
+    versus = ""
+    if code != "cluster":
+        versus = f"  this code / {code} {statistics.median(ours['cluster']) / statistics.median(ours[code]):.2f}"
+    print(f"fanout {n:4d} nodes: {code} {stats(ours[code])}  pdsh {stats(pdsh)}  "
+          f"ssh loop {stats(loop)}  {code}/pdsh {ratio:.2f}{versus}  launcher: "
+          f"{max(x['rss_mb'] for x in facts):.0f} MB peak RSS, {threads} threads "
+          f"({threads / n:.2f} per node), {cpu:.1f} s CPU ({1000 * cpu / n:.1f} ms per node; pdsh "
+          f"and its ssh clients: {statistics.median(pdsh_cpu):.1f} s, ratio "
+          f"{cpu / statistics.median(pdsh_cpu):.2f}); phases {f['timings']}", flush=True)
 
 
 def launch(sizes: list[int], repeats: int, results: dict) -> None:
@@ -362,10 +388,14 @@ def teardown(sizes: list[int], repeats: int, results: dict) -> None:
                                      ("Ctrl-C, stand-in agent", "ctrl-c", False)):
                 if real and n > 16:
                     continue
-                times = [b.teardown(n, how, real, prog) for _ in range(repeats)]
-                row[label] = times
-                print(f"teardown {n:2d} nodes, {label:24s}: {stats(times)} to every node clean",
-                      flush=True)
+                times: dict[str, list[float]] = {c: [] for c in ROOTS}
+                for _ in range(repeats):
+                    for code in ROOTS:
+                        times[code].append(b.teardown(n, how, real, prog, code))
+                for code in ROOTS:
+                    row[label if code == "cluster" else f"{label} ({code})"] = times[code]
+                    print(f"teardown {n:2d} nodes, {label:24s}: {code} {stats(times[code])} to "
+                          f"every node clean", flush=True)
             results["teardown"][n] = row
 
 
@@ -400,7 +430,11 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma-separated: fanout,launch,teardown")
     ap.add_argument("--plot", default="bench/results/launch-fanout.png")
     ap.add_argument("--json", default="", help="write the raw results here")
+    ap.add_argument("--before", default="", help="a checkout of the code before a change "
+                    "(git worktree add DIR COMMIT), measured A B A B beside this one")
     args = ap.parse_args()
+    if args.before:
+        ROOTS["before"] = Path(args.before).resolve()
     if os.geteuid() != 0 or not shutil.which("pdsh"):
         print("needs root and pdsh (apt-get install pdsh)", file=sys.stderr)
         return 2

@@ -1,14 +1,16 @@
 """One watcher for every backend: stream each node's output with a prefix, save it per node,
 and react to the first failure (or Ctrl-C) at once by stopping every other node.
 
-Each node has a thread that copies its output and then puts its exit on one queue; the main
-thread blocks on that queue, so a failure is seen the moment it happens, not on a timer.
+One thread copies every node's output (a selector over their channels), and each node's exit
+goes on one queue; the main thread blocks on that queue, so a failure is seen the moment it
+happens, not on a timer.
 """
 from __future__ import annotations
 
 import os
 import queue
 import re
+import selectors
 import signal
 import threading
 import time
@@ -17,13 +19,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from .console import TAIL_LINES, Console, LineSplitter
 from .errors import StopRequested, signum_of
 from .hang_timeout import FixedTimeout, LearnedTimeout
 from .slow import SlowNodes
-from .backends import NodeProcess
+from .backends import AsksStop, NodeProcess, Selectable
 from .nodes import NodeExit, signal_name
 from . import timeline as tl
 
@@ -40,6 +42,10 @@ RANK_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")
 PYTHON_SAYS = re.compile(r"can't open file |: No module named |Error while finding module specification")
 ROOT_RANK = re.compile(r"^\s*rank\s*: (\d+)")
 ROOT_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d+)")
+
+# Threads that wait for the stopped nodes' reports. A node asked already (AsksStop) stops on
+# its own meanwhile, so a few threads wait for all of them in about the slowest one's time.
+STOP_THREADS = 32
 
 
 class WorkerErrors:
@@ -176,14 +182,13 @@ class Watcher:
         self.stacks: dict[str, list[dict[str, Any]]] = {}
         self.dumped: set[str] = set()
         self.lock = threading.Lock()
+        self.waits = Waiters()
 
     def run(self) -> WatchResult:
         result = self.result
         pending = {p.node.label for p in self.procs}
         try:                  # from the first moment: a Ctrl-C while the pumps start stops all too
-            for index, proc in enumerate(self.procs):
-                threading.Thread(target=self._pump, args=(proc, index), daemon=True,
-                                 name=f"pump-{proc.node.label}").start()
+            self._start_pumps()
             while pending:
                 event = self._next_event()
                 if event is None:                       # the watchdog fired
@@ -354,9 +359,12 @@ class Watcher:
         self.muted.update(labels)
         self.timeline.event(tl.STOP, nodes=sorted(labels))
         self.console.info("output of the stopped node(s) continues in their log files only")
+        for p in targets:      # every node told at once, before any report is waited for
+            if isinstance(p, AsksStop):
+                p.request_stop()
         while True:
             try:
-                with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+                with ThreadPoolExecutor(max_workers=min(len(targets), STOP_THREADS)) as pool:
                     reports = list(pool.map(lambda p: p.stop(), targets))
                 break
             except KeyboardInterrupt:
@@ -380,46 +388,33 @@ class Watcher:
         if others:
             self.console.info(f"stopping the other {others} node(s)")
 
-    def _pump(self, proc: NodeProcess, index: int) -> None:
-        """Copy one node's stream: bytes are its output; (label, bytes) pairs are the output of
-        a job that speaks for several nodes (SLURM's, labelled by srun); dicts are records."""
-        label = proc.node.label
-        splitters: dict[str, LineSplitter] = {}
-        colours: dict[str, int] = {}
-        path = self.log_paths.get(label)
-        log = _open_log(path) if path else None
+    def _start_pumps(self) -> None:
+        """Every node's output: one thread selects over those whose process can be selected
+        (local and SSH nodes: O(1) threads at any node count); a thread of its own for the
+        others (a scheduler's job, which speaks for all its nodes)."""
+        selected = []
+        for index, proc in enumerate(self.procs):
+            pump = Pump(self, proc, index)
+            if (fd := selectable_fd(proc)) is not None:
+                selected.append((fd, pump))
+            else:
+                threading.Thread(target=pump.run, daemon=True,
+                                 name=f"pump-{proc.node.label}").start()
+        if selected:
+            threading.Thread(target=read_all, args=(selected, self._ended), daemon=True,
+                             name="pump-nodes").start()
 
-        def show(sub: str, lines: list[str]) -> None:
-            for line in lines:
-                shown = colours.setdefault(sub, index + len(colours))
-                self._emit(label, shown, line, sub)
-                if line.startswith(TORCHRUN_FAILED):       # it had workers, and one failed
-                    with self.lock:
-                        self.result.had_workers.add(label)
-                    self.events.put((proc, None))
-        try:
-            for chunk in proc.output():
-                if isinstance(chunk, dict):
-                    self._control(label, chunk)
-                    continue
-                sub, data = chunk if isinstance(chunk, tuple) else (label, chunk)
-                if log:
-                    log.write(data)
-                    log.flush()
-                show(sub, splitters.setdefault(sub, LineSplitter()).feed(data))
-            for sub, splitter in splitters.items():
-                show(sub, splitter.flush())
-        except Exception as exc:  # a broken stream is reported through wait()
-            self.console.info(f"[{label}] output stream broke: {exc}")
-        finally:
-            if log:
-                log.close()
-        try:
-            ex = proc.wait()
-        except Exception as exc:
-            ex = NodeExit(lost=True, reason=str(exc))
-        self.timeline.event(tl.EXIT, label, ok=ex.ok, how=ex.describe())
-        self.events.put((proc, ex))
+    def _ended(self, proc: NodeProcess) -> None:
+        """A node's output has ended: its exit (the exit status follows the end of its
+        output within moments) to the queue, from one of a few shared threads."""
+        def wait() -> None:
+            try:
+                ex = proc.wait()
+            except Exception as exc:
+                ex = NodeExit(lost=True, reason=str(exc))
+            self.timeline.event(tl.EXIT, proc.node.label, ok=ex.ok, how=ex.describe())
+            self.events.put((proc, ex))
+        self.waits.submit(wait)
 
     def _emit(self, label: str, index: int, line: str, sub: str | None = None) -> None:
         """One line of node `label` (shown under `sub`, a node of a job, when that differs)."""
@@ -430,3 +425,119 @@ class Watcher:
         self.errors[label].feed(line)
         if label not in self.muted:
             self.console.node_line(sub, index, line)
+
+
+class Pump:
+    """One node's stream as it comes: bytes are its output (to its log file and the console,
+    prefixed); (label, bytes) pairs are the output of a job that speaks for several nodes
+    (SLURM's, labelled by srun); dicts are records."""
+
+    def __init__(self, watcher: Watcher, proc: NodeProcess, index: int) -> None:
+        self.watcher, self.proc, self.index = watcher, proc, index
+        self.label = proc.node.label
+        self.splitters: dict[str, LineSplitter] = {}
+        self.colours: dict[str, int] = {}
+        path = watcher.log_paths.get(self.label)
+        self.log = _open_log(path) if path else None
+
+    def run(self) -> None:
+        """The whole stream on this thread (a process that cannot be selected)."""
+        try:
+            for chunk in self.proc.output():
+                self.feed(chunk)
+        except Exception as exc:  # a broken stream is reported through wait()
+            self.broke(exc)
+        self.end()
+        self.watcher._ended(self.proc)
+
+    def feed(self, chunk: Any) -> None:
+        if isinstance(chunk, dict):
+            self.watcher._control(self.label, chunk)
+            return
+        sub, data = chunk if isinstance(chunk, tuple) else (self.label, chunk)
+        if self.log:
+            self.log.write(data)
+            self.log.flush()
+        self.show(sub, self.splitters.setdefault(sub, LineSplitter()).feed(data))
+
+    def show(self, sub: str, lines: list[str]) -> None:
+        w = self.watcher
+        for line in lines:
+            shown = self.colours.setdefault(sub, self.index + len(self.colours))
+            w._emit(self.label, shown, line, sub)
+            if line.startswith(TORCHRUN_FAILED):       # it had workers, and one failed
+                with w.lock:
+                    w.result.had_workers.add(self.label)
+                w.events.put((self.proc, None))
+
+    def broke(self, exc: Exception) -> None:
+        self.watcher.console.info(f"[{self.label}] output stream broke: {exc}")
+
+    def end(self) -> None:
+        try:
+            for sub, splitter in self.splitters.items():
+                self.show(sub, splitter.flush())
+        finally:
+            if self.log:
+                self.log.close()
+
+
+def selectable_fd(proc: NodeProcess) -> int | None:
+    """The file descriptor one thread can select this node's output on, if it has one."""
+    if not isinstance(proc, Selectable):
+        return None
+    try:
+        return proc.fileno()
+    except (AttributeError, OSError, ValueError):   # a channel without one
+        return None
+
+
+def read_all(pumps: list[tuple[int, Pump]], ended: Callable[[NodeProcess], None]) -> None:
+    """Every selectable node's output on this one thread, as it becomes readable; a node
+    whose stream ends (or breaks) leaves the selector and is handed to ended()."""
+    sel = selectors.DefaultSelector()
+    for fd, pump in pumps:
+        sel.register(fd, selectors.EVENT_READ, pump)
+    while sel.get_map():
+        for key, _ in sel.select():
+            pump = key.data
+            try:
+                pieces = cast(Selectable, pump.proc).read_ready()
+                for piece in pieces or ():
+                    pump.feed(piece)
+            except Exception as exc:  # a broken stream is reported through wait()
+                pump.broke(exc)
+                pieces = None
+            if pieces is None:
+                sel.unregister(key.fd)
+                pump.end()
+                ended(pump.proc)
+    sel.close()
+
+
+class Waiters:
+    """A few daemon threads that take each ended node's exit status, however many nodes end
+    at once (a thread per node would be N threads at the end of every run). Daemons: a wait
+    that never returns must not hold up the launcher's exit."""
+
+    THREADS = 8
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self.started = 0
+        self.lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.jobs.put(job)
+        with self.lock:
+            if self.started < self.THREADS:
+                self.started += 1
+                threading.Thread(target=self._work, daemon=True, name="node-exits").start()
+
+    def _work(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - one node's report failing keeps the others'
+                pass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 from ..errors import InputError
 from ..nodes import NodeExit, NodeStatus, signal_name
@@ -28,8 +28,8 @@ from ..spec import Inventory
 if TYPE_CHECKING:
     from .supervised import SupervisedBackend
 
-__all__ = ["Backend", "BackendModule", "NodeChecks", "NodeExit", "NodeProcess", "NodeStatus",
-           "Record", "REGISTRY", "NAMES", "choose", "create", "recorded", "node_checks",
+__all__ = ["AsksStop", "Backend", "BackendModule", "NodeChecks", "NodeExit", "NodeProcess", "NodeStatus",
+           "Record", "REGISTRY", "NAMES", "Selectable", "choose", "create", "recorded", "node_checks",
            "signal_name", "supports"]
 
 # A JSON object as nodes, supervisors and run.json say it: their schemas are theirs.
@@ -68,6 +68,26 @@ class NodeProcess(Protocol):
 
     def stop(self) -> Record:
         """Stop it (TERM, grace, KILL, verify; or cancel the job) and report."""
+
+
+@runtime_checkable
+class Selectable(Protocol):
+    """A NodeProcess whose output one thread reads among many (the capability of processes on
+    a channel: local and SSH nodes): fileno() is readable when read_ready() has output, or
+    the end (None), without blocking. A process without it is read by a thread of its own."""
+
+    def fileno(self) -> int: ...
+
+    def read_ready(self) -> list[bytes | Record] | None: ...
+
+
+@runtime_checkable
+class AsksStop(Protocol):
+    """A NodeProcess whose stop can be asked for without waiting (the word on its channel):
+    the watcher asks every node first, then waits for their reports on a few threads, not
+    one thread per node."""
+
+    def request_stop(self) -> None: ...
 
 
 class Backend(Protocol[PlanT]):

@@ -81,8 +81,11 @@ class LocalChannel:
                                      start_new_session=True)
 
     def read(self) -> bytes:
+        return os.read(self.fileno(), 65536)
+
+    def fileno(self) -> int:
         assert self.proc.stdout is not None
-        return os.read(self.proc.stdout.fileno(), 65536)
+        return self.proc.stdout.fileno()
 
     def write(self, data: bytes) -> None:
         assert self.proc.stdin is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -235,25 +236,39 @@ class SupervisedProcess:
         self.ended = False
         self.final: dict[str, Any] | None = None     # the supervisor's last word: what was left
         self.closed = threading.Event()               # its stream has ended
+        self._first, self._demux = True, Demux()
+        self.stop_asked: float | None = None        # when the word `stop` was sent
 
     def output(self) -> Iterator[bytes | dict[str, Any]]:
-        first, demux = True, Demux()
+        """Its output until it ends, read here (read_ready() is the same for a caller that
+        selects over many)."""
         try:
-            while True:
-                data = self.channel.read()
-                if not data:
-                    return
-                if first and data.startswith(PGID_HEADER):
-                    head, _, data = data.partition(b"\n")
-                    self.pgid = int(head[len(PGID_HEADER):] or 0) or None
-                first = False
-                for piece in demux.feed(data):
-                    if isinstance(piece, dict) and isinstance(piece.get("final"), dict):
-                        self.final = piece["final"]
-                    else:
-                        yield piece
+            while (pieces := self.read_ready()) is not None:
+                yield from pieces
         finally:
             self.closed.set()
+
+    def fileno(self) -> int:
+        return self.channel.fileno()
+
+    def read_ready(self) -> list[bytes | dict[str, Any]] | None:
+        """What one read of its channel brings (output bytes and records), or None once it
+        has ended; does not block when fileno() is readable."""
+        data = self.channel.read()
+        if not data:
+            self.closed.set()
+            return None
+        if self._first and data.startswith(PGID_HEADER):
+            head, _, data = data.partition(b"\n")
+            self.pgid = int(head[len(PGID_HEADER):] or 0) or None
+        self._first = False
+        pieces: list[bytes | dict[str, Any]] = []
+        for piece in self._demux.feed(data):
+            if isinstance(piece, dict) and isinstance(piece.get("final"), dict):
+                self.final = piece["final"]
+            else:
+                pieces.append(piece)
+        return pieces
 
     def request_stacks(self) -> None:
         if not self.ended:
@@ -268,18 +283,28 @@ class SupervisedProcess:
             return NodeExit(code=code, signal=code - 128)
         return NodeExit(code=code)
 
-    def stop(self) -> dict[str, Any]:
-        """The word `stop` on the supervisor's own channel: no new process or round trip on
-        the node; its answer is its last record (what was left after TERM, the grace and KILL,
-        verified). A channel that is gone or silent gets a stop command of its own instead."""
-        if not self.ended and not self.closed.is_set():
+    def request_stop(self) -> bool:
+        """The word `stop` on the supervisor's own channel, once: no new process or round
+        trip on the node. False when the channel is gone."""
+        if self.ended or self.closed.is_set():
+            return False
+        if self.stop_asked is None:
             try:
                 self.channel.write(b"stop\n")
             except ClusterError:
-                pass
-            else:
-                if self.closed.wait(self.grace + 15) and self.final is not None:
-                    return dict(self.final)
+                return False
+            self.stop_asked = time.monotonic()
+        return True
+
+    def stop(self) -> dict[str, Any]:
+        """Asks it to stop (request_stop); its answer is its last record (what was left after
+        TERM, the grace and KILL, verified). A channel that is gone or silent gets a stop
+        command of its own instead."""
+        if self.request_stop():
+            asked = self.stop_asked or time.monotonic()     # the answer is due from then on
+            left = asked + self.grace + 15 - time.monotonic()
+            if self.closed.wait(max(0.0, left)) and self.final is not None:
+                return dict(self.final)
         try:
             return self.remote.stop(self.grace)
         except ClusterError as exc:

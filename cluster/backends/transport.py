@@ -29,6 +29,10 @@ class Channel(Protocol):
     def wait(self) -> int | None:
         """The exit status, or None when the connection was lost."""
 
+    def fileno(self) -> int:
+        """Readable (select) when read() has output or the end for it without blocking: one
+        thread reads every node's channel (cluster.watch)."""
+
     def close(self) -> None: ...
 
 

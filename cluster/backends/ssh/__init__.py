@@ -44,6 +44,7 @@ from .errors import (Attempt, AuthFailed, HostKeyChanged, HostKeyRevoked, HostKe
 from .hostkeys import (AcceptNewPolicy, ChangedKey, KnownHosts, OffPolicy, RevokedKey,
                        StrictPolicy, UnknownKey, known_hosts_for)
 from .identities import BatchAuth, KeysRefused
+from .keepalive import Keepalive
 from .transport import Gateways, SshChannel, SshTransport, fabric_config, sftp_path
 
 TRAINER_SUBDIR = "cluster-train"
@@ -89,15 +90,17 @@ class SshBackend(SupervisedBackend):
         self.sync_delete = sync_delete
         self.config = fabric_config(self.settings.config)
         self.gateways = Gateways()            # jump hosts, one connection each for all nodes
+        self.alive = Keepalive(self.settings.keepalive, self.warn)   # one for all nodes
         self.synced: dict[str, list[dict[str, Any]]] = {}
         super().__init__(self._connect, max_workers=max_workers, keepalive=self.settings.keepalive)
 
     def _connect(self, host: Host) -> SshTransport:
         return SshTransport(host, self.settings, self.policy, self.config, self.warn,
-                            self.gateways)
+                            self.gateways, self.alive)
 
     def close(self) -> None:
         super().close()
+        self.alive.close()
         self.gateways.close()             # after the nodes: their channels ride on these
 
     def check(self, plan: LaunchPlan, *, reach: bool = False) -> dict[str, dict[str, Any]]:

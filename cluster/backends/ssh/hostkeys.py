@@ -25,6 +25,8 @@ from typing import Any
 
 import paramiko
 
+from .keepalive import AnsweringTransport
+
 from .known_hosts import Entry, hash_name, read_entries
 
 USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
@@ -161,9 +163,10 @@ def preferred_algorithms(known_types: Sequence[str], offered: Sequence[str]) -> 
 
 
 def transport_preferring(known_types: Sequence[str]) -> Callable[..., paramiko.Transport]:
-    """A paramiko transport_factory whose host key algorithms put known_types first."""
+    """A paramiko transport_factory whose host key algorithms put known_types first; its
+    transports answer the launcher's one keepalive (keepalive.py)."""
     def make(sock: Any, disabled_algorithms: dict[str, Any] | None = None) -> paramiko.Transport:
-        transport = paramiko.Transport(sock, disabled_algorithms=disabled_algorithms)
+        transport = AnsweringTransport(sock, disabled_algorithms=disabled_algorithms)
         options = transport.get_security_options()
         options.key_types = preferred_algorithms(known_types, list(options.key_types))
         return transport

@@ -20,10 +20,9 @@ from .errors import Attempt, SshError, translate
 from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, known_hosts_for,
                        split_files, transport_preferring, warn_unchecked_once)
 from .identities import BatchAuth, identity_paths
+from .keepalive import KEEPALIVE_PROBES, Keepalive
 from .known_hosts import key_name
 from .sshconfig import host_config
-
-KEEPALIVE_PROBES = 4                  # probes per keepalive period
 
 
 def fabric_config(path: str | None) -> Config:
@@ -45,6 +44,9 @@ class SshChannel:
             return self.chan.recv(65536)
         except (OSError, EOFError, paramiko.SSHException):
             return b""
+
+    def fileno(self) -> int:
+        return self.chan.fileno()       # paramiko's pipe: readable when recv() will not wait
 
     def write(self, data: bytes) -> None:
         try:
@@ -126,9 +128,12 @@ class SshTransport:
     """One node over SSH. Connects at first use; every method is safe from several threads."""
 
     def __init__(self, host: Host, settings: SshSettings, policy: str, config: Config,
-                 warn: Callable[[str], None], gateways: Gateways | None = None) -> None:
+                 warn: Callable[[str], None], gateways: Gateways | None = None,
+                 keepalive: Keepalive | None = None) -> None:
         self.host = host
         self.gateways = gateways or Gateways()    # the backend passes one for all its nodes
+        # ...and one keepalive: its two threads ask every connection of the launcher
+        self.keepalive = keepalive or Keepalive(settings.keepalive, warn)
         self.label = host.name
         self.settings = settings
         self.policy = policy
@@ -139,7 +144,6 @@ class SshTransport:
         self._conn: Connection | None = None
         self._sftp: paramiko.SFTPClient | None = None
         self._error: ClusterError | None = None
-        self._closed = threading.Event()
         self.attempt: Attempt | None = None
 
     # -- connecting --
@@ -177,10 +181,8 @@ class SshTransport:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise translate(exc, at, self.known) from None
-        transport = conn.transport
-        transport.set_keepalive(max(1, int(self._probe_interval())))
-        threading.Thread(target=self._heartbeat, args=(transport,), daemon=True,
-                         name=f"ssh-heartbeat-{self.label}").start()
+        conn.transport.set_keepalive(max(1, int(self._probe_interval())))
+        self.keepalive.watch(self.label, conn.transport)
         return conn
 
     def _make(self, address: str, user: str | None, port: int | None, timeout: float) -> Connection:
@@ -227,6 +229,7 @@ class SshTransport:
         known_hosts has for the host are asked for first."""
         client = conn.client
         if self.policy == "off":
+            conn.connect_kwargs["transport_factory"] = transport_preferring(())
             client.set_missing_host_key_policy(OffPolicy())
             warn_unchecked_once(self.warn)
             return None
@@ -249,28 +252,6 @@ class SshTransport:
 
     def _probe_interval(self) -> float:
         return max(0.2, float(self.settings.keepalive) / KEEPALIVE_PROBES)
-
-    def _heartbeat(self, transport: paramiko.Transport) -> None:
-        """Ask the node for a reply a few times per keepalive period (ssh.keepalive); no reply
-        for a whole period closes the transport, which ends every channel (Channel.wait() ->
-        None: the node is lost)."""
-        timeout = float(self.settings.keepalive)
-        while not self._closed.wait(self._probe_interval()):
-            if not transport.is_active():
-                return
-            answered = threading.Event()
-
-            def ask() -> None:
-                try:
-                    transport.global_request("keepalive@openssh.com", wait=True)
-                finally:
-                    answered.set()
-            threading.Thread(target=ask, daemon=True).start()
-            if not answered.wait(timeout):
-                self.warn(f"[{self.label}] no answer over SSH for {timeout:g} s (ssh.keepalive); "
-                          f"treating the node as lost")
-                transport.close()
-                return
 
     def _session(self) -> paramiko.Channel:
         conn = self._connection()
@@ -391,7 +372,6 @@ class SshTransport:
             pass
 
     def close(self) -> None:
-        self._closed.set()
         with self._lock:
             conn, self._conn = self._conn, None
             sftp, self._sftp = self._sftp, None
