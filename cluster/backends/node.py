@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..errors import ClusterError
@@ -58,7 +58,8 @@ class SupervisedNode:
         return ch
 
     def facts_args(self, node: NodePlan, plan: LaunchPlan, *, port: bool, deep: bool,
-                   make_dir: bool, connect: tuple[str, int] | None) -> list[str]:
+                   make_dir: bool, connect: tuple[str, int] | None,
+                   on_word: bool = False) -> list[str]:
         args = ["--workdir", node.host.workdir, "--own", node.host.address, "--master", plan.master_addr]
         if make_dir:
             args += ["--dir", self.dir]
@@ -74,6 +75,7 @@ class SupervisedNode:
         if connect:
             args += ["--connect", f"{connect[0]}:{connect[1]}",
                      "--connect-timeout", f"{reach_budget(len(plan.nodes)):g}"]
+            args += ["--connect-on-word"] if on_word else []
         return args
 
     def probe(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
@@ -90,19 +92,28 @@ class SupervisedNode:
 
     def stage(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
               connect: tuple[str, int] | None = None,
-              tools: Mapping[str, bytes] | None = None) -> dict[str, Any]:
+              tools: Mapping[str, bytes] | None = None,
+              word: Callable[[], str] | None = None) -> dict[str, Any]:
         """The probe, by the process that will become this node's supervisor when start()
         gives the word: one process and one round trip per node for the check and the start
         together. release() lets it go without starting. tools: files a job runs that
         cluster brings, written into <workdir>/.cluster/tools first (doctor's collective),
-        so that the script check finds them."""
-        args = self.facts_args(node, plan, port=port, deep=False, make_dir=True, connect=connect)
+        so that the script check finds them. word: with connect, the probe starts at once
+        and holds its connect until word() says ('connect' or 'skip'), which may wait for
+        the master's listener."""
+        args = self.facts_args(node, plan, port=port, deep=False, make_dir=True, connect=connect,
+                               on_word=word is not None)
         if node.script_file:             # is the job's script there, before anything starts
             args += ["--script", node.script_file]
         files = [(f"{TOOLS_DIR}/{name}", data, 0o600) for name, data in (tools or {}).items()]
         probe = shipping.program("probe", "facts", *args, dir=node.host.workdir, files=files)
         ch = self.transport.spawn(shipping.boot_command(self.exe, probe))
         ch.write(probe.data)
+        if connect is not None and word is not None:
+            try:
+                ch.write((word() + "\n").encode())
+            except ClusterError:
+                pass      # it ended before reading (no such python): its output says why
         said, noise = b"", b""
         while not said.endswith(b"\n"):
             data = ch.read()

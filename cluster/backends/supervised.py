@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,31 +80,39 @@ class SupervisedBackend:
         listening = threading.Event()
         state: dict[str, Any] = {}
 
+        def listen() -> None:
+            """The master port's short-lived listener, while every node's probe starts."""
+            try:
+                state["listener"] = self._nodes[plan.master.host.name].listen(plan.master_port,
+                                                                              seconds=90)
+            except ClusterError as exc:
+                state["busy"] = str(exc)
+            finally:
+                listening.set()
+
+        def word() -> str:
+            listening.wait(120)
+            return "skip" if "busy" in state or "listener" not in state else "connect"
+
         def one(node: NodePlan) -> dict[str, Any]:
             remote = self._nodes[node.host.name]
             if not reach:
                 return remote.stage(node, plan, port=node is plan.master, tools=self.tools)
-            if node is plan.master:
-                try:
-                    state["listener"] = remote.listen(plan.master_port, seconds=90)
-                except ClusterError as exc:
-                    state["busy"] = str(exc)
-                finally:
-                    listening.set()
-            else:
-                self.transport(node.host).open()    # the handshake while the listener starts
-                listening.wait(120)
-            target = None if "busy" in state else (plan.master_addr, plan.master_port)
-            facts = remote.stage(node, plan, connect=target, tools=self.tools)
+            facts = remote.stage(node, plan, connect=(plan.master_addr, plan.master_port),
+                                 tools=self.tools, word=word)
             if node is plan.master:
                 facts["port_free"] = "busy" not in state
             return facts
+        # The listener first: the pool takes its work in order, and every probe waits for it.
+        listener = self._pool.submit(listen) if reach else None
         try:
             results = self.each_or_fail(plan.nodes, one, phase="check")
         except ClusterError:
             self.release()
             raise
         finally:
+            if listener is not None:
+                wait([listener])         # it may still be starting when a node failed early
             if "listener" in state:
                 state["listener"].close()
         return {n.host.name: r for n, r in results}

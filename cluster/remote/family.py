@@ -26,14 +26,25 @@ import time
 PR_SET_CHILD_SUBREAPER = 36
 
 
+SUBREAPER = []         # [pid] once that process is a child subreaper
+
+
 def become_subreaper():
     """Orphans of this process's descendants come back to it; False where the kernel (Linux
     3.4+) or the C library cannot do it."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        ok = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+    if ok:
+        SUBREAPER[:] = [os.getpid()]
+    return ok
+
+
+def is_subreaper(pid):
+    """pid is this process, made a child subreaper: all it started is among its descendants."""
+    return SUBREAPER == [pid] == [os.getpid()]
 
 
 def stat(pid):
@@ -131,6 +142,47 @@ def table():
     return out
 
 
+def children(pid):
+    """pid's children, from the kernel's own lists (/proc/PID/task/TID/children, Linux 3.5+);
+    None where the kernel keeps none (then only the whole table says)."""
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return []
+    found = []
+    for tid in tids:
+        try:
+            with open("/proc/%d/task/%s/children" % (pid, tid), "rb") as f:
+                found += [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            if os.path.isdir("/proc/%d/task/%s" % (pid, tid)):
+                return None              # a kernel without CONFIG_PROC_CHILDREN
+        except OSError:
+            continue                     # that thread ended meanwhile
+    return found
+
+
+def descendants(root):
+    """{pid: stat} of root and its descendants, walked down the kernel's child lists: the
+    cost of the family, not of every process on the machine (on a node shared with other
+    work, or test nodes that share one process table, that is thousands a look). The kernel
+    may skip a child that ends while it is listed: fit for a poll that looks again, not for
+    the last word (members() with the whole table is that). None where the lists are not
+    kept."""
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        st = stat(pid)
+        if st is None:
+            continue
+        out[pid] = st
+        kids = children(pid)
+        if kids is None:
+            return None
+        todo.extend(k for k in kids if k not in out)
+    return out
+
+
 def members(root, procs=None):
     """The live descendants of root outside root's own session (its helpers)."""
     procs = table() if procs is None else procs
@@ -174,7 +226,9 @@ def reap(root, keep=()):
     if own is None:
         return []
     reaped = []
-    for pid, (state, parent, _group, sid) in table().items():
+    kids = children(root)
+    procs = table() if kids is None else {k: st for k in kids if (st := stat(k)) is not None}
+    for pid, (state, parent, _group, sid) in procs.items():
         if parent == root and state == "Z" and sid != own[3] and pid not in keep:
             try:
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:

@@ -4,13 +4,15 @@ standard input in a bundle (backends/shipping.py), so that nothing has to be cop
 Standard library only, Python 3.8+, because it runs on whatever interpreter the node has.
 
     probe.py facts --dir D [--workdir W] [--own ADDR --master ADDR] [--ifname IF]
-                   [--port P] [--connect ADDR:PORT] [--container-runtime R --container-image I]
+                   [--port P] [--connect ADDR:PORT [--connect-on-word]]
+                   [--container-runtime R --container-image I]
                    [--script PATH] [--deep]
         JSON: python, torch (found without importing it), the run directory (made, 0700),
         the network interface that reaches the master, InfiniBand devices, whether the master
         port is free; --script whether PATH, from the workdir, is a file there (the job's
         script, before anything starts); --connect whether a TCP connection to the master port opens (the
-        listener below is there meanwhile); the container runtime's version and the image's id
+        listener below is there meanwhile; with --connect-on-word, once the launcher's line
+        says it listens: the probe starts meanwhile, not after it); the container runtime's version and the image's id
         on this node; --deep adds what importing torch and nvidia-smi tell (CUDA, cuDNN, NCCL,
         driver, GPUs and their use), /dev/shm, free disk, open-file limit, and for an image that
         is not here whether its registry has it. Then it returns None: in a launch's check,
@@ -66,6 +68,9 @@ def parse(argv):
     f.add_argument("--script", help="the job's script: is it a file, from the workdir")
     f.add_argument("--connect", help="ADDR:PORT to open a TCP connection to (the master port)")
     f.add_argument("--connect-timeout", type=float, default=8.0)
+    f.add_argument("--connect-on-word", action="store_true",
+                   help="wait for a line on the input first: 'connect' (the master's listener "
+                        "is up) or 'skip' (it could not listen)")
     ls = sub.add_parser("listen")
     ls.add_argument("--port", type=int, required=True)
     ls.add_argument("--seconds", type=float, default=60.0)
@@ -94,7 +99,7 @@ def facts(args):
         out["port_free"] = port_free(args.port)
     if args.script:
         out["script"] = script_facts(args.workdir or ".", args.script)
-    if args.connect:
+    if args.connect and (not args.connect_on_word or word() == "connect"):
         addr, _, port = args.connect.rpartition(":")
         out["reach"] = connect(addr, int(port), args.connect_timeout)
     if args.container_runtime:
@@ -104,6 +109,18 @@ def facts(args):
         out.update(deep_facts(out.get("workdir") or out.get("dir") or "."))
     out["time_start"], out["time"] = started, time.time()
     return out
+
+
+def word():
+    """One line of the input, read to its end and no further (what follows is the next
+    bundle, for the bootloader); '' when the input ended."""
+    line = b""
+    while not line.endswith(b"\n"):
+        c = os.read(0, 1)
+        if not c:
+            break
+        line += c
+    return line.decode(errors="replace").strip()
 
 
 def make_dir(d, private):

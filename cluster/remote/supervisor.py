@@ -160,11 +160,21 @@ class Identity:
             return True
         return bool(self.root) and family.belongs(pid, self.root)
 
-    def members(self):
+    def members(self, thorough=True):
         """Every live process of the run on this node (never this supervisor). Only this
         user's processes can carry our identity or be signalled by us: the others are passed
-        over on their owner, without reading their environment."""
+        over on their owner, without reading their environment.
+
+        Not thorough, in the run's live supervisor (a child subreaper: whatever the run
+        started is its descendant): its family alone, walked down the kernel's child lists,
+        at the cost of the run's own processes rather than of every process there (polls
+        four times a second, on a node that may hold thousands). The first and the last look
+        of a stop are thorough."""
         me, uid = os.getpid(), os.getuid()
+        if not thorough and self.root and family.is_subreaper(self.root):
+            procs = family.descendants(self.root)
+            if procs is not None:
+                return [pid for pid in family.members(self.root, procs) if pid != me]
         kin = set(family.members(self.root)) if self.root else set()
         return sorted(pid for pid in all_pids()
                       if pid != me and (uid == 0 or owner(pid) == uid)
@@ -223,11 +233,11 @@ def sweep(ident, grace):
     # One TERM each: a second one interrupts torchrun's own shutdown of its workers.
     signalled = [pid for pid in first if ident.signal(pid, signal.SIGTERM)]
     deadline = time.time() + grace
-    left, launcher_only = ident.members(), False
+    left, launcher_only = still(ident, first), False
     while left and time.time() < deadline:
         time.sleep(0.05)
         ident.reap()
-        left = ident.members()
+        left = still(ident, first)
         # Only when workers were there at the first look: a group leader alone between its own
         # steps (a shell trapping TERM between two sleeps) is not a torchrun after its workers.
         launcher_only = had > 0 and bool(ident.pgid) and left == [ident.pgid]
@@ -242,9 +252,20 @@ def sweep(ident, grace):
     while left and time.time() < deadline:
         time.sleep(0.05)
         ident.reap()
-        left = ident.members()
+        left = still(ident, first)
+    if first:
+        left = ident.members()      # the last word: every process there looked at
     return {"signalled": signalled, "killed": killed, "left": left, "workers": had,
             "expired": expired}
+
+
+def still(ident, first):
+    """Which of the run's processes are left, looked at as cheaply as holds: the live
+    supervisor's family, and those of the first look outside it (tagged ones that a process
+    of another supervisor left), each asked by itself."""
+    kin = ident.members(thorough=False)
+    mine = set(kin)
+    return sorted(mine | {pid for pid in first if pid not in mine and ident.owns(pid)})
 
 
 # --- the run's container, by its name -----------------------------------------------------------
@@ -400,7 +421,8 @@ def run(args, user_umask=0o022):
         commands = {"dump": lambda: dump(d, tap, out), "stop": stop_requested}
         threading.Thread(target=watch_launcher, args=(0, args.keepalive, stop_async, commands),
                          daemon=True).start()
-        workers.Progress(lambda: identity(d, True), path(d, "heartbeat"), out.record, ended).start()
+        workers.Progress(lambda: identity(d, True, os.getpid()), path(d, "heartbeat"),
+                         out.record, ended).start()
     pump = threading.Thread(target=copy_output, args=(child.stdout, log, out, tap, stop_async),
                             daemon=True)
     pump.start()

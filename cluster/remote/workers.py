@@ -53,7 +53,7 @@ def workers_among(pids, proc=PROC):
 
 def workers(ident):
     """[(pid, rank)] of this run's torchrun workers on this node."""
-    return workers_among(ident.members())
+    return workers_among(ident.members(thorough=False))
 
 
 def group_rank(pid, proc=PROC):

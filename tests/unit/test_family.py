@@ -59,3 +59,34 @@ def test_send_checks_with_the_handle_held() -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_the_family_walked_down_the_kernels_child_lists_is_the_tables() -> None:
+    """descendants(): the same family as the whole process table gives, read from the
+    kernel's child lists (the run's own processes, not every process there)."""
+    me = os.getpid()
+    run = subprocess.Popen(["bash", "-c", "(sleep 30 & sleep 30 & wait) & sleep 30 & wait"],
+                           start_new_session=True)
+    try:
+        for _ in range(300):
+            if len(family.members(me)) >= 5:
+                break
+            subprocess.run(["sleep", "0.01"])
+        procs = family.descendants(me)
+        assert procs is not None, "this kernel keeps no child lists (CONFIG_PROC_CHILDREN)"
+        assert family.members(me, procs) == family.members(me)
+        assert len(family.members(me, procs)) >= 5
+        assert set(procs) <= set(family.table())
+        assert family.children(run.pid) and set(family.children(run.pid)) <= set(procs)
+    finally:
+        os.killpg(run.pid, 9)
+        run.wait()
+
+
+def test_a_process_is_the_subreaper_only_once_it_made_itself_one() -> None:
+    code = ("import sys; sys.path.insert(0, %r); import family, os; "
+            "before = family.is_subreaper(os.getpid()); ok = family.become_subreaper(); "
+            "print(before, ok, family.is_subreaper(os.getpid()), family.is_subreaper(1))"
+            % str(Path(family.__file__).parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
+    assert out == ["False", "True", "True", "False"]

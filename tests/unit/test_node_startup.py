@@ -96,3 +96,44 @@ def test_a_job_started_under_dash_s_gets_the_nodes_python_and_environment(tmp_pa
     assert seen["no_site"] == 0
     assert str(extra) in seen["path"]
     assert any(p.endswith("-packages") for p in seen["path"]), seen["path"]
+
+
+def probe_on_word(tmp_path: Path, port: int) -> subprocess.Popen:
+    facts = shipping.program("probe", "facts", "--dir", str(tmp_path / "run"),
+                             "--connect", f"127.0.0.1:{port}", "--connect-timeout", "5",
+                             "--connect-on-word")
+    proc = subprocess.Popen(["bash", "-c", shipping.boot_command(sys.executable, facts)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(facts.data)
+    proc.stdin.flush()
+    return proc
+
+
+def test_the_probe_starts_before_the_listener_and_connects_on_the_word(tmp_path: Path) -> None:
+    """A launch starts every node's probe while the master's listener starts: the probe holds
+    its connect until the launcher's line says the port listens. Nothing listens when the
+    probe starts here (a connect then would be refused, which is final); the word comes once
+    it does. What follows the word on the input is the bootloader's next bundle, whole."""
+    import socket
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    proc = probe_on_word(tmp_path, port)
+    time.sleep(0.5)                        # the probe has started and waits for the word
+    srv.listen(8)
+    after = shipping.program("probe", "connect", "--addr", "127.0.0.1", "--port", str(port))
+    out, _ = proc.communicate(b"connect\n" + after.data, timeout=60)
+    srv.close()
+    lines = out.decode().strip().splitlines()
+    assert json.loads(lines[0])["reach"]["ok"] is True
+    assert json.loads(lines[1])["ok"] is True          # the next bundle ran: nothing eaten
+    assert proc.returncode == 0
+
+
+def test_the_word_skip_leaves_the_reach_unasked(tmp_path: Path) -> None:
+    """The master could not listen (its port is taken: the launch tries another): no connect."""
+    proc = probe_on_word(tmp_path, 9)
+    out, _ = proc.communicate(b"skip\n", timeout=60)
+    facts = json.loads(out.decode().strip().splitlines()[-1])
+    assert "reach" not in facts and "python" in facts
