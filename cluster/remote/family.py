@@ -26,7 +26,7 @@ import time
 PR_SET_CHILD_SUBREAPER = 36
 
 
-SUBREAPER = []         # [pid] once that process is a child subreaper
+SUBREAPER = []  # type: list[int]  # [pid] once that process is a child subreaper
 
 
 def become_subreaper():

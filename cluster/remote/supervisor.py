@@ -130,7 +130,7 @@ def read_number(d, name, kind=int):
 
 # --- processes, by identity ------------------------------------------------------------------
 
-alive, owner, all_pids = family.alive, family.owner, family.pids      # /proc, read plainly
+alive, owner = family.alive, family.owner      # /proc, read plainly
 
 
 class Identity:
@@ -175,10 +175,15 @@ class Identity:
             procs = family.descendants(self.root)
             if procs is not None:
                 return [pid for pid in family.members(self.root, procs) if pid != me]
-        kin = set(family.members(self.root)) if self.root else set()
-        return sorted(pid for pid in all_pids()
-                      if pid != me and (uid == 0 or owner(pid) == uid)
-                      and ((pid in kin and alive(pid)) or self.owns(pid)))
+        procs = family.table()              # one read of each process's state, for all below
+        kin = set(family.members(self.root, procs)) if self.root else set()
+        found = []
+        for pid, (state, _parent, group, _sid) in procs.items():
+            if pid == me or state in ("Z", "X") or (uid != 0 and owner(pid) != uid):
+                continue
+            if pid in kin or (self.group_trusted and group == self.pgid) or self.tagged(pid):
+                found.append(pid)
+        return sorted(found)
 
     def reap(self):
         """The supervisor collects its orphans' exits (its own child is its Popen's)."""
