@@ -168,8 +168,8 @@ class Identity:
         Not thorough, in the run's live supervisor (a child subreaper: whatever the run
         started is its descendant): its family alone, walked down the kernel's child lists,
         at the cost of the run's own processes rather than of every process there (polls
-        four times a second, on a node that may hold thousands). The first and the last look
-        of a stop are thorough."""
+        four times a second, on a node that may hold thousands). The last look of a stop that
+        signalled anything is thorough."""
         me, uid = os.getpid(), os.getuid()
         if not thorough and self.root and family.is_subreaper(self.root):
             procs = family.descendants(self.root)
@@ -233,7 +233,7 @@ def terminate(d, grace, we_supervise=False):
 def sweep(ident, grace):
     """TERM each process of the run once, wait up to `grace`, KILL the rest, verify. The
     report counts torchrun's workers among them: proof that the rendezvous had completed."""
-    first = ident.members()
+    first = ident.members(thorough=False)      # thorough unless the live supervisor asks
     had = len(workers.workers_among(first))
     # One TERM each: a second one interrupts torchrun's own shutdown of its workers.
     signalled = [pid for pid in first if ident.signal(pid, signal.SIGTERM)]
@@ -258,7 +258,7 @@ def sweep(ident, grace):
         time.sleep(0.05)
         ident.reap()
         left = still(ident, first)
-    if first:
+    if signalled:
         left = ident.members()      # the last word: every process there looked at
     return {"signalled": signalled, "killed": killed, "left": left, "workers": had,
             "expired": expired}
@@ -266,8 +266,10 @@ def sweep(ident, grace):
 
 def still(ident, first):
     """Which of the run's processes are left, looked at as cheaply as holds: the live
-    supervisor's family, and those of the first look outside it (tagged ones that a process
-    of another supervisor left), each asked by itself."""
+    supervisor's family (complete: it is a child subreaper), and any of the first look
+    outside it (a stop by another process looks at every process first), each asked by
+    itself. The stop's last look, once it signalled anything, is thorough: a process of the
+    run outside the family would be named there as left, never missed."""
     kin = ident.members(thorough=False)
     mine = set(kin)
     return sorted(mine | {pid for pid in first if pid not in mine and ident.owns(pid)})
