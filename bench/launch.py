@@ -13,8 +13,11 @@ each repeated (A B C A B C ...) and reported as median [min-max]:
              launcher's own cost is what is measured; the check phase and the
              supervisors included) vs `pdsh -R ssh -f 64` running the same script vs a plain
              loop of `ssh ... &`. Also the launching process's peak memory, threads and CPU,
-             and, from one more launch outside the timed ones, the SSH commands (channels
-             that exec a command) and SFTP sessions it opened per node.
+             the nodes' CPU for the launch (each node's sshd and all it started, from
+             /proc: these nodes share the launcher's cores, so a launch's time at scale is
+             their CPU and the launcher's, added up), and, from one more launch outside the
+             timed ones, the SSH commands (channels that exec a command) and SFTP sessions it
+             opened per node.
   launch     a tiny gloo all_reduce at 3 and 8 nodes, start to done: `cluster up` (c10d and
              static rendezvous) vs bare torchrun started over an ssh loop; where cluster's time
              goes (run.json's timings: check, reach, start).
@@ -24,6 +27,8 @@ each repeated (A B C A B C ...) and reported as median [min-max]:
   plot       a PNG: fan-out time against N, log-log, for the three.
 
 Prints one line per measurement and the ratio against pdsh / bare torchrun from the same run.
+With --before DIR (a worktree of the code before a change: `git worktree add DIR COMMIT`),
+that code is measured too, A B A B in the same run, for fanout and teardown.
 """
 from __future__ import annotations
 
@@ -119,6 +124,20 @@ class Bench:
         return self.sn.write_inventory(self.home / f"inv-{nodes}.yaml",
                                        nodes=list(range(1, nodes + 1)), **defaults)
 
+    def node_cpu(self) -> float:
+        """CPU seconds the nodes have used: each node's sshd with every process it started and
+        reaped (its sessions, and in them the node's shell, python, the job), read from
+        /proc/PID/stat. Its rise over one launch is what that launch cost the nodes: on these
+        nodes it is paid on the launcher's two cores, on a real cluster by each node."""
+        tick, total = os.sysconf("SC_CLK_TCK"), 0
+        for proc in self.sn._procs.values():
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += sum(int(x) for x in fields[11:15])     # utime stime cutime cstime
+        return total / tick
+
     def clear(self) -> None:
         for p in self.markers.iterdir():
             p.unlink()
@@ -142,6 +161,7 @@ class Bench:
     def fanout_cluster(self, n: int, code: str = "cluster") -> tuple[float, dict]:
         self.clear()
         inv = self.inventory(n)
+        nodes0 = self.node_cpu()
         t0 = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "cluster", "up", "-i", inv, "--templates",
                                  str(self.tpl), "--", "x"], cwd=self.work, env=self.env_of(code),
@@ -154,7 +174,13 @@ class Bench:
         if proc.returncode != 0:
             raise SystemExit(f"cluster up failed: {proc.stderr.read()[-2000:]}")
         return took, {"rss_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
-                      "threads": peak.threads, "timings": self.timings()}
+                      "threads": peak.threads, "timings": self.timings(),
+                      "node_cpu_s": self.settled_node_cpu(nodes0)}
+
+    def settled_node_cpu(self, before: float) -> float:
+        """The nodes' CPU since `before`, once their sessions have ended and been reaped."""
+        time.sleep(0.5)
+        return self.node_cpu() - before
 
     def sessions_cluster(self, n: int) -> dict[str, dict[str, int]]:
         """One more fan-out launch, not timed: {node address: {"exec": SSH commands, "sftp":
@@ -170,9 +196,11 @@ class Bench:
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return json.loads(out.read_text())
 
-    def fanout_pdsh(self, n: int) -> tuple[float, float]:
-        """Seconds until every marker exists, and the CPU seconds of pdsh with its ssh clients."""
+    def fanout_pdsh(self, n: int) -> tuple[float, float, float]:
+        """Seconds until every marker exists, the CPU seconds of pdsh with its ssh clients, and
+        the nodes' CPU seconds."""
         self.clear()
+        nodes0 = self.node_cpu()
         t0 = time.monotonic()
         proc = subprocess.Popen(["pdsh", "-R", "ssh", "-f", "64", "-l", self.sn.user, "-w",
                                  ",".join(self.addrs[:n]), str(self.script)], env=self.env,
@@ -180,7 +208,7 @@ class Bench:
         took = self.until_marked(n, [proc], t0)
         _, _, usage = os.wait4(proc.pid, 0)
         proc.returncode = 0
-        return took, usage.ru_utime + usage.ru_stime
+        return took, usage.ru_utime + usage.ru_stime, self.settled_node_cpu(nodes0)
 
     def fanout_ssh_loop(self, n: int) -> float:
         self.clear()
@@ -298,22 +326,29 @@ def fanout(sizes: list[int], repeats: int, results: dict) -> None:
     for n in sizes:
         with SshNodes(n, max_sessions=50) as sn:
             b = Bench(sn, Path(tempfile.mkdtemp(prefix="cluster-bench-")))
-            for code in ROOTS:
-                b.fanout_cluster(n, code)            # warm-up: workdirs, host keys, caches
             ours: dict[str, list[float]] = {c: [] for c in ROOTS}
             facts: dict[str, list[dict]] = {c: [] for c in ROOTS}
-            pdsh, pdsh_cpu, loop = [], [], []
+            failed: dict[str, list[str]] = {c: [] for c in ROOTS}
+            for code in ROOTS:
+                attempt(b, n, code, failed)          # warm-up: workdirs, host keys, caches
+            pdsh, pdsh_cpu, pdsh_nodes, loop = [], [], [], []
             for _ in range(repeats):
                 for code in ROOTS:
-                    took, f = b.fanout_cluster(n, code)
-                    ours[code].append(took)
-                    facts[code].append(f)
-                took, cpu = b.fanout_pdsh(n)
+                    if (got := attempt(b, n, code, failed)) is not None:
+                        ours[code].append(got[0])
+                        facts[code].append(got[1])
+                took, cpu, nodes = b.fanout_pdsh(n)
                 pdsh.append(took)
                 pdsh_cpu.append(cpu)
+                pdsh_nodes.append(nodes)
                 loop.append(b.fanout_ssh_loop(n))
             for code in ROOTS:
-                fanout_line(n, code, ours, facts[code], pdsh, pdsh_cpu, loop)
+                if failed[code]:
+                    print(f"fanout {n:4d} nodes: {code} FAILED {len(failed[code])} of "
+                          f"{repeats + 1} launches: {failed[code][0][-300:]}", flush=True)
+                if ours[code] and (code == "cluster" or ours["cluster"]):
+                    fanout_line(n, code, ours, facts[code], pdsh, pdsh_cpu, loop)
+                    node_line(n, code, facts[code], pdsh_nodes)
             sessions = b.sessions_cluster(n)
             def per(kind: str) -> str:      # "1 on 31 nodes, 2 on 1"
                 counts: dict[int, int] = {}
@@ -323,10 +358,29 @@ def fanout(sizes: list[int], repeats: int, results: dict) -> None:
             print(f"fanout {n:4d} nodes: per node, SSH commands: {per('exec')}; SFTP sessions: "
                   f"{per('sftp')} (the master's second command is the port's listener)", flush=True)
             results["fanout"][n] = {"cluster": ours["cluster"], "pdsh": pdsh, "pdsh_cpu": pdsh_cpu,
+                                    "pdsh_node_cpu": pdsh_nodes,
                                     "ssh_loop": loop, "launcher": facts["cluster"],
                                     "sessions": sessions,
                                     **({"before": ours["before"], "launcher_before": facts["before"]}
                                        if "before" in ROOTS else {})}
+
+
+def attempt(b: Bench, n: int, code: str, failed: dict[str, list[str]]) -> tuple[float, dict] | None:
+    """One fan-out launch; a launch that fails is counted, not fatal (the code before a
+    change may fail where this code does not, or the other way round)."""
+    try:
+        return b.fanout_cluster(n, code)
+    except SystemExit as exc:
+        failed[code].append(str(exc).replace("\n", " "))
+        return None
+
+
+def node_line(n: int, code: str, facts: list[dict], pdsh_nodes: list[float]) -> None:
+    ours = statistics.median(x["node_cpu_s"] for x in facts)
+    theirs = statistics.median(pdsh_nodes)
+    print(f"fanout {n:4d} nodes: {code} node CPU {1000 * ours / n:.0f} ms per node (pdsh's "
+          f"{1000 * theirs / n:.0f} ms), with the launcher's {1000 * statistics.median(x['cpu_s'] for x in facts) / n:.0f} ms: "
+          f"{1000 * (ours + statistics.median(x['cpu_s'] for x in facts)) / n:.0f} ms of CPU per node in all", flush=True)
 
 
 def fanout_line(n: int, code: str, ours: dict[str, list[float]], facts: list[dict],
