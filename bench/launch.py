@@ -171,10 +171,11 @@ class Bench:
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         peak.stop()
+        lowest = peak.available_mb
         if proc.returncode != 0:
             raise SystemExit(f"cluster up failed: {proc.stderr.read()[-2000:]}")
         return took, {"rss_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
-                      "threads": peak.threads, "timings": self.timings(),
+                      "threads": peak.threads, "timings": self.timings(), "available_mb": lowest,
                       "node_cpu_s": self.settled_node_cpu(nodes0)}
 
     def settled_node_cpu(self, before: float) -> float:
@@ -256,15 +257,16 @@ class Bench:
 
     # -- teardown -----------------------------------------------------------------------------
 
-    def teardown(self, n: int, how: str, real_torchrun: bool, prog: Path,
+    def teardown(self, n: int, how: str, real_torchrun: bool, prog: Path | None,
                  code: str = "cluster") -> float:
         """Seconds from kill -9 of one worker (how='kill') or SIGINT to `cluster up`
-        (how='ctrl-c') until no process but sshd's is left in any node's namespace."""
+        (how='ctrl-c') until no process but sshd's is left in any node's namespace.
+        prog: a folder synced to every node first (None: the template needs nothing)."""
         inv = self.inventory(n)
         program = ["allreduce.py", "--sleep", "600"] if real_torchrun else ["agent.py"]
-        cmd = [sys.executable, "-m", "cluster", "up", "-i", inv, "--sync", str(prog), "--", *program]
-        if not real_torchrun:
-            cmd[cmd.index("--sync"):cmd.index("--sync")] = ["--templates", str(self.tpl_agent)]
+        cmd = [sys.executable, "-m", "cluster", "up", "-i", inv,
+               *(["--sync", str(prog)] if prog else []),
+               *([] if real_torchrun else ["--templates", str(self.tpl_agent)]), "--", *program]
         proc = subprocess.Popen(cmd, cwd=self.work, env=self.env_of(code), stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True, start_new_session=True)
         ready, seen = ("sleeping" if real_torchrun else "worker"), 0
@@ -278,9 +280,9 @@ class Bench:
             os.kill(victim, signal.SIGKILL)
         else:
             os.kill(proc.pid, signal.SIGINT)
-        while any(self.left(i) for i in range(1, n + 1)):
+        while left := self.left_anywhere():
             if time.monotonic() - t0 > 120:
-                raise SystemExit(f"teardown: still running after 120 s: {self.left(1)}")
+                raise SystemExit(f"teardown: still running after 120 s: {left[:5]}")
             time.sleep(0.02)
         took = time.monotonic() - t0
         proc.wait(60)
@@ -299,17 +301,32 @@ class Bench:
         from tests.integration.conftest import run_processes_in
         return run_processes_in(self.sn, node)
 
+    def left_anywhere(self) -> list[int]:
+        """Every process in any node's namespace but sshd's: one pass over /proc for all the
+        nodes (a pass per node is N passes, and at 64 nodes the looking slowed what it timed)."""
+        out = []
+        for pid in self.sn.network.processes_in():
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() != "sshd":
+                    out.append(pid)
+            except OSError:
+                continue
+        return out
+
 
 class Peak(threading.Thread):
-    """The most threads a process had, sampled from /proc."""
+    """The most threads a process had, and the least memory the machine had available,
+    sampled from /proc."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
         self.pid, self.threads, self.done = pid, 0, threading.Event()
+        self.available_mb = available_mb()
         self.start()
 
     def run(self) -> None:
         while not self.done.wait(0.05):
+            self.available_mb = min(self.available_mb, available_mb())
             try:
                 for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
                     if line.startswith("Threads:"):
@@ -319,6 +336,47 @@ class Peak(threading.Thread):
 
     def stop(self) -> None:
         self.done.set()
+
+
+def available_mb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# The lightest stand-in for a stop at scale: no Python besides the node's supervisor.
+SHELL_AGENT = "echo worker $$\nexec sleep 600\n"
+
+
+def scale(n: int, results: dict) -> None:
+    """One launch at n nodes (the most this machine holds): fan-out against pdsh, the
+    launcher's memory, threads and CPU, the nodes' CPU and the machine's memory at its
+    lowest; then a Ctrl-C stop of n nodes running a shell stand-in, to every node clean."""
+    from tests.integration.fixtures import SshNodes
+    t0 = time.monotonic()
+    with SshNodes(n, max_sessions=50) as sn:
+        up = time.monotonic() - t0
+        b = Bench(sn, Path(tempfile.mkdtemp(prefix="cluster-bench-")))
+        free0 = available_mb()
+        took, f = b.fanout_cluster(n)
+        ptook, pcpu, pnodes = b.fanout_pdsh(n)
+        print(f"scale {n} nodes ({up:.0f} s to bring up, {free0 / 1024:.1f} GiB available then): "
+              f"cluster {took:.1f} s, pdsh {ptook:.1f} s, cluster/pdsh {took / ptook:.2f}; "
+              f"launcher {f['rss_mb']:.0f} MB peak RSS, {f['threads']} threads "
+              f"({f['threads'] / n:.2f} per node), {f['cpu_s']:.1f} s CPU "
+              f"({1000 * f['cpu_s'] / n:.1f} ms per node; pdsh's ssh clients {1000 * pcpu / n:.1f}); "
+              f"nodes' CPU {1000 * f['node_cpu_s'] / n:.0f} ms per node (pdsh's {1000 * pnodes / n:.0f}); "
+              f"machine memory available at its lowest {f['available_mb'] / 1024:.1f} GiB; "
+              f"phases {f['timings']}", flush=True)
+        b.tpl_agent = b.tmp / "tpl-shell"
+        b.tpl_agent.mkdir()
+        (b.tpl_agent / "node.sh.j2").write_text(SHELL_AGENT)
+        stop = b.teardown(n, "ctrl-c", False, None)
+        print(f"scale {n} nodes: Ctrl-C, shell stand-in: {stop:.2f} s to every node clean", flush=True)
+        results["scale"][n] = {"cluster": took, "pdsh": ptook, "pdsh_cpu": pcpu,
+                               "pdsh_node_cpu": pnodes, "launcher": f, "stop_ctrl_c": stop,
+                               "bring_up": up, "available_before_mb": free0}
 
 
 def fanout(sizes: list[int], repeats: int, results: dict) -> None:
@@ -484,6 +542,8 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma-separated: fanout,launch,teardown")
     ap.add_argument("--plot", default="bench/results/launch-fanout.png")
     ap.add_argument("--json", default="", help="write the raw results here")
+    ap.add_argument("--scale", default="", help="node counts for one launch and one stop "
+                    "each at the most this machine holds (e.g. 1000)")
     ap.add_argument("--before", default="", help="a checkout of the code before a change "
                     "(git worktree add DIR COMMIT), measured A B A B beside this one")
     args = ap.parse_args()
@@ -496,7 +556,7 @@ def main() -> int:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))     # 256 sshds and their sockets
     skip = set(args.skip.split(","))
-    results: dict = {"fanout": {}, "launch": {}, "teardown": {}}
+    results: dict = {"fanout": {}, "launch": {}, "teardown": {}, "scale": {}}
     sizes = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     if "fanout" not in skip:
         fanout(sizes(args.fanout), args.repeats, results)
@@ -506,6 +566,8 @@ def main() -> int:
         launch(sizes(args.launch), args.repeats, results)
     if "teardown" not in skip:
         teardown(sizes(args.teardown), args.repeats, results)
+    for n in sizes(args.scale):
+        scale(n, results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -266,3 +266,61 @@ def test_a_closed_console_stops_the_display_not_the_watch(tmp_path: Path) -> Non
     assert done[0].ok and set(done[0].exits) == {"a 0", "b 1"}
     assert all(p.read_bytes() == b"".join(lines) for p in logs.values())
     c.info("after the pipe closed")            # a note is dropped too, never raised
+
+
+class PipeNode:
+    """A node whose output one thread can select on among many (backends.Selectable), as
+    local and SSH nodes are: a pipe, written by the test."""
+
+    def __init__(self, label: str) -> None:
+        self.node = type("N", (), {"label": label})()
+        self.r, self.w = __import__("os").pipe()
+        self.asked = self.stop_calls = 0
+        self.threads_seen = 0
+
+    def fileno(self) -> int:
+        return self.r
+
+    def read_ready(self):
+        data = __import__("os").read(self.r, 65536)
+        return [data] if data else None
+
+    def output(self):
+        raise AssertionError("a selectable node is read by the selector thread")
+
+    def wait(self) -> NodeExit:
+        self.threads_seen = threading.active_count()
+        return NodeExit(code=143 if self.asked else 0, signal=15 if self.asked else None)
+
+    def request_stop(self) -> None:
+        self.asked += 1
+        __import__("os").close(self.w)
+
+    def stop(self) -> dict:
+        self.stop_calls += 1
+        return {"signalled": [1], "killed": [], "left": []}
+
+
+def test_one_thread_reads_every_node_and_a_stop_asks_every_node_first(tmp_path: Path) -> None:
+    """200 nodes: their output is read by one thread (the launcher's threads do not grow with
+    the node count); the first failure asks every other node to stop before waiting for any."""
+    import os
+    c, out, _ = console()
+    nodes = [PipeNode(f"n{i} {i}") for i in range(200)]
+    before = threading.active_count()
+    for n in nodes[1:]:
+        os.write(n.w, f"hello from {n.node.label}\n".encode())
+    failing = nodes[0]
+
+    def fail_later() -> None:
+        time.sleep(0.3)
+        os.write(failing.w, b"boom\n")
+        os.close(failing.w)
+    threading.Thread(target=fail_later, daemon=True).start()
+    failing.wait = lambda: NodeExit(code=3)              # type: ignore[method-assign]
+    res = Watcher(nodes, c, {}, settle=5).run()
+    assert res.first_failure is not None and res.first_failure[0] == "n0 0"
+    assert all(n.asked == 1 and n.stop_calls == 1 for n in nodes[1:])
+    assert all(f"[{n.node.label}] hello from {n.node.label}" in out.getvalue() for n in nodes[1:])
+    # the reader, the few exit waiters, the stop's waiters: a constant, not a thread per node
+    assert max(n.threads_seen for n in nodes[1:]) - before <= 1 + 8 + 32
