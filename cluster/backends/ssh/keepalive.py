@@ -46,8 +46,15 @@ class _Answered(threading.Event):
 
 
 class AnsweringTransport(paramiko.Transport):
-    """paramiko's transport, asked whether it is alive without a thread waiting for each answer."""
+    """paramiko's transport, asked whether it is alive without a thread waiting for each answer.
 
+    Its reader thread wakes once a second when nothing comes, not ten times (paramiko's
+    default socket timeout, 0.1 s, is how often it looks whether it was closed): at 256 idle
+    connections that is 2,300 wake-ups a second fewer, each one taking the interpreter's lock
+    from the threads that do work. Nothing waits on it: close() marks the transport closed
+    and shuts its socket, which ends the reader's wait at once."""
+
+    _active_check_timeout = 1.0
     _answered: _Answered | None = None
 
     def ask(self) -> None:
