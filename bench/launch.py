@@ -512,15 +512,21 @@ def teardown(sizes: list[int], repeats: int, results: dict) -> None:
 
 
 def plot(results: dict, path: str) -> None:
+    """The fan-out against N (also from a --json file: python -c 'import json, bench.launch
+    as b; r = json.load(open(F)); r["fanout"] = {int(k): v for k, v in r["fanout"].items()};
+    b.plot(r, "out.png")')."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     data = results["fanout"]
     sizes = sorted(data)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("cluster", "cluster up"), ("pdsh", "pdsh -R ssh -f 64"),
-                       ("ssh_loop", "ssh loop (&)")):
-        ax.plot(sizes, [statistics.median(data[n][key]) for n in sizes], marker="o", label=label)
+    for key, label in (("cluster", "cluster up"), ("before", "cluster up, the code before"),
+                       ("pdsh", "pdsh -R ssh -f 64"), ("ssh_loop", "ssh loop (&)")):
+        shown = [n for n in sizes if data[n].get(key)]
+        if shown:
+            ax.plot(shown, [statistics.median(data[n][key]) for n in shown], marker="o",
+                    label=label, linestyle="--" if key == "before" else "-")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("nodes")
