@@ -354,6 +354,21 @@ def scale(n: int, results: dict) -> None:
     launcher's memory, threads and CPU, the nodes' CPU and the machine's memory at its
     lowest; then a Ctrl-C stop of n nodes running a shell stand-in, to every node clean."""
     from tests.integration.fixtures import SshNodes
+    # Past about 500 nodes on one segment the kernel's neighbour (ARP) table overflows at its
+    # defaults (gc_thresh3 1024, pruned from gc_thresh2 512): nodes answer "no route to host"
+    # or time out. A launcher host of 1,000 nodes on one L2 network needs the same.
+    neigh = Path("/proc/sys/net/ipv4/neigh/default")
+    saved = {k: (neigh / k).read_text() for k in ("gc_thresh1", "gc_thresh2", "gc_thresh3")}
+    for k, v in (("gc_thresh3", 4 * n + 1024), ("gc_thresh2", 2 * n + 512), ("gc_thresh1", n)):
+        (neigh / k).write_text(str(max(v, int(saved[k]))))
+    try:
+        scale_run(n, results, SshNodes)
+    finally:
+        for k in ("gc_thresh1", "gc_thresh2", "gc_thresh3"):
+            (neigh / k).write_text(saved[k])
+
+
+def scale_run(n: int, results: dict, SshNodes) -> None:
     t0 = time.monotonic()
     with SshNodes(n, max_sessions=50) as sn:
         up = time.monotonic() - t0

@@ -386,3 +386,21 @@ def test_transport_uses_the_name_block(monkeypatch, tmp_path: Path) -> None:
         assert conn.connect_kwargs["auth_strategy"].paths[0] == str(tmp_path / ".ssh/mine")
     finally:
         backend.close()
+
+
+def test_a_known_hosts_file_is_parsed_once_while_it_is_unchanged(tmp_path) -> None:
+    """Every connection of a launch reads the same known_hosts: parsed once (1,000 hosts
+    parsed again per connection made a 1,000-node launch's check quadratic), and again as
+    soon as it changes (accept-new appends)."""
+    from cluster.backends.ssh import known_hosts as kh
+    blob = paramiko.RSAKey.generate(1024).get_base64()
+    path = tmp_path / "known_hosts"
+    path.write_text("".join(f"10.0.{i // 250}.{i % 250} ssh-rsa {blob}\n" for i in range(1000)))
+    first = kh.read_entries(str(path))
+    assert len(first) == 1000 and kh.read_entries(str(path)) is first
+    with path.open("a") as f:
+        f.write(f"[node9]:2222 ssh-rsa {blob}\n")
+    again = kh.read_entries(str(path))
+    assert len(again) == 1001 and again is not first
+    assert again[-1].names("[node9]:2222") and not again[-1].names("[node9]:22")
+    assert kh.pattern_matches("10.0.*", "10.0.3.7") and not kh.pattern_matches("10.0.3.7", "10.0.3.70")

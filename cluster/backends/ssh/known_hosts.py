@@ -61,6 +61,8 @@ def key_name(hostname: str, port: int) -> str:
 def pattern_matches(pattern: str, name: str) -> bool:
     """OpenSSH's match_pattern: `*` and `?` are wildcards, every other character is literal
     (so `[10.0.0.1]:2222` is a plain name, not a character class)."""
+    if "*" not in pattern and "?" not in pattern:
+        return pattern == name          # a plain name: no pattern to compile (most lines)
     regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
     return re.fullmatch(regex, name, flags=re.DOTALL) is not None
 
@@ -123,11 +125,24 @@ def parse_line(text: str, file: str, lineno: int) -> Entry | None:
     return Entry(file=file, line=lineno, hosts=hosts, keytype=keytype, blob=blob, marker=marker)
 
 
+# path -> ((mtime_ns, size, inode), its entries): every connection of a launch reads the same
+# files, and a file of 1,000 hosts parsed once per connection is a launch's square.
+_PARSED: dict[str, tuple[tuple[int, int, int], list[Entry]]] = {}
+
+
 def read_entries(path: str) -> list[Entry]:
-    """Every key line of one file; a missing or unreadable file has none."""
+    """Every key line of one file; a missing or unreadable file has none. Parsed once while
+    the file is unchanged (accept-new's appends change it)."""
     try:
+        st = os.stat(path)
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        cached = _PARSED.get(path)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
         text = Path(path).read_text(errors="replace")
     except OSError:
         return []
     entries = (parse_line(line, path, n) for n, line in enumerate(text.splitlines(), start=1))
-    return [e for e in entries if e is not None]
+    found = [e for e in entries if e is not None]
+    _PARSED[path] = (stamp, found)
+    return found
