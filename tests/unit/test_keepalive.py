@@ -14,10 +14,12 @@ from cluster.backends.ssh.keepalive import AnsweringTransport, Keepalive
 
 
 class FakeConnection:
-    def __init__(self) -> None:
+    def __init__(self, clock=time.monotonic) -> None:
         self.answer = 0.0
         self.active = True
         self.asked = 0
+        self.clock = clock
+        self.question: float | None = None
 
     def is_active(self) -> bool:
         return self.active
@@ -27,6 +29,11 @@ class FakeConnection:
 
     def ask(self) -> None:
         self.asked += 1
+        if self.question is None or self.answer >= self.question:
+            self.question = self.clock()
+
+    def waiting_since(self) -> float | None:
+        return self.question if self.question is not None and self.answer < self.question else None
 
     def close(self) -> None:
         self.active = False
@@ -45,19 +52,23 @@ def watched(keepalive: Keepalive, label: str, conn: FakeConnection) -> None:
     keepalive._watched[id(conn)] = (label, conn, keepalive.clock())
 
 
-def test_a_connection_is_overdue_only_after_a_whole_period_without_an_answer() -> None:
+def test_a_connection_is_overdue_only_a_whole_period_after_an_unanswered_question() -> None:
     clock = Clock()
     ka = Keepalive(10.0, lambda _: None, clock=clock)
-    quiet, talking = FakeConnection(), FakeConnection()
-    watched(ka, "a", quiet)
-    watched(ka, "b", talking)
+    quiet, talking, unasked = FakeConnection(clock), FakeConnection(clock), FakeConnection(clock)
+    for label, conn in (("a", quiet), ("b", talking), ("c", unasked)):
+        watched(ka, label, conn)
+    quiet.ask()
+    talking.ask()
     clock.now += 9.9
     talking.answer = clock.now
-    assert ka.overdue() == []                      # a new connection has a whole period
+    assert ka.overdue() == []                      # a question has a whole period
     clock.now += 0.2
     assert [label for label, _, _ in ka.overdue()] == ["a"]
+    clock.now += 100                               # never asked (the asking thread is late):
+    assert "c" not in [label for label, _, _ in ka.overdue()]      # not silent
     quiet.active = False                           # a closed one leaves, and is never named
-    assert ka.overdue() == [] and len(ka._watched) == 1
+    assert ka.overdue() == [] and len(ka._watched) == 2     # b answered its question
 
 
 class FakeAnswering(AnsweringTransport, FakeConnection):

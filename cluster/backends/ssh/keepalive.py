@@ -57,10 +57,14 @@ class AnsweringTransport(paramiko.Transport):
     _active_check_timeout = 1.0
     _answered: _Answered | None = None
 
+    _asked: float | None = None        # when the oldest question still unanswered was sent
+
     def ask(self) -> None:
         """Send the question (a reply wanted); the answer updates answered_at()."""
         if self._answered is None:
             self._answered = _Answered()
+        if self._asked is None or self._answered.at >= self._asked:
+            self._asked = time.monotonic()
         if self.completion_event is not self._answered:
             self.completion_event = self._answered    # a rekey or global_request() may have
         m = paramiko.Message()                        # put its own there: ours again
@@ -71,6 +75,12 @@ class AnsweringTransport(paramiko.Transport):
 
     def answered_at(self) -> float:
         return self._answered.at if self._answered is not None else time.monotonic()
+
+    def waiting_since(self) -> float | None:
+        """When the oldest question not answered yet was sent; None when none is."""
+        if self._asked is None or self.answered_at() >= self._asked:
+            return None
+        return self._asked
 
 
 class Keepalive:
@@ -133,11 +143,12 @@ class Keepalive:
                 transport.close()
 
     def overdue(self) -> list[tuple[str, Any, float]]:
-        """The connections with no answer for a whole period (counted from the later of their
-        last answer and when they were first watched)."""
+        """The connections with a question unanswered for a whole period. Counted from the
+        question, not from the last answer: with a thousand connections under load the asking
+        thread itself may be late, and a connection not yet asked again is not silent."""
         now = self.clock()
         return [(label, t, since) for label, t, since in self._current()
-                if now - max(since, t.answered_at()) > self.period]
+                if (asked := t.waiting_since()) is not None and now - asked > self.period]
 
     def close(self) -> None:
         self._stopped.set()
