@@ -31,7 +31,7 @@ LAYERS = [
     ["cluster.network", "cluster.inventory"],
     ["cluster.spec", "cluster.request", "cluster.torchrun_options", "cluster.sbatch_options",
      "cluster.container_options"],
-    ["cluster.console", "cluster.nodes"],
+    ["cluster.console", "cluster.nodes", "cluster.readers"],
     ["cluster.errors"],
 ]
 PACKAGES = ("cluster.cli", "cluster.backends", "cluster.inventory")
