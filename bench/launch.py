@@ -274,7 +274,7 @@ class Bench:
             seen += ready in line
             if seen == n:
                 break
-        victim = self.worker_pid(n, real_torchrun)
+        victim = self.worker_pid(n, real_torchrun) if how == "kill" else 0
         t0 = time.monotonic()
         if how == "kill":
             os.kill(victim, signal.SIGKILL)
