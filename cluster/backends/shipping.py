@@ -62,13 +62,13 @@ BOOT = ("import os,sys,json,types\n"
         " if r is not None:sys.exit(r)\n")
 
 # Each node-side program of cluster/remote with the modules it imports, in load order.
-PROGRAMS = {"probe": ("probe",),
-            "status": ("status",),
-            "execute": ("family", "workers", "supervisor", "execute"),
-            "clean": ("family", "workers", "supervisor", "clean")}
 # What a run's start writes into the node's run directory beside its launch.sh: the supervisor
-# stays there, as the run's stop, status and logs run it.
-SUPERVISOR_FILES = ("supervisor", "workers", "family")
+# and what it imports stay there, as the run's stop, status and logs run it.
+SUPERVISOR_FILES = ("family", "workers", "rundir", "containers", "stopping", "supervisor")
+PROGRAMS = {"probe": ("containers", "probe"),
+            "status": ("status",),
+            "execute": (*SUPERVISOR_FILES, "execute"),
+            "clean": (*SUPERVISOR_FILES, "clean")}
 
 
 # The programs (module, command) that need the node's site-packages: the probe's facts find

@@ -22,7 +22,9 @@ import shutil
 import sys
 import time
 
-import supervisor  # noqa: E402  (loaded before this module by the bootloader)
+import rundir  # noqa: E402  (loaded before this module by the bootloader)
+import stopping  # noqa: E402
+import supervisor  # noqa: E402
 
 RUN_ID = re.compile(r"^(doctor-)?\d{8}-\d{6}-[0-9a-f]{4}$")   # doctor-: `cluster doctor --deep`
 FRESH = 600.0
@@ -104,10 +106,10 @@ def running(d):
     liveness, and any process carrying the run's identity (a supervisor that died hard leaves
     its workers running)."""
     state = supervisor.status(d)
-    if state.get("state") == "running" or supervisor.supervisor_alive(d):
+    if state.get("state") == "running" or stopping.supervisor_alive(d):
         return "running in %s (supervisor %s)" % (os.path.basename(d),
-                                                  supervisor.read_number(d, "supervisor.pid"))
-    ident = supervisor.identity(d, False)
+                                                  rundir.read_number(d, "supervisor.pid"))
+    ident = stopping.identity(d, False)
     members = ident.members() if ident is not None else []
     if members:
         return "processes of the run still alive in %s: %s" % (

@@ -30,6 +30,7 @@ import threading
 import time
 
 import family  # noqa: E402  (loaded before this module by the bootloader)
+import stopping  # noqa: E402
 import supervisor  # noqa: E402
 
 GRACE = 5.0
@@ -91,13 +92,13 @@ def where(cwd):
     return home, "workdir %s does not exist here; ran in %s" % (cwd, home)
 
 
-class ExecIdentity(supervisor.Identity):
+class ExecIdentity(stopping.Identity):
     """This exec on this node: processes whose environment carries its id and node name, its
     process group while this program (its owner) runs, and every descendant of this program
     outside its own session (family.py)."""
 
     def __init__(self, exec_id, node, pgid):
-        supervisor.Identity.__init__(self, exec_id, node, pgid, True, os.getpid())
+        stopping.Identity.__init__(self, exec_id, node, pgid, True, os.getpid())
         self.want = [("CLUSTER_EXEC_ID=%s" % exec_id).encode(), ("CLUSTER_NODE=%s" % node).encode()]
 
 
@@ -120,13 +121,13 @@ def terminate(ident, grace):
 
 
 def watch(child, ident, out, opts):
-    stopping, stopped = threading.Event(), threading.Event()
+    ending, stopped = threading.Event(), threading.Event()
     report = {}  # type: dict[str, object]
 
     def stop(reason):
-        if stopping.is_set():
+        if ending.is_set():
             return
-        stopping.set()
+        ending.set()
         report.update(terminate(ident, opts["grace"]), reason=reason)
         stopped.set()
 
@@ -136,12 +137,12 @@ def watch(child, ident, out, opts):
     pump = threading.Thread(target=copy, args=(child.stdout, out), daemon=True)
     pump.start()
     code = child.wait()
-    if stopping.is_set():
+    if ending.is_set():
         stopped.wait()
         key = "stopped"
     else:
         # What the command started in the background ends with it (as under `cluster up`).
-        stopping.set()
+        ending.set()
         report.update(terminate(ident, opts["grace"]))
         key = "leftovers"
     pump.join(timeout=2.0)

@@ -29,12 +29,12 @@ import json
 import os
 import re
 import select
-import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
+
+import containers  # noqa: E402  (loaded before this module by the bootloader)
 
 
 def main(argv=None):
@@ -103,8 +103,8 @@ def facts(args):
         addr, _, port = args.connect.rpartition(":")
         out["reach"] = connect(addr, int(port), args.connect_timeout)
     if args.container_runtime:
-        out["container"] = container_facts(args.container_runtime, args.container_image,
-                                           args.deep)
+        out["container"] = containers.container_facts(args.container_runtime,
+                                                      args.container_image, args.deep)
     if args.deep:
         out.update(deep_facts(out.get("workdir") or out.get("dir") or "."))
     out["time_start"], out["time"] = started, time.time()
@@ -187,86 +187,6 @@ def port_free(port):
         return exc.errno not in (errno.EADDRINUSE, errno.EACCES)
     finally:
         s.close()
-
-
-# --- the container runtime and image ------------------------------------------------------------
-
-def runtime_start(argv):
-    """A runtime command, started in a session of its own (what it starts can be ended with
-    it): its Popen, or what kept it from starting (a string)."""
-    try:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-
-
-def runtime_kill(proc):
-    """End a runtime command and what it started: its process group, which is its alone (its
-    own session, and not yet waited for, so the id cannot have been reused). Its pipes are not
-    read again: a process it left could hold them open."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    proc.wait()
-    proc.stdout.close()
-    proc.stderr.close()
-
-
-def runtime_result(proc, timeout):
-    """(exit code, standard output, what it said on error) of a runtime command started by
-    runtime_start; code None when it could not run or did not end within timeout (it is
-    killed then). Its warnings on stderr never mix into a value."""
-    if isinstance(proc, str):
-        return None, "", proc
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        runtime_kill(proc)
-        return None, "", "no answer within %g s" % timeout
-    out = stdout.decode("utf-8", "replace").strip()
-    err = stderr.decode("utf-8", "replace").strip()
-    said = [line for line in (err or out).splitlines() if "level=warning" not in line]
-    return proc.returncode, out, "\n".join(said) or "exit code %d" % proc.returncode
-
-
-def runtime_call(argv, timeout):
-    return runtime_result(runtime_start(argv), timeout)
-
-
-def container_facts(runtime, image, look_remote):
-    """The runtime's version, and the image's id here; when it is not here and look_remote,
-    whether its registry has it (the manifest only: nothing is pulled)."""
-    out = {"runtime": runtime, "image": image, "version": None, "image_id": None}
-    if not shutil.which(runtime):
-        out["error"] = "%s is not installed here (not on PATH: %s)" % (
-            runtime, os.environ.get("PATH", ""))
-        return out
-    # Both at once: each is a process of tens of milliseconds (the image's, a round trip to the
-    # runtime's daemon), on every node of a launch, before the node can answer.
-    version = runtime_start([runtime, "--version"])
-    inspect = runtime_start([runtime, "image", "inspect", "--format", "{{.Id}}", image])
-    code, text, said = runtime_result(version, 30)
-    if code != 0:
-        runtime_result(inspect, 0)       # not needed: ended, or killed now
-        out["error"] = "%s: %s" % (runtime, said)
-        return out
-    out["version"] = text.splitlines()[0] if text else runtime
-    code, text, said = runtime_result(inspect, 60)
-    if code == 0:
-        out["image_id"] = text.splitlines()[-1] if text else "?"
-        return out
-    lowered = said.lower()
-    if code is None or not ("no such image" in lowered or "image not known" in lowered):
-        out["error"] = "%s: %s" % (runtime, said[-400:])
-        return out
-    if look_remote:
-        code, text, said = runtime_call([runtime, "manifest", "inspect", image], 60)
-        out["pullable"] = code == 0
-        if code != 0:
-            out["pull_error"] = said.splitlines()[-1][-300:]
-    return out
 
 
 # --- the network interface ---------------------------------------------------------------------

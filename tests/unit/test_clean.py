@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cluster.backends.local import LocalTransport, local_inventory
-from cluster.backends.shipping import SUPERVISOR
+from cluster.backends.shipping import SUPERVISOR, SUPERVISOR_FILES
 from cluster.backends.supervised import SupervisedBackend, SupervisedNode
 from cluster.clean import clean_nodes, clean_records, parse_duration, verdict
 from cluster.errors import InputError
@@ -227,9 +227,8 @@ def test_reading_a_runs_status_is_no_activity(tmp_path: Path, backend) -> None:
     """`cluster status` (and the records' check) runs the supervisor in the node folder, and
     Python caches its helper there: an old run must stay old."""
     d = node_folder(tmp_path, "20250101-000000-aaaa", {"exit": "{}"})
-    (d / "supervisor.py").write_text(SUPERVISOR.read_text())
-    (d / "workers.py").write_text(SUPERVISOR.with_name("workers.py").read_text())
-    (d / "family.py").write_text(SUPERVISOR.with_name("family.py").read_text())
+    for name in SUPERVISOR_FILES:       # as a run's start leaves them
+        (d / f"{name}.py").write_text(SUPERVISOR.with_name(f"{name}.py").read_text())
     make_old(d.parent, 8 * DAY)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     subprocess.run([sys.executable, str(d / "supervisor.py"), "status", str(d)], check=True,

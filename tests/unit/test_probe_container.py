@@ -1,4 +1,4 @@
-"""The probe's container facts (remote/probe.py) with a stand-in runtime on PATH: the runtime's
+"""The probe's container facts (remote/containers.py) with a stand-in runtime on PATH: the runtime's
 version and the image's id are asked at once (each a process of tens of milliseconds on every
 node of a launch), and what each says still lands where it did when they ran one after the
 other."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.remote import probe
+from cluster.remote import containers
 
 # A runtime that answers as docker does, slowly: SLEEP seconds per command.
 RUNTIME = """#!/bin/sh
@@ -39,7 +39,7 @@ def test_the_version_and_the_image_are_asked_at_once(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     rt = runtime(tmp_path, monkeypatch, sleep=0.8)
     t0 = time.monotonic()
-    out = probe.container_facts(rt, "img:1", look_remote=False)
+    out = containers.container_facts(rt, "img:1", look_remote=False)
     took = time.monotonic() - t0
     assert out["version"] == "Docker version 27.0.1, build abc"
     assert out["image_id"] == "sha256:1234"
@@ -56,7 +56,7 @@ def test_a_runtime_that_fails_says_so_and_its_image_question_is_not_waited_for(
                  version="sleep 0.3; echo 'cannot connect to the daemon' >&2; exit 1",
                  image=f"echo $$ > {pid_file}; sleep 30; echo sha256:late")
     t0 = time.monotonic()
-    out = probe.container_facts(rt, "img:1", look_remote=False)
+    out = containers.container_facts(rt, "img:1", look_remote=False)
     assert time.monotonic() - t0 < 10
     assert out["error"] == "fakerun: cannot connect to the daemon"
     assert out["version"] is None and out["image_id"] is None
@@ -88,16 +88,16 @@ def test_an_image_not_here_is_looked_for_in_its_registry(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     rt = runtime(tmp_path, monkeypatch,
                  image="echo 'Error: No such image: img:1' >&2; exit 1")
-    out = probe.container_facts(rt, "img:1", look_remote=True)
+    out = containers.container_facts(rt, "img:1", look_remote=True)
     assert out["version"] == "Docker version 27.0.1, build abc"
     assert out["image_id"] is None and out["pullable"] is True
     assert "error" not in out
-    out = probe.container_facts(rt, "img:1", look_remote=False)
+    out = containers.container_facts(rt, "img:1", look_remote=False)
     assert "pullable" not in out and "error" not in out
 
 
 def test_an_image_question_that_fails_otherwise_is_an_error(tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     rt = runtime(tmp_path, monkeypatch, image="echo 'permission denied' >&2; exit 125")
-    out = probe.container_facts(rt, "img:1", look_remote=False)
+    out = containers.container_facts(rt, "img:1", look_remote=False)
     assert out["error"] == "fakerun: permission denied"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.console import Console as RichConsole
 
-from cluster.backends.shipping import BOOT, SUPERVISOR, program
+from cluster.backends.shipping import BOOT, SUPERVISOR, SUPERVISOR_FILES, program
 from cluster.backends.transport import Result
 from cluster.errors import ClusterError
 from cluster.nodes import NodeStatus
@@ -34,9 +34,8 @@ echo "1, [N/A], 1024, 81920"
 def node_dir(tmp_path: Path, state: dict) -> Path:
     d = tmp_path / "node"
     d.mkdir()
-    (d / "supervisor.py").write_text(SUPERVISOR.read_text())
-    (d / "workers.py").write_text(SUPERVISOR.with_name("workers.py").read_text())
-    (d / "family.py").write_text(SUPERVISOR.with_name("family.py").read_text())
+    for name in SUPERVISOR_FILES:       # as a run's start leaves them
+        (d / f"{name}.py").write_text(SUPERVISOR.with_name(f"{name}.py").read_text())
     for name, value in state.items():
         (d / name).write_text(value)
     return d
