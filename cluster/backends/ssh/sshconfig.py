@@ -12,12 +12,72 @@ down for this host, and the other nodes reach the host by it too, so a HostName 
 is set aside (and reported). When the inventory gives no address (it is then the name), the
 config's HostName is the destination, as for `ssh <name>`. The inventory's user, port and
 identity_file win over the config's (transport.py).
+
+A lookup reads only the blocks that can apply to the host (IndexedSSHConfig): a config with a
+Host block per node (as generated configs have) made each of a launch's lookups read all of
+them, and a launch of N nodes N-squared blocks (at 1,000 nodes most of its check).
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from paramiko.config import SSHConfig, SSHConfigDict
+
+# What makes a Host pattern more than a plain name (fnmatch's wildcards; '!' negates).
+WILDCARDS = frozenset("*?[")
+
+
+class IndexedSSHConfig(SSHConfig):
+    """paramiko's SSHConfig, whose lookup hands paramiko only the blocks that can apply to the
+    host, in their order: every block but a Host block of plain names that does not name it.
+    Such a block matches only a host spelled as one of its names (fnmatch of a pattern without
+    wildcards is string equality), so leaving it out changes nothing; Match blocks, wildcard and
+    negated patterns are always read. A config that canonicalizes host names (the name looked
+    up changes midway) is read whole. Uses paramiko's block list (`_config`, in this class
+    alone); tests/unit/test_sshconfig.py holds it to paramiko's own lookup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._indexed = -1                       # the block count the index was built for
+        self._always: list[int] = []
+        self._by_name: dict[str, list[int]] = {}
+        self._whole = False
+
+    @classmethod
+    def from_files(cls, paths: Iterable[str]) -> "IndexedSSHConfig":
+        """The files' blocks in order (missing files are skipped, as Fabric does)."""
+        config = cls()
+        for path in paths:
+            if os.path.isfile(path):
+                with open(path) as f:
+                    config.parse(f)
+        return config
+
+    def lookup(self, hostname: str) -> SSHConfigDict:
+        blocks: list[dict[str, Any]] = self._config  # type: ignore[attr-defined]
+        if len(blocks) != self._indexed:
+            self._index(blocks)
+        if self._whole:
+            return super().lookup(hostname)
+        picked = sorted(self._always + self._by_name.get(hostname, []))
+        some = SSHConfig()
+        some._config = [blocks[i] for i in picked]  # type: ignore[attr-defined]
+        return some.lookup(hostname)
+
+    def _index(self, blocks: list[dict[str, Any]]) -> None:
+        self._always, self._by_name, self._indexed = [], {}, len(blocks)
+        self._whole = any("canonicalizehostname" in b["config"] for b in blocks)
+        for i, block in enumerate(blocks):
+            names = block.get("host")
+            if not names or "matches" in block or any(
+                    n.startswith("!") or WILDCARDS.intersection(n) for n in names):
+                self._always.append(i)
+                continue
+            for name in dict.fromkeys(names):
+                self._by_name.setdefault(name, []).append(i)
 
 
 @dataclass(frozen=True)
