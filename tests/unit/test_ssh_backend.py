@@ -150,9 +150,10 @@ def test_only_ssh_package_imports_paramiko():
     assert offenders == []
 
 
-def test_connections_made_at_once_from_many_threads_share_no_config(tmp_path: Path) -> None:
-    """Fabric writes into the config a Connection is given; a shared one, re-merged while other
-    threads read it, raised "No attribute or config key found for 'gateway'" at 128 nodes."""
+def test_connections_made_at_once_from_many_threads_share_one_unwritten_config(tmp_path: Path) -> None:
+    """One Fabric config for every connection (a clone each cost ~15 ms per node), which nothing
+    writes into: a write re-merges it, and other threads reading it meanwhile raised "No
+    attribute or config key found for 'gateway'" at 128 nodes. A write would raise here."""
     import threading
     from cluster.backends.ssh.transport import SshTransport, fabric_config
     from cluster.spec import Host, SshSettings
@@ -177,8 +178,27 @@ def test_connections_made_at_once_from_many_threads_share_no_config(tmp_path: Pa
     for t in threads:
         t.join()
     assert errors == []
-    assert len(made) == 320 and all(c.config is not config for c in made)
+    assert len(made) == 320 and all(c.config is config for c in made)
     assert dict(config) == before                   # the shared config was never written
+
+
+def test_the_shared_config_refuses_a_write_and_a_jump_hosts_node_gets_its_own(tmp_path: Path) -> None:
+    """Fabric writes a ProxyJump hop's IdentityFile lines into its node's config: that node's
+    connection has a clone of its own, and the hop's options from the ssh config are there."""
+    from cluster.backends.ssh.transport import SshTransport, fabric_config
+    from cluster.spec import Host, SshSettings
+    ssh = tmp_path / "config"
+    ssh.write_text("Host inner\n    ProxyJump bastion\nHost bastion\n    User hopper\n"
+                   "    IdentityFile ~/.ssh/hop_key\n")
+    config = fabric_config(str(ssh))
+    with pytest.raises(RuntimeError, match="shared Fabric config was written"):
+        config.connect_kwargs["key_filename"] = ["x"]
+    host = Host(name="inner", address="inner", user="u", port=22)
+    conn = SshTransport(host, SshSettings(), "off", config, warn=lambda _: None)._make(
+        "inner", "u", 22, 5.0)
+    assert conn.config is not config
+    assert conn.gateway.user == "hopper" and conn.gateway.host == "bastion"
+    assert any(k.endswith("hop_key") for k in conn.gateway.connect_kwargs["auth_strategy"].paths)
 
 
 class FakeHop:

@@ -22,14 +22,45 @@ from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, kno
 from .identities import BatchAuth, identity_paths
 from .keepalive import KEEPALIVE_PROBES, Keepalive
 from .known_hosts import key_name
-from .sshconfig import host_config
+from .sshconfig import IndexedSSHConfig, host_config
 
 
-def fabric_config(path: str | None) -> Config:
-    """Fabric's config with the given ssh config file (missing is fine) and the system one."""
-    user = os.path.expanduser(path) if path else os.devnull
-    system = "/etc/ssh/ssh_config" if path else os.devnull
-    return Config(user_ssh_path=user, system_ssh_path=system)
+class SharedConfig(Config):
+    """The one Fabric config every node's Connection is given. A clone per connection (a deep
+    copy of all of Fabric's settings) cost each node about 15 ms of the launcher's CPU. Shared,
+    nothing may write into it: a write re-merges the whole config, and another thread reading
+    it meanwhile found it empty ("No attribute or config key found for 'gateway'" at 128
+    nodes). So a write raises; Fabric writes only a ProxyJump hop's IdentityFile lines, and a
+    node behind a jump host gets a clone of its own (its clones are writable)."""
+
+    def _modify(self, keypath: Any, key: str, value: Any) -> None:
+        self._refuse(key)
+        super()._modify(keypath, key, value)
+
+    def _remove(self, keypath: Any, key: str) -> None:
+        self._refuse(key)
+        super()._remove(keypath, key)
+
+    def _refuse(self, key: str) -> None:
+        if self.__dict__.get("_shared"):
+            raise RuntimeError(f"cluster: the shared Fabric config was written ({key!r})")
+
+
+class NodeConnection(Connection):
+    """Fabric's Connection with `inline_ssh_env` a plain attribute. Fabric sets it on every
+    Connection, and an attribute its class does not declare is written into the connection's
+    config (invoke's DataProxy), which here is the shared one."""
+
+    inline_ssh_env = None
+
+
+def fabric_config(path: str | None) -> SharedConfig:
+    """Fabric's config with the given ssh config file (missing is fine) and the system one,
+    shared by every connection (SharedConfig)."""
+    files = [os.path.expanduser(path), "/etc/ssh/ssh_config"] if path else []
+    config = SharedConfig(ssh_config=IndexedSSHConfig.from_files(files))
+    config._set(_shared=True)
+    return config
 
 
 class SshChannel:
@@ -193,10 +224,9 @@ class SshTransport:
                       f"HostName {found.set_aside} from the ssh config is not used")
         user = user or ssh_cfg.get("user") or self.config.user
         port = port or int(ssh_cfg.get("port", 22))
-        # A config of its own: Fabric writes some settings (inline_ssh_env) into the config it
-        # is given, and a write re-merges it: another thread reading the shared one meanwhile
-        # saw it empty ("No attribute or config key found for 'gateway'" at 128 nodes).
-        conn = Connection(found.destination, user=user, port=port, config=self.config.clone())
+        # Behind a jump host, a config of its own: Fabric writes the hops' IdentityFile into it.
+        config = self.config.clone() if "proxyjump" in ssh_cfg else self.config
+        conn = NodeConnection(found.destination, user=user, port=port, config=config)
         conn.host, conn.ssh_config = found.destination, ssh_cfg
         conn.gateway = conn.get_gateway()   # ProxyJump/ProxyCommand of the merged options
         self._prepare(conn, timeout, self.host.identity_file)
