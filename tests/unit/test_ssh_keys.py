@@ -11,6 +11,8 @@ from pathlib import Path
 
 import paramiko
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cluster.backends.ssh import (AcceptNewPolicy, Attempt, AuthFailed, ChangedKey,
                                   HostKeyChanged, HostKeyRevoked, HostKeyUnknown, KeysRefused,
@@ -265,6 +267,20 @@ def test_read_identity(tmp_path: Path) -> None:
     assert "not a private key" in (read_identity(str(tmp_path / "junk")).problem or "")
 
 
+@needs_keygen
+def test_a_key_is_read_once_while_it_and_its_pub_are_unchanged(tmp_path: Path) -> None:
+    """Every connection of a launch offers the same keys: parsed once (2 ms each), again as
+    soon as the key or KEY.pub changes."""
+    key = keygen(tmp_path / "k")
+    first = read_identity(str(key))
+    assert first.key is not None and read_identity(str(key)) is first
+    Path(f"{key}.pub").unlink()
+    assert read_identity(str(key)) is not first
+    keygen(tmp_path / "k2")
+    Path(f"{tmp_path}/k2").replace(key)                        # another key, same path
+    assert read_identity(str(key)).public != first.public
+
+
 def test_identity_paths(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     assert identity_paths("~/inv", ["~/a", str(tmp_path / "inv"), "~/b"]) == \
@@ -404,3 +420,41 @@ def test_a_known_hosts_file_is_parsed_once_while_it_is_unchanged(tmp_path) -> No
     assert len(again) == 1001 and again is not first
     assert again[-1].names("[node9]:2222") and not again[-1].names("[node9]:22")
     assert kh.pattern_matches("10.0.*", "10.0.3.7") and not kh.pattern_matches("10.0.3.7", "10.0.3.70")
+
+
+KH_NAMES = ["node1", "Node1", "10.0.0.1", "[node1]:2222", "gpu-a", "gpu-b"]
+KH_FIELDS = ["node1", "NODE1", "node1,10.0.0.1", "10.0.0.1,gpu-a", "gpu-*", "!gpu-b,gpu-*",
+             "node?", "[node1]:2222", "*", "gpu-a,,gpu-b", "!node1"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(KH_FIELDS + ["HASH"]), st.sampled_from(KH_NAMES),
+                          st.sampled_from(["", "@revoked ", "@cert-authority "])), max_size=12),
+       st.sampled_from(KH_NAMES + ["other"]))
+def test_a_files_lines_for_a_host_are_those_that_name_it(lines, host) -> None:
+    """The index answers as asking every line would, in file order: plain names, lists,
+    patterns, negations, hashed names and markers, whatever the case."""
+    from cluster.backends.ssh import known_hosts as kh
+    text = "".join(f"{marker}{kh.hash_name(name) if field == 'HASH' else field} ssh-ed25519 "
+                   f"{base64.b64encode(b'key%d' % i).decode()}\n"
+                   for i, (field, name, marker) in enumerate(lines))
+    entries = [e for n, line in enumerate(text.splitlines(), 1)
+               if (e := kh.parse_line(line, "f", n)) is not None]
+    assert len(entries) == len(lines)
+    index = kh.FileIndex(entries)
+    want = [e for e in entries if e.names(host)]
+    assert index.naming(host) == want and index.naming(host) == want     # asked twice
+
+
+def test_a_host_among_a_thousand_plain_lines_is_found_without_asking_each(tmp_path, monkeypatch) -> None:
+    from cluster.backends.ssh import known_hosts as kh
+    blob = paramiko.RSAKey.generate(1024).get_base64()
+    path = tmp_path / "known_hosts"
+    path.write_text("".join(f"node{i},10.0.{i // 250}.{i % 250} ssh-rsa {blob}\n" for i in range(1000))
+                    + f"gpu-* ssh-rsa {blob}\n")
+    index = kh.file_index(str(path))
+    asked: list[str] = []
+    real = kh.Entry.names
+    monkeypatch.setattr(kh.Entry, "names", lambda self, host: asked.append(self.hosts) or real(self, host))
+    found = index.naming("10.0.2.17")
+    assert [e.line for e in found] == [518] and asked == ["gpu-*"]

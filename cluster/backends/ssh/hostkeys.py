@@ -27,7 +27,7 @@ import paramiko
 
 from .keepalive import AnsweringTransport
 
-from .known_hosts import Entry, hash_name, read_entries
+from .known_hosts import Entry, file_index, hash_name, read_entries
 
 USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
 GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
@@ -106,7 +106,7 @@ class KnownHosts:
 
     def entries_for(self, hostname: str) -> list[Entry]:
         """Every line that names hostname (`host` or `[host]:port`), in file order."""
-        return [e for e in self.entries() if e.names(hostname)]
+        return [e for f in self.files if os.path.isfile(f) for e in file_index(f).naming(hostname)]
 
     def check(self, hostname: str, key: paramiko.PKey) -> Verdict:
         lines = self.entries_for(hostname)

@@ -125,14 +125,49 @@ def parse_line(text: str, file: str, lineno: int) -> Entry | None:
     return Entry(file=file, line=lineno, hosts=hosts, keytype=keytype, blob=blob, marker=marker)
 
 
-# path -> ((mtime_ns, size, inode), its entries): every connection of a launch reads the same
+class FileIndex:
+    """One file's key lines, and which of them name a host. A line of plain names (`host`,
+    `host,10.0.0.1`: what ssh writes) is found by its names at once; a line of patterns, with a
+    negation, or a hashed name is asked one by one. Each host's answer is kept: a connection
+    asks for its host's lines more than once, and each of a launch's N connections asking all
+    N lines was a launch's square."""
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.entries = entries
+        self.by_name: dict[str, list[Entry]] = {}
+        self.others: list[Entry] = []
+        self._found: dict[str, list[Entry]] = {}
+        for e in entries:
+            names = [] if e.hashed else [n for n in e.hosts.lower().split(",") if n]
+            if not names or any(n.startswith("!") or "*" in n or "?" in n for n in names):
+                self.others.append(e)
+                continue
+            for name in dict.fromkeys(names):
+                self.by_name.setdefault(name, []).append(e)
+
+    def naming(self, host: str) -> list[Entry]:
+        """The lines that name host, in file order."""
+        found = self._found.get(host)
+        if found is None:
+            found = self.by_name.get(host.lower(), []) + [e for e in self.others if e.names(host)]
+            found.sort(key=lambda e: e.line)
+            self._found[host] = found
+        return found
+
+
+# path -> ((mtime_ns, size, inode), its lines): every connection of a launch reads the same
 # files, and a file of 1,000 hosts parsed once per connection is a launch's square.
-_PARSED: dict[str, tuple[tuple[int, int, int], list[Entry]]] = {}
+_PARSED: dict[str, tuple[tuple[int, int, int], FileIndex]] = {}
 
 
 def read_entries(path: str) -> list[Entry]:
-    """Every key line of one file; a missing or unreadable file has none. Parsed once while
-    the file is unchanged (accept-new's appends change it)."""
+    """Every key line of one file; a missing or unreadable file has none."""
+    return file_index(path).entries
+
+
+def file_index(path: str) -> FileIndex:
+    """One file's lines, parsed once while the file is unchanged (accept-new's appends change
+    it); a missing or unreadable file has none."""
     try:
         st = os.stat(path)
         stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -141,8 +176,8 @@ def read_entries(path: str) -> list[Entry]:
             return cached[1]
         text = Path(path).read_text(errors="replace")
     except OSError:
-        return []
+        return FileIndex([])
     entries = (parse_line(line, path, n) for n, line in enumerate(text.splitlines(), start=1))
-    found = [e for e in entries if e is not None]
-    _PARSED[path] = (stamp, found)
-    return found
+    index = FileIndex([e for e in entries if e is not None])
+    _PARSED[path] = (stamp, index)
+    return index
