@@ -92,7 +92,33 @@ def public_file(path: str) -> bytes | None:
         return None
 
 
+# path -> (the key file's and KEY.pub's stamps, what they hold): every connection of a launch
+# offers the same keys, and parsing a key costs about 2 ms (a launch's CPU per node, else).
+_READ: dict[str, tuple[tuple[Any, ...], Identity]] = {}
+
+
+def _stamp(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
 def read_identity(path: str) -> Identity:
+    """What the key file holds, read once while it and KEY.pub are unchanged (in memory)."""
+    stamp = (_stamp(path), _stamp(path + ".pub"))
+    if stamp[0] is None:
+        return _read_identity(path)          # says why, as a read would
+    cached = _READ.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    identity = _read_identity(path)
+    _READ[path] = (stamp, identity)
+    return identity
+
+
+def _read_identity(path: str) -> Identity:
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
