@@ -162,13 +162,11 @@ class RunDir:
         return json.loads((self.path / "run.json").read_text())
 
     def hosts(self) -> list[spec.Host]:
-        import yaml
-        data = yaml.safe_load((self.path / "inventory.yaml").read_text())
+        data = spec.record_yaml((self.path / "inventory.yaml").read_text())
         return [spec.host_from_dict(h) for h in data["hosts"]]
 
     def inventory(self) -> spec.Inventory:
-        import yaml
-        data = yaml.safe_load((self.path / "inventory.yaml").read_text())
+        data = spec.record_yaml((self.path / "inventory.yaml").read_text())
         return spec.Inventory(
             hosts=tuple(spec.host_from_dict(h) for h in data["hosts"]),
             source=data.get("source"), backend=data.get("backend", "ssh"),

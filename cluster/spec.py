@@ -357,6 +357,18 @@ def expand_names(expr: str, what: str) -> list[str]:
 
 
 
+# libyaml's safe dumper and loader where PyYAML has them (the same YAML, several times faster: a
+# run's record of 1,000 hosts took half a second in pure Python); a run's inventory.yaml is read
+# back by record_yaml.
+SAFE_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def record_yaml(text: str) -> Any:
+    """A run directory's YAML (inventory.yaml), as dump wrote it."""
+    return yaml.load(text, Loader=SAFE_LOADER)
+
+
 def dump(inv: Inventory) -> str:
     """The inventory as loaded (every default applied), as YAML, for the run directory."""
     def host(h: Host) -> dict[str, Any]:
@@ -374,7 +386,7 @@ def dump(inv: Inventory) -> str:
             "ssh": dataclasses.asdict(inv.ssh),
             "slurm": {**dataclasses.asdict(inv.slurm), "extra": dict(inv.slurm.extra)},
             "hosts": [host(h) for h in inv.hosts]}
-    return yaml.safe_dump(data, sort_keys=False)
+    return yaml.dump(data, Dumper=SAFE_DUMPER, sort_keys=False)
 
 
 def container_dict(container: Container | None) -> dict[str, Any] | None:
