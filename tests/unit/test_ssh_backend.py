@@ -189,7 +189,7 @@ def test_the_shared_config_refuses_a_write_and_a_jump_hosts_node_gets_its_own(tm
     from cluster.spec import Host, SshSettings
     ssh = tmp_path / "config"
     ssh.write_text("Host inner\n    ProxyJump bastion\nHost bastion\n    User hopper\n"
-                   "    IdentityFile ~/.ssh/hop_key\n")
+                   "    IdentityFile ~/.ssh/hop_key\nHost plain\n    IdentityFile ~/.ssh/own_key\n")
     config = fabric_config(str(ssh))
     with pytest.raises(RuntimeError, match="shared Fabric config was written"):
         config.connect_kwargs["key_filename"] = ["x"]
@@ -199,6 +199,21 @@ def test_the_shared_config_refuses_a_write_and_a_jump_hosts_node_gets_its_own(tm
     assert conn.config is not config
     assert conn.gateway.user == "hopper" and conn.gateway.host == "bastion"
     assert any(k.endswith("hop_key") for k in conn.gateway.connect_kwargs["auth_strategy"].paths)
+    # A host with IdentityFile lines of its own, no jump: the shared config, nothing written
+    # (Fabric adds those lines to a Connection's connect_kwargs when it is given none).
+    host = Host(name="plain", address="plain", user="u", port=22)
+    conn = SshTransport(host, SshSettings(), "off", config, warn=lambda _: None)._make(
+        "plain", "u", 22, 5.0)
+    assert conn.config is config
+    assert any(k.endswith("own_key") for k in conn.connect_kwargs["auth_strategy"].paths)
+    # Fabric's clone() reads the ssh config files again into the config it clones from: with
+    # a config loaded from files, N connections left N copies of every block (and each clone
+    # deep-copied them all). Ours is given as an object: cloning adds nothing.
+    blocks = len(config.base_ssh_config._config)
+    for name in ("inner", "plain") * 20:
+        SshTransport(Host(name=name, address=name, user="u", port=22), SshSettings(), "off",
+                     config, warn=lambda _: None)._make(name, "u", 22, 5.0)
+    assert len(config.base_ssh_config._config) == blocks
 
 
 class FakeHop:

@@ -26,12 +26,16 @@ from .sshconfig import IndexedSSHConfig, host_config
 
 
 class SharedConfig(Config):
-    """The one Fabric config every node's Connection is given. A clone per connection (a deep
-    copy of all of Fabric's settings) cost each node about 15 ms of the launcher's CPU. Shared,
-    nothing may write into it: a write re-merges the whole config, and another thread reading
-    it meanwhile found it empty ("No attribute or config key found for 'gateway'" at 128
-    nodes). So a write raises; Fabric writes only a ProxyJump hop's IdentityFile lines, and a
-    node behind a jump host gets a clone of its own (its clones are writable)."""
+    """The one Fabric config every node's Connection is given. A clone per connection cost the
+    node count squared: Fabric's clone() reads the ssh config files again into the config it
+    clones from, so each connection added every block of them once more, and each clone
+    deep-copied them all (703 MB at 1,000 nodes). Its ssh config is given as an object, which
+    Fabric never reads again. Shared, nothing may write into it: a write re-merges the whole
+    config, and another thread reading it meanwhile found it empty ("No attribute or config
+    key found for 'gateway'" at 128 nodes). So a write raises. Fabric writes a host's IdentityFile lines into the config's
+    connect_kwargs unless the Connection is given its own (transport._make gives them), and a
+    ProxyJump hop's lines into the config its node's Connection has: a node behind a jump host
+    gets a clone of its own (its clones are writable)."""
 
     def _modify(self, keypath: Any, key: str, value: Any) -> None:
         self._refuse(key)
@@ -225,8 +229,11 @@ class SshTransport:
         user = user or ssh_cfg.get("user") or self.config.user
         port = port or int(ssh_cfg.get("port", 22))
         # Behind a jump host, a config of its own: Fabric writes the hops' IdentityFile into it.
+        # connect_kwargs of our own: without them Fabric adds the host's IdentityFile lines
+        # into the config's (_prepare sets the real ones).
         config = self.config.clone() if "proxyjump" in ssh_cfg else self.config
-        conn = NodeConnection(found.destination, user=user, port=port, config=config)
+        conn = NodeConnection(found.destination, user=user, port=port, config=config,
+                              connect_kwargs={"timeout": timeout})
         conn.host, conn.ssh_config = found.destination, ssh_cfg
         conn.gateway = conn.get_gateway()   # ProxyJump/ProxyCommand of the merged options
         self._prepare(conn, timeout, self.host.identity_file)
