@@ -6,6 +6,7 @@ and without it (plain ``python train/train.py``: one process, no process group).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,32 @@ def cleanup_distributed() -> None:
             dist.destroy_process_group()
         except Exception:  # pragma: no cover - best effort on the way out
             pass
+
+
+# How long a rank that has torn its group down waits for the others to have done so too.
+LEAVE_TIMEOUT = 30.0
+
+
+def leave_together(info: DistInfo, timeout: float = LEAVE_TIMEOUT) -> None:
+    """Tear the process group down on every rank before any rank exits. A rank that exits
+    closes its gloo connections, and a peer still inside its own tear-down has aborted on that
+    ("terminate called without an active exception", SIGABRT after FINAL, under load). So:
+    destroy the group, then count the ranks that have done so in the rendezvous store, which
+    outlives the group (it is the launcher's), and leave once all have, or after `timeout` (a
+    store that stops answering ends the wait: the job's work is done). Only on the way out of a run that
+    ended well, after a barrier every rank passed."""
+    if not (info.peers and dist.is_initialized()):
+        return
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    key = "cluster/left/%s" % os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    deadline = time.monotonic() + timeout
+    try:
+        store.add(key, 1)
+        while store.add(key, 0) < info.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # pragma: no cover - the store went away: nothing left to wait for
+        pass
 
 
 def barrier(info: DistInfo) -> None:

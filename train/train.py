@@ -298,8 +298,10 @@ def main(argv=None) -> int:
     try:
         code = train(args, info, stop)
         # Every rank leaves together: a rank tearing gloo down while rank 0 still writes its
-        # plot has been seen to abort ("terminate called without an active exception").
+        # plot has been seen to abort ("terminate called without an active exception"), and
+        # so has one still tearing down while a peer had exited (dist_utils.leave_together).
         du.barrier(info)
+        du.leave_together(info)
         return code
     finally:
         du.cleanup_distributed()
