@@ -77,8 +77,8 @@ def leave_together(info: DistInfo, timeout: float = LEAVE_TIMEOUT) -> None:
     ("terminate called without an active exception", SIGABRT after FINAL, under load). So:
     destroy the group, then count the ranks that have done so in the rendezvous store, which
     outlives the group (it is the launcher's), and leave once all have, or after `timeout` (a
-    store that stops answering ends the wait: the job's work is done). Only on the way out of a run that
-    ended well, after a barrier every rank passed."""
+    store that stops answering ends the wait: the job's work is done). Only on the way out of
+    a run that ended well, after a barrier every rank passed."""
     if not (info.peers and dist.is_initialized()):
         return
     store = dist.distributed_c10d._get_default_store()

@@ -61,10 +61,10 @@ BOOT = ("import os,sys,json,types\n"
         " r=(k.get(n) or m(n,open(f,'rb').read(),f)).main(a)\n"
         " if r is not None:sys.exit(r)\n")
 
-# Each node-side program of cluster/remote with the modules it imports, in load order.
 # What a run's start writes into the node's run directory beside its launch.sh: the supervisor
 # and what it imports stay there, as the run's stop, status and logs run it.
 SUPERVISOR_FILES = ("family", "workers", "rundir", "containers", "stopping", "supervisor")
+# Each node-side program of cluster/remote with the modules it imports, in load order.
 PROGRAMS = {"probe": ("containers", "probe"),
             "status": ("status",),
             "execute": (*SUPERVISOR_FILES, "execute"),

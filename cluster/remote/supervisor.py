@@ -354,7 +354,8 @@ def stop(d, grace):
         report = {"signalled": sorted(set(asked.get("signalled", [])) | set(report["signalled"])),
                   "killed": sorted(set(asked.get("killed", [])) | set(report["killed"])),
                   # what it left and is still there (pids; a container by its name), then ours
-                  "left": [x for x in asked.get("left", []) if not isinstance(x, int) or family.alive(x)]
+                  "left": [x for x in asked.get("left", [])
+                           if not isinstance(x, int) or family.alive(x)]
                   + [x for x in report["left"] if x not in asked.get("left", [])],
                   "how": "kill" if report.get("expired") else asked.get("how")}
     if status(d)["state"] == "lost" and not report["left"]:

@@ -27,7 +27,7 @@ import paramiko
 
 from .keepalive import AnsweringTransport
 
-from .known_hosts import Entry, file_index, hash_name, read_entries
+from .known_hosts import Entry, file_index, hash_name
 
 USER_KNOWN_HOSTS = "~/.ssh/known_hosts"
 GLOBAL_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
@@ -100,9 +100,6 @@ class KnownHosts:
         self.write_to = os.path.expanduser(write_to)
         self.hash_new = hash_new
         self.lock = _KNOWN_HOSTS_LOCK
-
-    def entries(self) -> list[Entry]:
-        return [e for f in self.files if os.path.isfile(f) for e in read_entries(f)]
 
     def entries_for(self, hostname: str) -> list[Entry]:
         """Every line that names hostname (`host` or `[host]:port`), in file order."""

@@ -71,9 +71,8 @@ class IndexedSSHConfig(SSHConfig):
         self._always, self._by_name, self._indexed = [], {}, len(blocks)
         self._whole = any("canonicalizehostname" in b["config"] for b in blocks)
         for i, block in enumerate(blocks):
-            names = block.get("host")
-            if not names or "matches" in block or any(
-                    n.startswith("!") or WILDCARDS.intersection(n) for n in names):
+            names = block.get("host")           # a Match block has none: always read
+            if not names or any(n.startswith("!") or WILDCARDS.intersection(n) for n in names):
                 self._always.append(i)
                 continue
             for name in dict.fromkeys(names):

@@ -32,10 +32,10 @@ class SharedConfig(Config):
     deep-copied them all (703 MB at 1,000 nodes). Its ssh config is given as an object, which
     Fabric never reads again. Shared, nothing may write into it: a write re-merges the whole
     config, and another thread reading it meanwhile found it empty ("No attribute or config
-    key found for 'gateway'" at 128 nodes). So a write raises. Fabric writes a host's IdentityFile lines into the config's
-    connect_kwargs unless the Connection is given its own (transport._make gives them), and a
-    ProxyJump hop's lines into the config its node's Connection has: a node behind a jump host
-    gets a clone of its own (its clones are writable)."""
+    key found for 'gateway'" at 128 nodes). So a write raises. Fabric writes a host's
+    IdentityFile lines into the config's connect_kwargs unless the Connection is given its own
+    (_make gives them), and a ProxyJump hop's lines into the config its node's Connection has:
+    a node behind a jump host gets a clone of its own (its clones are writable)."""
 
     def _modify(self, keypath: Any, key: str, value: Any) -> None:
         self._refuse(key)
