@@ -77,7 +77,16 @@ def sup(*args: str) -> dict:
 
 
 # A worker that leaves the process group (like torchrun's workers) and ignores SIGTERM.
-ESCAPEE = "setsid bash -c 'trap \"\" TERM; while true; do sleep 0.1; done' &\nsleep 300\n"
+# A worker that leaves the group and ignores SIGTERM; it says so (a file beside the script) only
+# once its trap is set, since a stop sent before then would find it still easy to stop.
+ESCAPEE = ("setsid bash -c 'trap \"\" TERM; : > \"$1.trapped\"; while true; do sleep 0.1; done'"
+           " _ \"$0\" &\nsleep 300\n")
+
+
+def escapee_trapped(d: Path) -> bool:
+    """True once the ESCAPEE in `d` ignores SIGTERM and runs beside the script."""
+    return wait_for(lambda: (d / "launch.sh.trapped").exists()
+                    and len(tagged_pids(RUN_ID, "n1")) >= 3)
 
 
 def test_exit_code_output_and_status(tmp_path: Path) -> None:
@@ -102,7 +111,7 @@ def test_signal_exit_is_reported_as_128_plus_signal(tmp_path: Path) -> None:
 def test_stop_reaches_escaped_processes_and_verifies(tmp_path: Path) -> None:
     d = node_dir(tmp_path, ESCAPEE)
     p = start(d)
-    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    assert escapee_trapped(d)
     report = sup("stop", str(d), "--grace", "0.5")
     assert report["left"] == []
     assert report["killed"], "the TERM-ignoring escapee needed SIGKILL"
@@ -132,7 +141,7 @@ def test_stop_leaves_other_nodes_and_runs_alone(tmp_path: Path) -> None:
 def test_controller_gone_stops_the_run(tmp_path: Path) -> None:
     d = node_dir(tmp_path, ESCAPEE)
     p = start(d)
-    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    assert escapee_trapped(d)
     p.stdin.close()          # what a dropped SSH connection looks like from the node
     p.wait(timeout=30)
     assert wait_for(lambda: not tagged_pids(RUN_ID, "n1"), 5)
@@ -141,7 +150,7 @@ def test_controller_gone_stops_the_run(tmp_path: Path) -> None:
 def test_sigterm_to_supervisor_stops_the_run(tmp_path: Path) -> None:
     d = node_dir(tmp_path, ESCAPEE)
     p = start(d)
-    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    assert escapee_trapped(d)
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=30)
     assert wait_for(lambda: not tagged_pids(RUN_ID, "n1"), 5)
@@ -258,7 +267,7 @@ def test_keepalive_stops_a_node_cut_off_from_its_launcher(tmp_path: Path) -> Non
     link looks like this from the node): the supervisor stops the run itself."""
     d = node_dir(tmp_path, ESCAPEE)
     p = start(d, keepalive=1.5)
-    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    assert escapee_trapped(d)
     t0 = time.monotonic()
     p.wait(timeout=30)           # stdin is still open: only the missing heartbeat ends it
     took = time.monotonic() - t0
@@ -329,7 +338,7 @@ def test_stop_on_its_own_channel_answers_with_what_was_left(tmp_path: Path) -> N
     from cluster.nodes import Demux
     d = node_dir(tmp_path, ESCAPEE)
     p = start(d)
-    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    assert escapee_trapped(d)
     t0 = time.monotonic()
     p.stdin.write(b"stop\n")
     p.stdin.flush()
@@ -472,7 +481,7 @@ def test_status_says_whether_a_stop_ended_within_the_grace(tmp_path: Path) -> No
     stubborn.mkdir()
     (stubborn / "launch.sh").write_text(ESCAPEE)     # a worker that ignores SIGTERM
     p = start(stubborn)
-    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    assert escapee_trapped(stubborn)
     assert sup("stop", str(stubborn), "--grace", "0.5")["how"] == "kill"
     p.communicate(timeout=30)
     st = sup("status", str(stubborn))
@@ -486,7 +495,7 @@ def test_a_stop_with_its_own_grace_is_held_to_it_by_the_live_supervisor(tmp_path
     d.mkdir()
     (d / "launch.sh").write_text(ESCAPEE)             # a worker that ignores SIGTERM
     p = start(d, grace=30)
-    assert wait_for(lambda: len(tagged_pids(RUN_ID, "n1")) >= 3)
+    assert escapee_trapped(d)
     began = time.monotonic()
     report = sup("stop", str(d), "--grace", "0.5")
     took = time.monotonic() - began
