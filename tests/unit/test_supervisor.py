@@ -359,6 +359,8 @@ def test_a_nodes_run_folder_is_private_up_to_the_workdirs_cluster_folder(tmp_pat
     makes on the way is 0700 whatever the umask, and nothing above .cluster is touched."""
     import importlib.util
     import stat
+    if str(SUPERVISOR.parent) not in sys.path:
+        sys.path.insert(0, str(SUPERVISOR.parent))    # as on the node: containers.py beside it
     spec = importlib.util.spec_from_file_location("probe", SUPERVISOR.parent / "probe.py")
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
