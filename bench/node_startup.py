@@ -36,12 +36,17 @@ from cluster.backends import shipping  # noqa: E402
 
 def stamped_boot() -> str:
     """The bootloader, writing '@WHAT SECONDS' to stderr at each step."""
-    b = shipping.BOOT.replace("import os,sys,json,types\n", "import os,sys,json,types,time\n"
-                              "def _s(w):os.write(2,('@%s %.6f\\n'%(w,time.monotonic())).encode())\n"
-                              "_s('boot')\n", 1)
-    b = b.replace(" exec(compile(s,f,'exec'),x.__dict__);return x\n",
-                  " _s('load '+n);exec(compile(s,f,'exec'),x.__dict__);_s('loaded '+n);return x\n")
-    return b.replace(" r=(k.get(n)", " _s('main '+n);r=(k.get(n)")
+    b = shipping.BOOT
+    for old, new in (("import os,sys,json,types,marshal\n", "import os,sys,json,types,marshal,time\n"
+                      "def _s(w):os.write(2,('@%s %.6f\\n'%(w,time.monotonic())).encode())\n"
+                      "_s('boot')\n"),
+                     (" exec(g(", " _s('load '+n);exec(g("),
+                     (",x.__dict__);return x\n", ",x.__dict__);_s('loaded '+n);return x\n"),
+                     (" r=(k.get(n)", " _s('main '+n);r=(k.get(n)")):
+        if old not in b:
+            raise SystemExit(f"bench/node_startup.py: the bootloader changed ({old!r} is gone)")
+        b = b.replace(old, new, 1)
+    return b
 
 
 def fmt(values: list[float]) -> str:
@@ -98,10 +103,10 @@ def one_node(python: str, boot: str, flags: str) -> tuple[dict[str, float], floa
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) * 1000
     spans = [("bash, interpreter, site", t0, at["boot"]),
-             ("probe: compile, imports", at["load probe"], at["loaded probe"]),
+             ("probe module: loaded, its imports", at["load probe"], at["loaded probe"]),
              ("probe: its facts, answer read", at["main probe"], t1),
-             ("start bundle sent, read", t1, at["load supervisor"]),
-             ("supervisor: compile, imports", at["load supervisor"], at["loaded supervisor"]),
+             ("start bundle: read, written, loaded", t1, at["load supervisor"]),
+             ("supervisor module: loaded", at["load supervisor"], at["loaded supervisor"]),
              ("supervisor: to the job's marker", at["main supervisor"], t2),
              ("total, probe to the job", t0, t2)]
     return {name: (b - a) * 1000 for name, a, b in spans}, cpu

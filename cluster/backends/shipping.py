@@ -2,14 +2,16 @@
 (`python -c BOOT`) reads bundles from standard input, so nothing is copied to a node first
 and no argument, let alone a secret, shows on a command line.
 
-A bundle is one JSON line, then the bytes it names, read to the byte:
+A bundle is a JSON header, its length in bytes before it (`123 {...}`: the node reads the
+header whole, not byte by byte), then the bytes it names, read to the byte:
 
-    {"dir": D, "files": [[NAME, SIZE, MODE], ...], "run": [MODULE, ARG, ...]}
+    LEN {"dir": D, "cache": C, "files": [[NAME, SIZE, MODE, KEY], ...], "run": [MODULE, ARG, ...]}
 
-Each file with MODE null is a module of cluster/remote, loaded in memory in that order (a later
-one imports an earlier one by name); each with a MODE is written privately into D (a temporary
-name, then a rename; folders in NAME that are missing are made, 0700). Then
-MODULE's main(ARGS) runs: the one just loaded, else D/MODULE.py from the node's disk. An integer
+Each part with a MODE is written privately into D (a temporary name, then a rename; folders in
+NAME that are missing are made, 0700); each with a KEY is a module of cluster/remote, loaded in
+that order (a later one imports an earlier one by name), its compiled code taken from the
+node's code cache C under KEY when there (else compiled, and kept there). Then MODULE's
+main(ARGS) runs: the one just loaded, else D/MODULE.py from the node's disk. An integer
 from main ends the process with that status; None reads the next bundle from the same input,
 and the end of input there ends the process (status 0). That is how a launch costs one process
 and one round trip per node: the check's probe answers and waits (SupervisedNode.stage); its
@@ -33,6 +35,8 @@ library) would be ignored, and a stop must not fail where the check worked.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import shlex
 from collections.abc import Iterable, Sequence
@@ -41,22 +45,39 @@ from pathlib import Path
 
 REMOTE = Path(__file__).resolve().parent.parent / "remote"
 SUPERVISOR = REMOTE / "supervisor.py"
+# Where a node keeps the compiled code of the modules it was sent, by their key (code_key):
+# private to the user (the bootloader trusts a 0700 folder of its own only), and a miss or any
+# failure to read or write it only means compiling, as without it.
+CODE_CACHE = "~/.cache/cluster/code"
 
-BOOT = ("import os,sys,json,types\n"
+BOOT = ("import os,sys,json,types,marshal\n"
         "def t(n):\n b=b''\n while len(b)<n:\n  c=os.read(0,n-len(b))\n"
         "  if not c:raise SystemExit('cluster: the launcher closed its input inside a bundle')\n"
         "  b+=c\n return b\n"
-        "def m(n,s,f):\n x=types.ModuleType(n);x.__file__=f;sys.modules[n]=x\n"
-        " exec(compile(s,f,'exec'),x.__dict__);return x\n"
-        "while 1:\n h=b''\n while not h.endswith(b'\\n'):\n  c=os.read(0,1)\n"
+        "def g(s,f,y,C):\n"
+        " p=C and y and os.path.join(os.path.expanduser(C),'%s.%s.%x'%(y,sys.implementation.cache_tag,sys.hexversion))\n"
+        " try:\n  q=os.stat(os.path.dirname(p))\n"
+        "  if q.st_uid==os.getuid() and not q.st_mode&0o77:\n"
+        "   with open(p,'rb') as r:c=marshal.loads(r.read())\n"
+        "   if type(c) is types.CodeType:return c\n"
+        " except Exception:pass\n"
+        " c=compile(s,f,'exec')\n"
+        " if p:\n  try:\n   os.makedirs(os.path.dirname(p),0o700,exist_ok=True);w='%s.%d'%(p,os.getpid())\n"
+        "   with os.fdopen(os.open(w,os.O_WRONLY|os.O_CREAT|os.O_EXCL,0o600),'wb') as o:o.write(marshal.dumps(c))\n"
+        "   os.replace(w,p)\n  except OSError:pass\n"
+        " return c\n"
+        "def m(n,s,f,y=None,C=None):\n x=types.ModuleType(n);x.__file__=f;sys.modules[n]=x\n"
+        " exec(g(s,os.path.basename(f) if y else f,y,C),x.__dict__);return x\n"
+        "while 1:\n h=b''\n while not h.endswith(b' '):\n  c=os.read(0,1)\n"
         "  if not c:sys.exit(0 if not h else 'cluster: the launcher closed its input inside a bundle')\n"
-        "  h+=c\n h=json.loads(h);d=os.path.expanduser(h.get('dir') or '.');k={}\n"
-        " for n,z,o in h['files']:\n  s=t(z)\n"
-        "  if o is None:k[n]=m(n,s,n+'.py');continue\n"
-        "  p=os.path.join(d,n);q=os.path.join(os.path.dirname(p),'.'+os.path.basename(p)+'.tmp')\n"
-        "  os.makedirs(os.path.dirname(p),0o700,exist_ok=True)\n"
-        "  with os.fdopen(os.open(q,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,o),'wb') as w:w.write(s)\n"
-        "  os.chmod(q,o);os.replace(q,p)\n"
+        "  h+=c\n h=json.loads(t(int(h)));d=os.path.expanduser(h.get('dir') or '.');k={}\n"
+        " for n,z,o,y in h['files']:\n  s=t(z);p=os.path.join(d,n)\n"
+        "  if o is not None:\n"
+        "   q=os.path.join(os.path.dirname(p),'.'+os.path.basename(p)+'.tmp')\n"
+        "   os.makedirs(os.path.dirname(p),0o700,exist_ok=True)\n"
+        "   with os.fdopen(os.open(q,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,o),'wb') as w:w.write(s)\n"
+        "   os.chmod(q,o);os.replace(q,p)\n"
+        "  if y:e=os.path.basename(n)[:-3];k[e]=m(e,s,p if o is not None else n,y,h.get('cache'))\n"
         " n,a=h['run'][0],h['run'][1:];f=os.path.join(d,n+'.py')\n"
         " r=(k.get(n) or m(n,open(f,'rb').read(),f)).main(a)\n"
         " if r is not None:sys.exit(r)\n")
@@ -95,15 +116,28 @@ def boot_command(exe: str, first: Bundle) -> str:
     return " ".join([exe, *flags, "-c", shlex.quote(BOOT), *(shlex.quote(a) for a in first.run)])
 
 
-def bundle(run: Sequence[str], modules: Iterable[str] = (), dir: str | None = None,
-           files: Iterable[tuple[str, bytes, int]] = ()) -> Bundle:
-    """run: the module whose main runs, then its arguments; modules: cluster/remote modules
-    loaded in memory first; files: (name, bytes, mode) written into dir."""
-    parts: list[tuple[str, bytes, int | None]] = [(name, source(name), None) for name in modules]
-    parts += [(name, data, mode) for name, data, mode in files]
-    head = {"dir": dir, "files": [[n, len(d), m] for n, d, m in parts], "run": list(run)}
-    data = (json.dumps(head) + "\n").encode() + b"".join(d for _, d, _ in parts)
-    return Bundle(tuple(run), data)
+# A bundle's part: (name, bytes, mode, code key). A mode writes it into the bundle's dir; a code
+# key loads it as a module (a .py name) through the node's code cache.
+Part = tuple[str, bytes, int | None, str | None]
+
+
+def module(name: str, mode: int | None = None) -> Part:
+    """A module of cluster/remote, loaded on the node; with a mode, also written there."""
+    return (f"{name}.py", source(name), mode, code_key(name))
+
+
+def file(name: str, data: bytes, mode: int) -> Part:
+    """A file written into the bundle's dir, privately (mode), not loaded."""
+    return (name, data, mode, None)
+
+
+def bundle(run: Sequence[str], parts: Iterable[Part] = (), dir: str | None = None) -> Bundle:
+    """run: the module whose main runs, then its arguments; parts in the order the node takes
+    them (a module after those it imports)."""
+    parts = list(parts)
+    head = json.dumps({"dir": dir, "cache": CODE_CACHE, "files": [[n, len(d), m, k] for n, d, m, k in parts],
+                       "run": list(run)}).encode()
+    return Bundle(tuple(run), b"%d " % len(head) + head + b"".join(d for _, d, _, _ in parts))
 
 
 def program(name: str, *args: str, dir: str | None = None,
@@ -112,7 +146,8 @@ def program(name: str, *args: str, dir: str | None = None,
     dir before it runs)."""
     if name not in PROGRAMS:
         raise ValueError(f"no node-side program {name!r}")
-    return bundle([name, *args], PROGRAMS[name], dir, files)
+    return bundle([name, *args], [*(module(m) for m in PROGRAMS[name]), *(file(*f) for f in files)],
+                  dir)
 
 
 def on_disk(run_dir: str, *args: str) -> Bundle:
@@ -123,12 +158,20 @@ def on_disk(run_dir: str, *args: str) -> Bundle:
 def start(run_dir: str, args: Sequence[str], script: bytes, container: bytes | None = None) -> Bundle:
     """A staged node's start: the run's files into run_dir (the container's record first,
     which any stop, even one racing the start, finds), then the supervisor from there with
-    args."""
-    files = [("container.json", container, 0o600)] if container is not None else []
-    files += [(f"{n}.py", source(n), 0o600) for n in SUPERVISOR_FILES]
-    files.append(("launch.sh", script, 0o700))
-    return bundle(["supervisor", "run", run_dir, *args], dir=run_dir, files=files)
+    args: its modules are written there for the run's later commands and loaded as they land."""
+    parts = [file("container.json", container, 0o600)] if container is not None else []
+    parts += [module(n, 0o600) for n in SUPERVISOR_FILES]
+    parts.append(file("launch.sh", script, 0o700))
+    return bundle(["supervisor", "run", run_dir, *args], parts, run_dir)
 
 
+@functools.lru_cache(maxsize=None)
+def code_key(module: str) -> str:
+    """What names a module's compiled code in the node's cache: its source and the file name
+    its code carries."""
+    return hashlib.sha256(f"{module}.py\0".encode() + source(module)).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=None)
 def source(module: str) -> bytes:
     return (REMOTE / f"{module}.py").read_bytes()

@@ -58,7 +58,7 @@ def test_every_node_program_loads_without_site_packages() -> None:
     every = {p.stem for p in shipping.REMOTE.glob("*.py")} - {"__init__", "collective"}
     assert set(modules) == every        # collective.py runs under torchrun, with torch
     b = shipping.bundle(["probe", "connect", "--addr", "127.0.0.1", "--port", "9",
-                         "--timeout", "0.2"], modules)
+                         "--timeout", "0.2"], [shipping.module(m) for m in modules])
     assert not b.site
     res = subprocess.run(["bash", "-c", shipping.boot_command(sys.executable, b)], input=b.data,
                          capture_output=True, timeout=60)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.backends.shipping import BOOT, boot_command, bundle, program
+from cluster.backends.shipping import BOOT, boot_command, bundle, file, program
 
 # Stands in for supervisor.py: says how it was called and what input was left for it.
 FAKE_SUPERVISOR = b"""import os, sys
@@ -37,7 +37,7 @@ def stage(tmp_path: Path, after: bytes, umask: int = 0o022) -> subprocess.Comple
 
 
 def go(d: Path, files: list[tuple[str, bytes, int]], args: list[str]) -> bytes:
-    return bundle(["supervisor", "run", str(d), *args], dir=str(d), files=files).data
+    return bundle(["supervisor", "run", str(d), *args], [file(*f) for f in files], str(d)).data
 
 
 def facts_of(res: subprocess.CompletedProcess) -> dict:
@@ -122,3 +122,66 @@ def test_the_command_line_shows_the_program_which_runs_from_its_bundle(tmp_path:
                          input=facts.data, capture_output=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert facts_of(res)["dir"] == str(tmp_path / "run")
+
+
+# --- the node's code cache ---------------------------------------------------------------------
+
+def connect_bundle() -> bytes:
+    from cluster.backends.shipping import program
+    return program("probe", "connect", "--addr", "127.0.0.1", "--port", "9", "--timeout", "0.2").data
+
+
+def boot_at_home(home: Path, data: bytes) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(home)}
+    return subprocess.run([sys.executable, "-S", "-c", BOOT], input=data, capture_output=True,
+                          env=env, timeout=60)
+
+
+def cached(home: Path) -> list[Path]:
+    from cluster.backends.shipping import CODE_CACHE
+    return sorted(Path(CODE_CACHE.replace("~", str(home))).glob("*"))
+
+
+def planted(home: Path, mode: int) -> None:
+    """Every cached module replaced by code that says so: what a node runs if it trusts them."""
+    import marshal
+    for path in cached(home):
+        path.write_bytes(marshal.dumps(compile("def main(a):\n print('PLANTED')\n return 0\n",
+                                               "x.py", "exec")))
+    cached(home)[0].parent.chmod(mode)
+
+
+def test_a_node_compiles_once_then_runs_the_cached_code(tmp_path: Path) -> None:
+    first = boot_at_home(tmp_path, connect_bundle())
+    assert first.returncode == 0, first.stderr
+    keys = {p.name.split(".")[0] for p in cached(tmp_path)}
+    from cluster.backends.shipping import PROGRAMS, code_key
+    assert keys == {code_key(m) for m in PROGRAMS["probe"]}      # one file per module, no temporaries
+    assert stat.S_IMODE(cached(tmp_path)[0].parent.stat().st_mode) == 0o700
+    planted(tmp_path, 0o700)
+    again = boot_at_home(tmp_path, connect_bundle())
+    assert again.stdout.decode().strip() == "PLANTED", again      # the cache is what ran
+
+
+def test_a_cache_folder_others_may_write_is_not_trusted(tmp_path: Path) -> None:
+    assert boot_at_home(tmp_path, connect_bundle()).returncode == 0
+    planted(tmp_path, 0o770)
+    res = boot_at_home(tmp_path, connect_bundle())
+    assert res.returncode == 0 and b"PLANTED" not in res.stdout, res
+    assert "ok" in json.loads(res.stdout.decode().splitlines()[-1])
+
+
+def test_a_broken_cache_entry_is_compiled_again_and_replaced(tmp_path: Path) -> None:
+    assert boot_at_home(tmp_path, connect_bundle()).returncode == 0
+    for path in cached(tmp_path):
+        path.write_bytes(b"\x00 not marshal")
+    res = boot_at_home(tmp_path, connect_bundle())
+    assert res.returncode == 0 and "ok" in json.loads(res.stdout.decode().splitlines()[-1]), res
+    assert all(p.read_bytes() != b"\x00 not marshal" for p in cached(tmp_path))
+
+
+def test_a_home_where_nothing_can_be_written_still_runs(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.write_text("a file, not a folder: the cache cannot be made")
+    res = boot_at_home(home, connect_bundle())
+    assert res.returncode == 0 and "ok" in json.loads(res.stdout.decode().splitlines()[-1]), res
