@@ -24,11 +24,11 @@ The command line also shows the first bundle's program and arguments, for `ps` o
 only (the bootloader reads them from the bundle): what runs there can be told at a glance, and
 no secret is ever among them (secrets travel on the input, after the bundle).
 
-The node's programs are standard library only, so most start with `python -S`: no `site`, whose
-site-packages and .pth files cost a node 4-18 ms per process (docs/SCALE.md, "Where a node's
-start-up goes"). The probe's facts keep it: they say where torch is as the job's python will
-find it (site-packages, and the paths .pth files add), and that same process becomes the
-supervisor. -S changes only how cluster's own interpreter starts: the environment it passes on
+The node's programs are standard library only, so they start with `python -S`: no `site`, whose
+site-packages and .pth files cost a node 4-35 ms per process (docs/SCALE.md, "Where a node's
+start-up goes"). The probe's facts say where torch is as the job's python will find it: they
+look where site would look (probe.find_torch), and run site only when torch is not there.
+-S changes only how cluster's own interpreter starts: the environment it passes on
 to the job (PYTHONPATH and all) is the node's, and the job's python is started by the node's
 script, without it. Not -I: PYTHONHOME (which some installations need to find their standard
 library) would be ignored, and a stop must not fail where the check worked.
@@ -92,28 +92,17 @@ PROGRAMS = {"probe": ("containers", "probe"),
             "clean": (*SUPERVISOR_FILES, "clean")}
 
 
-# The programs (module, command) that need the node's site-packages: the probe's facts find
-# torch there, as the job will.
-WITH_SITE = {("probe", "facts")}
-
-
 @dataclass(frozen=True)
 class Bundle:
     run: tuple[str, ...]             # the module whose main runs, then its arguments
     data: bytes                      # the header and the bytes, as the bootloader reads them
-
-    @property
-    def site(self) -> bool:
-        """Whether its program needs the interpreter's site-packages (else python -S)."""
-        return tuple(self.run[:2]) in WITH_SITE
 
 
 def boot_command(exe: str, first: Bundle) -> str:
     """The one command line for any program on a node, showing the first bundle's program.
     exe: the shell words that run the node's python (plan.python_command); the flags go after
     them, so they reach the interpreter through setup lines' `exec python "$@"` too."""
-    flags = [] if first.site else ["-S"]
-    return " ".join([exe, *flags, "-c", shlex.quote(BOOT), *(shlex.quote(a) for a in first.run)])
+    return " ".join([exe, "-S", "-c", shlex.quote(BOOT), *(shlex.quote(a) for a in first.run)])
 
 
 # A bundle's part: (name, bytes, mode, code key). A mode writes it into the bundle's dir; a code

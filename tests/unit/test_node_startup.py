@@ -26,17 +26,16 @@ def flags(command: str, exe: str) -> list[str]:
     return words[start:words.index("-c", start)]
 
 
-def test_only_the_probes_facts_start_with_site_packages(tmp_path: Path) -> None:
+def test_every_program_starts_without_site(tmp_path: Path) -> None:
     exe = python_command("/opt/py/bin/python3")
-    facts = shipping.program("probe", "facts", "--dir", str(tmp_path))
-    assert flags(shipping.boot_command(exe, facts), exe) == []
-    others = [shipping.program("probe", "listen", "--port", "1"),
-              shipping.program("probe", "connect", "--addr", "a", "--port", "1"),
-              shipping.program("status", "--dir", str(tmp_path)),
-              shipping.program("execute", "x"), shipping.program("clean", "--workdir", "w"),
-              shipping.on_disk(str(tmp_path), "stop", str(tmp_path)),
-              shipping.start(str(tmp_path), [], b"true\n")]
-    for b in others:
+    every = [shipping.program("probe", "facts", "--dir", str(tmp_path)),
+             shipping.program("probe", "listen", "--port", "1"),
+             shipping.program("probe", "connect", "--addr", "a", "--port", "1"),
+             shipping.program("status", "--dir", str(tmp_path)),
+             shipping.program("execute", "x"), shipping.program("clean", "--workdir", "w"),
+             shipping.on_disk(str(tmp_path), "stop", str(tmp_path)),
+             shipping.start(str(tmp_path), [], b"true\n")]
+    for b in every:
         assert flags(shipping.boot_command(exe, b), exe) == ["-S"], b.run
 
 
@@ -59,21 +58,78 @@ def test_every_node_program_loads_without_site_packages() -> None:
     assert set(modules) == every        # collective.py runs under torchrun, with torch
     b = shipping.bundle(["probe", "connect", "--addr", "127.0.0.1", "--port", "9",
                          "--timeout", "0.2"], [shipping.module(m) for m in modules])
-    assert not b.site
     res = subprocess.run(["bash", "-c", shipping.boot_command(sys.executable, b)], input=b.data,
                          capture_output=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "ok" in json.loads(res.stdout.decode().splitlines()[-1])
 
 
+def probe_torch(python: str, cwd: Path, env: dict | None = None) -> dict | None:
+    facts = shipping.program("probe", "facts")
+    res = subprocess.run(["bash", "-c", shipping.boot_command(shlex.quote(python), facts)],
+                         input=facts.data, capture_output=True, timeout=60, cwd=cwd,
+                         env={**os.environ, **(env or {})})
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.decode().splitlines()[-1])["torch"]
+
+
+def job_finds_torch(python: str, cwd: Path, env: dict | None = None) -> str | None:
+    """Where the job's python, which starts with site, finds torch (without importing it)."""
+    code = "import importlib.util as u; s = u.find_spec('torch'); print(s.origin if s else '')"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=cwd, env={**os.environ, **(env or {})}).stdout.strip()
+    return os.path.join(os.path.dirname(out), "distributed", "run.py") if out else None
+
+
+def fake_torch(where: Path, version: str) -> Path:
+    pkg = where / "torch"
+    (pkg / "distributed").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "version.py").write_text(f"__version__ = '{version}'\ncuda = None\n")
+    (pkg / "distributed" / "run.py").write_text("")
+    return pkg / "distributed" / "run.py"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch installed")
 def test_the_probe_finds_torch_where_the_job_will(tmp_path: Path) -> None:
-    facts = shipping.program("probe", "facts", "--dir", str(tmp_path / "run"))
-    res = subprocess.run(["bash", "-c", shipping.boot_command(sys.executable, facts)],
-                         input=facts.data, capture_output=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    torch = json.loads(res.stdout.decode().splitlines()[-1])["torch"]
+    torch = probe_torch(sys.executable, tmp_path)
     assert torch and torch["version"], torch
+    assert torch["run_py"] == job_finds_torch(sys.executable, tmp_path)
+
+
+def test_site_is_read_without_running_it_in_the_jobs_order(tmp_path: Path) -> None:
+    """A virtual environment whose torch is on a .pth file's path line, beside a .pth file
+    whose import line would say if it ran: the probe finds that torch, as the job does,
+    without running the line; PYTHONPATH's torch comes first, for both."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    site_dir = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   capture_output=True, text=True, check=True).stdout.strip())
+    run_py = fake_torch(tmp_path / "elsewhere", "9.9.9")
+    (site_dir / "a-torch.pth").write_text(f"# where torch is\n{tmp_path / 'elsewhere'}\n")
+    (site_dir / "b-noisy.pth").write_text(f"import os; open({str(tmp_path / 'ran')!r}, 'w')\n")
+    torch = probe_torch(python, tmp_path)
+    assert torch == {"run_py": str(run_py), "version": "9.9.9", "cuda": None}, torch
+    assert not (tmp_path / "ran").exists(), "the probe ran a .pth file's import line"
+    assert job_finds_torch(python, tmp_path) == str(run_py)
+
+    first = fake_torch(tmp_path / "first", "1.1.1")
+    env = {"PYTHONPATH": str(tmp_path / "first")}
+    assert probe_torch(python, tmp_path, env)["run_py"] == str(first) == job_finds_torch(python, tmp_path, env)
+
+
+def test_a_torch_only_an_import_line_finds_is_found_by_running_site(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    site_dir = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                   capture_output=True, text=True, check=True).stdout.strip())
+    run_py = fake_torch(tmp_path / "hidden", "2.2.2")
+    (site_dir / "finder.pth").write_text(f"import sys; sys.path.append({str(tmp_path / 'hidden')!r})\n")
+    assert probe_torch(python, tmp_path)["run_py"] == str(run_py) == job_finds_torch(python, tmp_path)
+    (site_dir / "finder.pth").unlink()
+    assert probe_torch(python, tmp_path) is None and job_finds_torch(python, tmp_path) is None
 
 
 def test_a_job_started_under_dash_s_gets_the_nodes_python_and_environment(tmp_path: Path) -> None:
