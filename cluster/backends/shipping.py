@@ -84,10 +84,10 @@ BOOT = ("import os,sys,json,types,marshal\n"
 
 # What a run's start writes into the node's run directory beside its launch.sh: the supervisor
 # and what it imports stay there, as the run's stop, status and logs run it.
-SUPERVISOR_FILES = ("family", "workers", "rundir", "containers", "stopping", "supervisor")
+SUPERVISOR_FILES = ("options", "family", "workers", "rundir", "containers", "stopping", "supervisor")
 # Each node-side program of cluster/remote with the modules it imports, in load order.
-PROGRAMS = {"probe": ("containers", "probe"),
-            "status": ("status",),
+PROGRAMS = {"probe": ("options", "containers", "probe"),
+            "status": ("options", "status"),
             "execute": (*SUPERVISOR_FILES, "execute"),
             "clean": (*SUPERVISOR_FILES, "clean")}
 

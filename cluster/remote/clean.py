@@ -22,7 +22,8 @@ import shutil
 import sys
 import time
 
-import rundir  # noqa: E402  (loaded before this module by the bootloader)
+import options  # noqa: E402  (loaded before this module by the bootloader)
+import rundir  # noqa: E402
 import stopping  # noqa: E402
 import supervisor  # noqa: E402
 
@@ -32,7 +33,7 @@ FRESH = 600.0
 
 def main(argv):
     opts = parse(argv)
-    root = os.path.join(os.path.expanduser(opts["workdir"]), ".cluster")
+    root = os.path.join(os.path.expanduser(opts.workdir), ".cluster")
     runs = []
     if os.path.isdir(root):
         now = time.time()
@@ -44,20 +45,8 @@ def main(argv):
 
 
 def parse(argv):
-    opts = {"workdir": None, "older-than": None, "fresh": FRESH, "dry-run": False}
-    it = iter(argv)
-    for flag in it:
-        key = flag.lstrip("-")
-        if key == "dry-run":
-            opts[key] = True
-        elif key in opts:
-            value = next(it)
-            opts[key] = value if key == "workdir" else float(value)
-        else:
-            raise SystemExit("clean.py: unknown option %s" % flag)
-    if opts["workdir"] is None or opts["older-than"] is None:
-        raise SystemExit("clean.py: --workdir and --older-than are required")
-    return opts
+    return options.parse("clean.py", argv, {"workdir": str, "older-than": float, "fresh": FRESH},
+                         ("dry-run",), required=("workdir", "older-than"))
 
 
 def decide(path, name, now, opts):
@@ -69,18 +58,18 @@ def decide(path, name, now, opts):
     nodes = node_dirs(path)
     age = now - last_active(path, nodes)
     entry["age"] = round(age, 1)
-    if age < opts["older-than"]:           # kept anyway: no need to look for its processes
+    if age < opts.older_than:           # kept anyway: no need to look for its processes
         entry["why"] = "active %s ago" % ago(age)
         return entry
     busy = [why for why in (running(d) for d in nodes) if why]
     if busy:
         entry["why"] = "; ".join(busy)
         return entry
-    if age < opts["fresh"] and any(never_started(d) for d in nodes):
+    if age < opts.fresh and any(never_started(d) for d in nodes):
         entry["why"] = "a node folder that never started, %s old: a launch may be checking it" % ago(age)
         return entry
     entry["bytes"] = size(path)
-    if opts["dry-run"]:
+    if opts.dry_run:
         entry["action"] = "would remove"
         return entry
     try:

@@ -30,6 +30,7 @@ import threading
 import time
 
 import family  # noqa: E402  (loaded before this module by the bootloader)
+import options  # noqa: E402
 import stopping  # noqa: E402
 import supervisor  # noqa: E402
 
@@ -42,10 +43,10 @@ def main(argv):
     if not command:
         out.write(b"cluster exec: no command given\n")
         return 2
-    cwd, note = where(opts["cwd"])
+    cwd, note = where(opts.cwd)
     if note:
         out.record({"note": note})
-    env = dict(os.environ, CLUSTER_EXEC_ID=opts["id"], CLUSTER_NODE=opts["node"])
+    env = dict(os.environ, CLUSTER_EXEC_ID=opts.id, CLUSTER_NODE=opts.node)
     family.become_subreaper()     # what the command starts stays ours, whatever its environment
     try:
         child = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
@@ -58,7 +59,7 @@ def main(argv):
     except OSError as exc:
         out.write(("cluster exec: %s: %s\n" % (command[0], exc.strerror or exc)).encode())
         return 126
-    return watch(child, ExecIdentity(opts["id"], opts["node"], child.pid), out, opts)
+    return watch(child, ExecIdentity(opts.id, opts.node, child.pid), out, opts)
 
 
 def parse(argv):
@@ -68,16 +69,8 @@ def parse(argv):
         head, command = argv[:cut], argv[cut + 1:]
     else:
         head, command = argv, []
-    opts = {"id": None, "node": None, "cwd": None, "grace": GRACE, "keepalive": 0.0}
-    it = iter(head)
-    for flag in it:
-        key = flag.lstrip("-")
-        if key not in opts:
-            raise SystemExit("execute.py: unknown option %s" % flag)
-        value = next(it)
-        opts[key] = float(value) if key in ("grace", "keepalive") else value
-    if not opts["id"] or not opts["node"]:
-        raise SystemExit("execute.py: --id and --node are required")
+    opts = options.parse("execute.py", head, {"id": str, "node": str, "cwd": str, "grace": GRACE,
+                                              "keepalive": 0.0}, required=("id", "node"))
     return opts, command
 
 
@@ -128,12 +121,12 @@ def watch(child, ident, out, opts):
         if ending.is_set():
             return
         ending.set()
-        report.update(terminate(ident, opts["grace"]), reason=reason)
+        report.update(terminate(ident, opts.grace), reason=reason)
         stopped.set()
 
     commands = {"stop": lambda: stop("stop asked by the launcher")}
     threading.Thread(target=supervisor.watch_launcher,
-                     args=(0, opts["keepalive"], stop, commands), daemon=True).start()
+                     args=(0, opts.keepalive, stop, commands), daemon=True).start()
     pump = threading.Thread(target=copy, args=(child.stdout, out), daemon=True)
     pump.start()
     code = child.wait()
@@ -143,7 +136,7 @@ def watch(child, ident, out, opts):
     else:
         # What the command started in the background ends with it (as under `cluster up`).
         ending.set()
-        report.update(terminate(ident, opts["grace"]))
+        report.update(terminate(ident, opts.grace))
         key = "leftovers"
     pump.join(timeout=2.0)
     if report.get("signalled") or report.get("left") or key == "stopped":

@@ -23,7 +23,6 @@ Standard library only, Python 3.8+, because it runs on whatever interpreter the 
     probe.py connect --addr A --port P [--timeout T]
         JSON: whether a TCP connection to A:P opens within T seconds.
 """
-import argparse
 import errno
 import json
 import os
@@ -35,9 +34,10 @@ import sys
 import time
 
 import containers  # noqa: E402  (loaded before this module by the bootloader)
+import options  # noqa: E402
 
 
-def main(argv=None):
+def main(argv):
     args = parse(argv)
     if args.cmd == "facts":
         sys.stdout.write(json.dumps(facts(args)) + "\n")
@@ -51,34 +51,24 @@ def main(argv=None):
     return 2
 
 
+# Each command's options (the module's docstring says what they mean): name -> default or type.
+COMMANDS = {
+    "facts": ({"dir": str, "workdir": str, "own": str, "master": str, "ifname": str, "port": int,
+               "container-runtime": str, "container-image": str, "script": str, "connect": str,
+               "connect-timeout": 8.0}, ("deep", "connect-on-word"), ()),
+    "listen": ({"port": int, "seconds": 60.0}, (), ("port",)),
+    "connect": ({"addr": str, "port": int, "timeout": 8.0}, (), ("addr", "port")),
+}
+
+
 def parse(argv):
-    p = argparse.ArgumentParser(prog="probe.py")
-    sub = p.add_subparsers(dest="cmd")
-    sub.required = True
-    f = sub.add_parser("facts")
-    f.add_argument("--dir")
-    f.add_argument("--workdir")
-    f.add_argument("--own")
-    f.add_argument("--master")
-    f.add_argument("--ifname")
-    f.add_argument("--port", type=int)
-    f.add_argument("--container-runtime")
-    f.add_argument("--container-image")
-    f.add_argument("--deep", action="store_true")
-    f.add_argument("--script", help="the job's script: is it a file, from the workdir")
-    f.add_argument("--connect", help="ADDR:PORT to open a TCP connection to (the master port)")
-    f.add_argument("--connect-timeout", type=float, default=8.0)
-    f.add_argument("--connect-on-word", action="store_true",
-                   help="wait for a line on the input first: 'connect' (the master's listener "
-                        "is up) or 'skip' (it could not listen)")
-    ls = sub.add_parser("listen")
-    ls.add_argument("--port", type=int, required=True)
-    ls.add_argument("--seconds", type=float, default=60.0)
-    c = sub.add_parser("connect")
-    c.add_argument("--addr", required=True)
-    c.add_argument("--port", type=int, required=True)
-    c.add_argument("--timeout", type=float, default=8.0)
-    return p.parse_args(argv)
+    cmd = argv[0] if argv else None
+    if cmd not in COMMANDS:
+        raise SystemExit("probe.py: the first word is one of %s" % ", ".join(COMMANDS))
+    opts, flags, required = COMMANDS[cmd]
+    args = options.parse("probe.py " + cmd, argv[1:], opts, flags, required=required)
+    args.cmd = cmd
+    return args
 
 
 # --- facts -----------------------------------------------------------------------------------
@@ -515,4 +505,4 @@ def connect(addr, port, timeout):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

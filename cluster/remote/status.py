@@ -21,36 +21,28 @@ import subprocess
 import sys
 import time
 
+import options  # noqa: E402  (loaded before this module by the bootloader)
+
 GPU_QUERY = "index,utilization.gpu,memory.used,memory.total"
 
 
 def main(argv):
     opts = parse(argv)
-    out = {"status": status(opts["dir"])}
-    if opts["gpus"]:
+    out = {"status": status(opts.dir)}
+    if opts.gpus:
         out["gpus"] = gpus()
-    if opts["metrics"]:
-        out["metrics"] = tail(os.path.expanduser(opts["metrics"]), int(opts["lines"]))
-    if opts["steps"]:
-        out["steps"] = steps(os.path.expanduser(opts["steps"]))
+    if opts.metrics:
+        out["metrics"] = tail(os.path.expanduser(opts.metrics), opts.lines)
+    if opts.steps:
+        out["steps"] = steps(os.path.expanduser(opts.steps))
     sys.stdout.write(json.dumps(out) + "\n")
     sys.stdout.flush()
     return 0
 
 
 def parse(argv):
-    opts = {"dir": None, "gpus": False, "metrics": None, "lines": "20", "steps": None}
-    it = iter(argv)
-    for arg in it:
-        if arg == "--gpus":
-            opts["gpus"] = True
-        elif arg in ("--dir", "--metrics", "--lines", "--steps"):
-            opts[arg[2:]] = next(it)
-        else:
-            raise SystemExit("status.py: unknown argument %r" % arg)
-    if not opts["dir"]:
-        raise SystemExit("status.py: --dir is required")
-    return opts
+    return options.parse("status.py", argv, {"dir": str, "metrics": str, "lines": 20, "steps": str},
+                         ("gpus",), required=("dir",))
 
 
 def status(d):

@@ -28,7 +28,6 @@ it), or it descends from this supervisor. Beside it in the run's folder: stoppin
 (the folder's small files), containers.py (a container runtime's commands), workers.py
 (torchrun's workers), family.py (a process's descendants).
 """
-import argparse
 import json
 import os
 import select
@@ -47,6 +46,7 @@ USER_UMASK = os.umask(0o077)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import family  # noqa: E402  (beside this file on the node)
+import options  # noqa: E402
 import workers  # noqa: E402
 from rundir import path, read_json, read_number, write_atomic  # noqa: E402
 from stopping import identity, supervisor_alive, terminate  # noqa: E402
@@ -55,7 +55,7 @@ GRACE = 30.0
 CONFIG_TIMEOUT = 30.0
 
 
-def main(argv=None):
+def main(argv):
     args = parse(argv)
     os.makedirs(args.dir, exist_ok=True)
     if args.cmd == "run":
@@ -72,27 +72,24 @@ def main(argv=None):
     return 2
 
 
+# Each command's options: name -> default or type; its flags; its required options.
+COMMANDS = {
+    "run": ({"run-id": str, "node": str, "grace": GRACE, "keepalive": 0.0}, ("detach",),
+            ("run-id", "node")),      # keepalive: stop when the launcher sent nothing so long (0: never)
+    "stop": ({"grace": GRACE}, (), ()),
+    "status": ({}, (), ()),
+    "logs": ({}, ("follow",), ()),
+}
+
+
 def parse(argv):
-    p = argparse.ArgumentParser(prog="supervisor.py")
-    sub = p.add_subparsers(dest="cmd")
-    sub.required = True
-    r = sub.add_parser("run")
-    r.add_argument("dir")
-    r.add_argument("--run-id", required=True)
-    r.add_argument("--node", required=True)
-    r.add_argument("--detach", action="store_true")
-    r.add_argument("--grace", type=float, default=GRACE)
-    r.add_argument("--keepalive", type=float, default=0.0,
-                   help="stop when the launcher has sent nothing for this long (0: never)")
-    s = sub.add_parser("stop")
-    s.add_argument("dir")
-    s.add_argument("--grace", type=float, default=GRACE)
-    st = sub.add_parser("status")
-    st.add_argument("dir")
-    lg = sub.add_parser("logs")
-    lg.add_argument("dir")
-    lg.add_argument("--follow", action="store_true")
-    return p.parse_args(argv)
+    cmd = argv[0] if argv else None
+    if cmd not in COMMANDS:
+        raise SystemExit("supervisor.py: the first word is one of %s" % ", ".join(COMMANDS))
+    opts, flags, required = COMMANDS[cmd]
+    args = options.parse("supervisor.py " + cmd, argv[1:], opts, flags, ("dir",), required)
+    args.cmd = cmd
+    return args
 
 
 # --- run -------------------------------------------------------------------------------------
@@ -449,4 +446,4 @@ def reader_there(fd, seconds):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

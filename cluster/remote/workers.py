@@ -18,7 +18,6 @@ Imported by supervisor.py, which sits beside it in the node's run directory, wit
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -218,6 +217,7 @@ class Tap:
 def dump_stacks(ident, tap, wait=5.0):
     """[(rank, pid, how, text)] for every worker of the run on this node."""
     found = workers(ident)
+    import shutil            # here, not above: its import costs every node of a launch 4 ms
     spy = shutil.which("py-spy")
     out, paused = [], []
     for pid, rank in found:

@@ -1,0 +1,50 @@
+"""The command lines of cluster's node programs, read the one way they all use.
+
+Standard library only, Python 3.8+. Not argparse: importing it (with the gettext lookups of
+its messages) and building a parser cost a node several milliseconds per program, in every
+process of a launch, for arguments only cluster's launcher writes.
+"""
+import types
+
+
+def parse(prog, argv, options=None, flags=(), positional=(), required=()):
+    """argv's positional words (named by `positional`, in order), `--NAME VALUE` options and
+    `--FLAG` switches, as attributes (dashes made underscores). options maps each name to
+    its default, whose type a value is converted to (int, float), or to a type (int, float,
+    str) for an option without a default (None). Anything else ends the program with a
+    message naming prog, as does a missing positional word or required option."""
+    options = options or {}
+    values = {name: (None if isinstance(d, type) else d) for name, d in options.items()}
+    values.update({name: False for name in flags})
+    words = []
+    it = iter(argv)
+    for word in it:
+        name = word[2:] if word.startswith("--") else None
+        if name in flags:
+            values[name] = True
+        elif name in options:
+            value = next(it, None)
+            if value is None:
+                raise SystemExit("%s: %s needs a value" % (prog, word))
+            values[name] = convert(prog, word, value, options[name])
+        elif name is None and len(words) < len(positional):
+            words.append(word)
+        else:
+            raise SystemExit("%s: unknown argument %s" % (prog, word))
+    if len(words) < len(positional):
+        raise SystemExit("%s: %s is required" % (prog, positional[len(words)]))
+    missing = [name for name in required if values.get(name) is None]
+    if missing:
+        raise SystemExit("%s: --%s is required" % (prog, missing[0]))
+    values.update(zip(positional, words))
+    return types.SimpleNamespace(**{name.replace("-", "_"): v for name, v in values.items()})
+
+
+def convert(prog, word, value, default):
+    kind = default if isinstance(default, type) else type(default)
+    if kind not in (int, float):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        raise SystemExit("%s: %s takes a number, not %r" % (prog, word, value))
