@@ -16,7 +16,7 @@ def parse(prog, argv, options=None, flags=(), positional=(), required=()):
     options = options or {}
     values = {name: (None if isinstance(d, type) else d) for name, d in options.items()}
     values.update({name: False for name in flags})
-    words = []
+    words: list[str] = []     # (not evaluated: a local annotation, Python 3.8 too)
     it = iter(argv)
     for word in it:
         name = word[2:] if word.startswith("--") else None
