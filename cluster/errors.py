@@ -17,7 +17,6 @@ module that calls them, so callers only ever catch ClusterError.
 from __future__ import annotations
 
 import contextlib
-import difflib
 from collections.abc import Iterable, Iterator
 
 
@@ -132,6 +131,7 @@ def signum_of(exc: BaseException) -> int:
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """'did you mean 'address'?' or, failing a close match, the list of valid choices."""
+    import difflib           # here: only a mistake pays its import
     choices = sorted(choices)
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if close:

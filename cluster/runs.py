@@ -122,8 +122,13 @@ class RunDir:
         for name in rec.logs:
             write_private(self.path / "logs" / name, b"")
         write_private(self.path / "env.json", json.dumps(rec.env, indent=2) + "\n")
+        try:          # a launch records twice (before the check, then with each node's
+            known = self.meta()      # interface): git is asked for the commit once, not twice
+        except (OSError, ValueError):
+            known = {}
+        commit = known["git_commit"] if "git_commit" in known else git_commit()
         meta = {"run_id": plan.run_id, "backend": backend, "created": self._created_at(),
-                "command": argv, "cwd": os.getcwd(), "git_commit": git_commit(), **rec.meta}
+                "command": argv, "cwd": os.getcwd(), "git_commit": commit, **rec.meta}
         meta.update(extra or {})
         self.write_meta(meta)
 
