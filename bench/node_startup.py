@@ -42,7 +42,7 @@ def stamped_boot() -> str:
                       "_s('boot')\n"),
                      (" exec(g(", " _s('load '+n);exec(g("),
                      (",x.__dict__);return x\n", ",x.__dict__);_s('loaded '+n);return x\n"),
-                     (" r=(k.get(n)", " _s('main '+n);r=(k.get(n)")):
+                     (" P=k.get(n)", " _s('main '+n);P=k.get(n)")):
         if old not in b:
             raise SystemExit(f"bench/node_startup.py: the bootloader changed ({old!r} is gone)")
         b = b.replace(old, new, 1)

@@ -88,44 +88,61 @@ class SupervisedNode:
         probed = self.run(shipping.program("probe", "facts", *args), timeout=120)
         if probed.code != 0:
             raise self._python_error(probed.code, probed.text())
-        return self._facts(probed.stdout.decode().strip().splitlines()[-1])
+        return self._facts(json.loads(probed.stdout.decode().strip().splitlines()[-1]))
 
     def stage(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
               connect: tuple[str, int] | None = None,
               tools: Mapping[str, bytes] | None = None,
-              word: Callable[[], str] | None = None) -> dict[str, Any]:
+              word: Callable[[], str] | None = None,
+              listen: tuple[int, float] | None = None,
+              heard: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """The probe, by the process that will become this node's supervisor when start()
         gives the word: one process and one round trip per node for the check and the start
         together. release() lets it go without starting. tools: files a job runs that
         cluster brings, written into <workdir>/.cluster/tools first (doctor's collective),
         so that the script check finds them. word: with connect, the probe starts at once
         and holds its connect until word() says ('connect' or 'skip'), which may wait for
-        the master's listener."""
+        the master's listener. listen: (port, seconds) on the master, whose probe listens on
+        the port first thing and says so, to heard(), before its word; its listener ends
+        when its start comes (probe.handover)."""
         args = self.facts_args(node, plan, port=port, deep=False, make_dir=True, connect=connect,
                                on_word=word is not None)
         if node.script_file:             # is the job's script there, before anything starts
             args += ["--script", node.script_file]
+        if listen is not None:
+            args += ["--listen", str(listen[0]), "--listen-seconds", f"{listen[1]:g}"]
         files = [(f"{TOOLS_DIR}/{name}", data, 0o600) for name, data in (tools or {}).items()]
         probe = shipping.program("probe", "facts", *args, dir=node.host.workdir, files=files)
         ch = self.transport.spawn(shipping.boot_command(self.exe, probe))
         ch.write(probe.data)
+        lines = self._json_lines(ch)
+        if listen is not None and heard is not None:
+            heard(next(lines))
         if connect is not None and word is not None:
             try:
                 ch.write((word() + "\n").encode())
             except ClusterError:
                 pass      # it ended before reading (no such python): its output says why
+        facts = next(lines)
+        self.staged = ch
+        return self._facts(facts)
+
+    def _json_lines(self, ch: Channel) -> Iterator[dict[str, Any]]:
+        """The program's JSON lines as they come; what comes before them (a shell's greeting,
+        a setup line's output) is noise, and the end of the output raises, with it."""
         said, noise = b"", b""
-        while not said.endswith(b"\n"):
+        while True:
+            while b"\n" in said:
+                line, said = said.split(b"\n", 1)
+                if line.lstrip().startswith(b"{"):
+                    yield json.loads(line)
+                else:
+                    noise += line + b"\n"
             data = ch.read()
             if not data:
                 code = ch.wait()
                 raise self._python_error(code, (noise + said).decode(errors="replace"))
             said += data
-            while b"\n" in said and not said.lstrip().startswith(b"{"):
-                line, said = said.split(b"\n", 1)    # a shell's greeting, a setup line's output
-                noise += line + b"\n"
-        self.staged = ch
-        return self._facts(said.decode().strip())
 
     def release(self) -> None:
         """A staged node that will not start: its process sees the input end and exits."""
@@ -133,8 +150,7 @@ class SupervisedNode:
         if ch is not None:
             ch.close()
 
-    def _facts(self, line: str) -> dict[str, Any]:
-        facts = json.loads(line)
+    def _facts(self, facts: dict[str, Any]) -> dict[str, Any]:
         for key in ("workdir", "dir"):
             if isinstance(facts.get(key), dict):
                 raise ClusterError(facts[key]["error"])

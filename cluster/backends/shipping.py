@@ -11,7 +11,9 @@ Each part with a MODE is written privately into D (a temporary name, then a rena
 NAME that are missing are made, 0700); each with a KEY is a module of cluster/remote, loaded in
 that order (a later one imports an earlier one by name), its compiled code taken from the
 node's code cache C under KEY when there (else compiled, and kept there). Then MODULE's
-main(ARGS) runs: the one just loaded, else D/MODULE.py from the node's disk. An integer
+main(ARGS) runs: the one just loaded, else D/MODULE.py from the node's disk (a bundle after
+the first calls the previous program's handover() first, where it has one: the probe's
+listener of the master port ends there, before the start). An integer
 from main ends the process with that status; None reads the next bundle from the same input,
 and the end of input there ends the process (status 0). That is how a launch costs one process
 and one round trip per node: the check's probe answers and waits (SupervisedNode.stage); its
@@ -68,9 +70,9 @@ BOOT = ("import os,sys,json,types,marshal\n"
         " return c\n"
         "def m(n,s,f,y=None,C=None):\n x=types.ModuleType(n);x.__file__=f;sys.modules[n]=x\n"
         " exec(g(s,os.path.basename(f) if y else f,y,C),x.__dict__);return x\n"
-        "while 1:\n h=b''\n while not h.endswith(b' '):\n  c=os.read(0,1)\n"
+        "P=None\nwhile 1:\n h=b''\n while not h.endswith(b' '):\n  c=os.read(0,1)\n"
         "  if not c:sys.exit(0 if not h else 'cluster: the launcher closed its input inside a bundle')\n"
-        "  h+=c\n h=json.loads(t(int(h)));d=os.path.expanduser(h.get('dir') or '.');k={}\n"
+        "  h+=c\n h=json.loads(t(int(h)));getattr(P,'handover',int)();d=os.path.expanduser(h.get('dir') or '.');k={}\n"
         " for n,z,o,y in h['files']:\n  s=t(z);p=os.path.join(d,n)\n"
         "  if o is not None:\n"
         "   q=os.path.join(os.path.dirname(p),'.'+os.path.basename(p)+'.tmp')\n"
@@ -79,7 +81,7 @@ BOOT = ("import os,sys,json,types,marshal\n"
         "   os.chmod(q,o);os.replace(q,p)\n"
         "  if y:e=os.path.basename(n)[:-3];k[e]=m(e,s,p if o is not None else n,y,h.get('cache'))\n"
         " n,a=h['run'][0],h['run'][1:];f=os.path.join(d,n+'.py')\n"
-        " r=(k.get(n) or m(n,open(f,'rb').read(),f)).main(a)\n"
+        " P=k.get(n) or m(n,open(f,'rb').read(),f);r=P.main(a)\n"
         " if r is not None:sys.exit(r)\n")
 
 # What a run's start writes into the node's run directory beside its launch.sh: the supervisor

@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,8 +78,8 @@ class SupervisedBackend:
         """Phase one on every node at once: connect, make the run directory, say what the
         node has, by the process that start() will make the node's supervisor
         (SupervisedNode.stage). With reach, the same process opens a TCP connection to the
-        master port, where a short-lived listener waits meanwhile; the listener's binding is
-        the master's port check. Raises PreflightError naming every node that could not be
+        master port, where the master's own probe listens from its first moment until its
+        start; that listener's binding is the master's port check. Raises PreflightError naming every node that could not be
         reached or checked, and lets every staged process go: nothing starts."""
         self.release()
         self._nodes = {n.host.name: SupervisedNode(self.transport(n.host), n.host.python,
@@ -88,41 +88,34 @@ class SupervisedBackend:
         listening = threading.Event()
         state: dict[str, Any] = {}
 
-        def listen() -> None:
-            """The master port's short-lived listener, while every node's probe starts."""
-            try:
-                state["listener"] = self._nodes[plan.master.host.name].listen(
-                    plan.master_port, seconds=listen_seconds(len(plan.nodes)))
-            except ClusterError as exc:
-                state["busy"] = str(exc)
-            finally:
-                listening.set()
+        def heard(said: dict[str, Any]) -> None:
+            state.update(said)
+            listening.set()
 
         def word() -> str:
             listening.wait(120)
-            return "skip" if "busy" in state or "listener" not in state else "connect"
+            return "connect" if state.get("listening") else "skip"
 
         def one(node: NodePlan) -> dict[str, Any]:
             remote = self._nodes[node.host.name]
             if not reach:
                 return remote.stage(node, plan, port=node is plan.master, tools=self.tools)
-            facts = remote.stage(node, plan, connect=(plan.master_addr, plan.master_port),
-                                 tools=self.tools, word=word)
-            if node is plan.master:
-                facts["port_free"] = "busy" not in state
+            if node is not plan.master:
+                return remote.stage(node, plan, connect=(plan.master_addr, plan.master_port),
+                                    tools=self.tools, word=word)
+            try:          # the master's own probe listens on the port, first thing
+                facts = remote.stage(node, plan, connect=(plan.master_addr, plan.master_port),
+                                     tools=self.tools, word=word, heard=heard,
+                                     listen=(plan.master_port, listen_seconds(len(plan.nodes))))
+            finally:
+                listening.set()          # a master that failed first lets no node wait for it
+            facts["port_free"] = bool(state.get("listening"))
             return facts
-        # The listener first: the pool takes its work in order, and every probe waits for it.
-        listener = self._pool.submit(listen) if reach else None
         try:
             results = self.each_or_fail(plan.nodes, one, phase="check")
         except ClusterError:
             self.release()
             raise
-        finally:
-            if listener is not None:
-                wait([listener])         # it may still be starting when a node failed early
-            if "listener" in state:
-                state["listener"].close()
         return {n.host.name: r for n, r in results}
 
     def spawn_program(self, host: Host, program: str, *args: str) -> Channel:

@@ -55,7 +55,8 @@ def main(argv):
 COMMANDS = {
     "facts": ({"dir": str, "workdir": str, "own": str, "master": str, "ifname": str, "port": int,
                "container-runtime": str, "container-image": str, "script": str, "connect": str,
-               "connect-timeout": 8.0}, ("deep", "connect-on-word"), ()),
+               "connect-timeout": 8.0, "listen": int, "listen-seconds": 60.0},
+              ("deep", "connect-on-word"), ()),
     "listen": ({"port": int, "seconds": 60.0}, (), ("port",)),
     "connect": ({"addr": str, "port": int, "timeout": 8.0}, (), ("addr", "port")),
 }
@@ -75,6 +76,9 @@ def parse(argv):
 
 def facts(args):
     started = time.time()     # with "time" at the end: the launcher's clock estimate leaves out our work
+    if args.listen:           # first, so that every node's connect may go at once
+        sys.stdout.write(json.dumps(start_listening(args.listen, args.listen_seconds)) + "\n")
+        sys.stdout.flush()
     out = {"home": os.path.expanduser("~"), "python": sys.version.split()[0],
            "executable": sys.executable, "hostname": socket.gethostname(),
            "torch": torch_facts()}
@@ -454,26 +458,69 @@ def _num(text):
 # --- reachability ------------------------------------------------------------------------------
 
 def listen(port, seconds):
+    """The `listen` command: print 'listening', accept until the input ends or seconds pass."""
+    said = start_listening(port, seconds)
+    if not said["listening"]:
+        print(json.dumps({"error": said["error"]}), flush=True)
+        return 1
+    print("listening", flush=True)
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if select.select([0], [], [], max(0.0, deadline - time.time()))[0] and not os.read(0, 4096):
+            break                          # the launcher is done checking
+    handover()
+    return 0
+
+
+# The master port's listener of a launch's check, in the master's own probe: open from the
+# probe's first moment until the next bundle (this node's start: the port is torchrun's then).
+LISTENING: "list[tuple]" = []      # (a string: not evaluated, Python 3.8 too)
+
+
+def start_listening(port, seconds):
+    """Listen on port (as torchrun's store will) and accept and close every connection, in a
+    thread, until handover() or `seconds` pass. {"listening": true}, or false with why."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         srv.bind(("", port))
         srv.listen(4096)                   # every node at once: the kernel caps it at somaxconn
     except OSError as exc:
-        print(json.dumps({"error": "cannot listen on port %d: %s" % (port, exc.strerror)}), flush=True)
-        return 1
-    print("listening", flush=True)
-    deadline = time.time() + seconds
-    watch = [srv, sys.stdin]
-    while time.time() < deadline:
-        ready = select.select(watch, [], [], max(0.0, deadline - time.time()))[0]
-        if sys.stdin in ready and not os.read(sys.stdin.fileno(), 4096):
-            break                          # the launcher is done checking
-        if srv in ready:
+        srv.close()
+        return {"listening": False, "error": "cannot listen on port %d: %s" % (port, exc.strerror)}
+    import threading
+    wake_r, wake_w = os.pipe()
+    accepting = threading.Thread(target=accept_all, args=(srv, wake_r, time.time() + seconds),
+                                 daemon=True)
+    accepting.start()
+    LISTENING.append((srv, wake_r, wake_w, accepting))
+    return {"listening": True}
+
+
+def accept_all(srv, wake, deadline):
+    while True:
+        left = deadline - time.time()
+        ready = select.select([srv, wake], [], [], max(0.0, left))[0] if left > 0 else [wake]
+        if wake in ready:
+            return
+        try:
             conn, _ = srv.accept()
             conn.close()
-    srv.close()
-    return 0
+        except OSError:
+            pass
+
+
+def handover():
+    """The bootloader's call as the next bundle comes: the listener ends, its port free
+    before this returns (its thread gone first: a socket another thread still waits on would
+    stay open after close)."""
+    while LISTENING:
+        srv, wake_r, wake_w, accepting = LISTENING.pop()
+        os.write(wake_w, b"x")
+        accepting.join(5)
+        srv.close()
+        os.close(wake_r)
+        os.close(wake_w)
 
 
 # Worth another try within the budget: a moment of congestion (a lost SYN or ARP answer) looks

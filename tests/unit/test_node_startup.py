@@ -195,3 +195,53 @@ def test_the_word_skip_leaves_the_reach_unasked(tmp_path: Path) -> None:
     out, _ = proc.communicate(b"skip\n", timeout=60)
     facts = json.loads(out.decode().strip().splitlines()[-1])
     assert "reach" not in facts and "python" in facts
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_masters_probe_listens_first_and_hands_the_port_over_to_its_start(tmp_path: Path) -> None:
+    """The master's probe listens on the master port before anything else and says so; every
+    node's connect (its own too) is accepted; when the next bundle comes (the node's start),
+    the port is free before that bundle's program runs: here a probe that binds it."""
+    import socket
+    port = free_port()
+    facts = shipping.program("probe", "facts", "--dir", str(tmp_path / "run"), "--listen", str(port),
+                             "--listen-seconds", "60", "--connect", f"127.0.0.1:{port}",
+                             "--connect-on-word")
+    proc = subprocess.Popen(["bash", "-c", shipping.boot_command(sys.executable, facts)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(facts.data)
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline()) == {"listening": True}
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass                                           # another node's reach check
+    proc.stdin.write(b"connect\n")
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline())["reach"]["ok"] is True     # its own
+    after = shipping.program("probe", "facts", "--port", str(port))
+    out, _ = proc.communicate(after.data, timeout=60)
+    assert json.loads(out.decode().splitlines()[-1])["port_free"] is True
+    assert proc.returncode == 0
+
+
+def test_a_master_port_in_use_is_said_and_every_node_is_told_to_skip(tmp_path: Path) -> None:
+    import socket
+    port = free_port()
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("", port))
+        busy.listen(1)
+        facts = shipping.program("probe", "facts", "--listen", str(port), "--connect",
+                                 f"127.0.0.1:{port}", "--connect-on-word")
+        res = subprocess.run(["bash", "-c", shipping.boot_command(sys.executable, facts)],
+                             input=facts.data + b"skip\n", capture_output=True, timeout=60)
+    said, answer = [json.loads(line) for line in res.stdout.decode().splitlines()]
+    assert said == {"listening": False,
+                    "error": f"cannot listen on port {port}: Address already in use"}, said
+    assert "reach" not in answer and res.returncode == 0
