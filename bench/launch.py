@@ -429,7 +429,7 @@ def fanout(sizes: list[int], repeats: int, results: dict) -> None:
                     counts[c[kind]] = counts.get(c[kind], 0) + 1
                 return ", ".join(f"{k} on {v}" for k, v in sorted(counts.items()))
             print(f"fanout {n:4d} nodes: per node, SSH commands: {per('exec')}; SFTP sessions: "
-                  f"{per('sftp')} (the master's second command is the port's listener)", flush=True)
+                  f"{per('sftp')}", flush=True)
             results["fanout"][n] = {"cluster": ours["cluster"], "pdsh": pdsh, "pdsh_cpu": pdsh_cpu,
                                     "pdsh_node_cpu": pdsh_nodes,
                                     "ssh_loop": loop, "launcher": facts["cluster"],

@@ -4,7 +4,7 @@
 supervisor, which starts a launch.sh that only touches a marker), run as sshd would run it
 (`bash -c COMMAND`), with the bundles on its input.
 
-    python bench/node_startup.py [--python PATH] [--repeats N]
+    python bench/node_startup.py [--python PATH] [--repeats N] [--before DIR]
 
 Prints, as median [min-max] over N runs (interleaved):
   interpreter  `python -c pass` with site, with -S, with -I
@@ -102,7 +102,7 @@ def one_node(python: str, boot: str, flags: str) -> tuple[dict[str, float], floa
                 at.setdefault(what, float(value))
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) * 1000
-    spans = [("bash, interpreter, site", t0, at["boot"]),
+    spans = [("bash, the interpreter (site if asked)", t0, at["boot"]),
              ("probe module: loaded, its imports", at["load probe"], at["loaded probe"]),
              ("probe: its facts, answer read", at["main probe"], t1),
              ("start bundle: read, written, loaded", t1, at["load supervisor"]),
@@ -114,7 +114,7 @@ def one_node(python: str, boot: str, flags: str) -> tuple[dict[str, float], floa
 
 def phases(python: str, repeats: int) -> None:
     boot = stamped_boot()
-    variants = {"as shipped (site)": "", "all -S (torch not found)": "-S"}
+    variants = {"as shipped (-S)": "-S", "with site, for comparison": ""}
     rows: dict[str, dict[str, list[float]]] = {k: {} for k in variants}
     for _ in range(repeats):
         for name, flags in variants.items():
@@ -127,12 +127,61 @@ def phases(python: str, repeats: int) -> None:
             print(f"               {span:34s} {fmt(values)}")
 
 
+def shipping_of(root: str, name: str):
+    """backends/shipping.py of the checkout at root, as its own module (standard library only)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, f"{root}/cluster/backends/shipping.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module                   # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def life_cpu(ship, python: str, d: str) -> float:
+    """CPU ms of one node's life by that code's own protocol: its probe's facts, then its
+    start bundle, a job that exits at once, the supervisor's end."""
+    probe = ship.program("probe", "facts", "--workdir", d, "--own", "127.0.0.1", "--master",
+                         "127.0.0.1", "--dir", f"{d}/.cluster/r/n", dir=d)
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = subprocess.Popen(["bash", "-c", ship.boot_command(shlex.quote(python), probe)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdin and p.stdout
+    p.stdin.write(probe.data)
+    p.stdin.flush()
+    facts = json.loads(p.stdout.readline())
+    start = ship.start(facts["dir"], ["--run-id", "r", "--node", "n", "--grace", "5", "--keepalive", "0"],
+                       b"true\n")
+    out, _ = p.communicate(start.data + b'{"env": {}}\n', timeout=60)
+    assert b'"final"' in out, out[-500:]
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) * 1000
+
+
+def before_after(python: str, before: str, repeats: int) -> None:
+    codes = {"this code": shipping, "before": shipping_of(before, "shipping_before")}
+    cpu: dict[str, list[float]] = {k: [] for k in codes}
+    for i in range(repeats + 1):
+        for name, ship in codes.items():
+            ms = life_cpu(ship, python, tempfile.mkdtemp(prefix="node-life-"))
+            if i:                                 # the first of each fills the node's caches
+                cpu[name].append(ms)
+    for name, values in cpu.items():
+        print(f"node life    {name:10s} CPU {fmt(values)}")
+    ratio = statistics.median(cpu["this code"]) / statistics.median(cpu["before"])
+    print(f"node life    this code / before {ratio:.2f} (median of {repeats}, interleaved)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--python", default=os.environ.get("CLUSTER_TEST_PYTHON", sys.executable))
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--before", help="a checkout of the code before a change, measured beside this one")
     args = ap.parse_args()
     print(f"node python: {args.python}")
+    if args.before:
+        before_after(args.python, args.before, args.repeats)
+        return 0
     interpreter(args.python, args.repeats)
     phases(args.python, args.repeats)
     return 0

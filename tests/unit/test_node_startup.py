@@ -90,6 +90,16 @@ def fake_torch(where: Path, version: str) -> Path:
     return pkg / "distributed" / "run.py"
 
 
+def new_venv(where: Path) -> tuple[str, Path]:
+    """A virtual environment without pip (and without the system's packages): its python
+    and its site-packages."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    python = str(where / "bin" / "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    return python, Path(purelib)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch installed")
 def test_the_probe_finds_torch_where_the_job_will(tmp_path: Path) -> None:
     torch = probe_torch(sys.executable, tmp_path)
@@ -101,11 +111,7 @@ def test_site_is_read_without_running_it_in_the_jobs_order(tmp_path: Path) -> No
     """A virtual environment whose torch is on a .pth file's path line, beside a .pth file
     whose import line would say if it ran: the probe finds that torch, as the job does,
     without running the line; PYTHONPATH's torch comes first, for both."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
-    site_dir = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                   capture_output=True, text=True, check=True).stdout.strip())
+    python, site_dir = new_venv(tmp_path / "venv")
     run_py = fake_torch(tmp_path / "elsewhere", "9.9.9")
     (site_dir / "a-torch.pth").write_text(f"# where torch is\n{tmp_path / 'elsewhere'}\n")
     (site_dir / "b-noisy.pth").write_text(f"import os; open({str(tmp_path / 'ran')!r}, 'w')\n")
@@ -120,11 +126,7 @@ def test_site_is_read_without_running_it_in_the_jobs_order(tmp_path: Path) -> No
 
 
 def test_a_torch_only_an_import_line_finds_is_found_by_running_site(tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = str(venv / "bin" / "python")
-    site_dir = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                   capture_output=True, text=True, check=True).stdout.strip())
+    python, site_dir = new_venv(tmp_path / "venv")
     run_py = fake_torch(tmp_path / "hidden", "2.2.2")
     (site_dir / "finder.pth").write_text(f"import sys; sys.path.append({str(tmp_path / 'hidden')!r})\n")
     assert probe_torch(python, tmp_path)["run_py"] == str(run_py) == job_finds_torch(python, tmp_path)
