@@ -189,19 +189,19 @@ def site_paths():
     installation's; each followed by the path lines of its .pth files, in name order."""
     import site
     exe_dir = os.path.dirname(os.path.abspath(sys.executable))
-    prefixes, user = [sys.prefix, sys.exec_prefix], True
+    prefixes, venv = [sys.prefix, sys.exec_prefix], []
     for conf in (os.path.join(exe_dir, "pyvenv.cfg"), os.path.join(os.path.dirname(exe_dir), "pyvenv.cfg")):
         if os.path.isfile(conf):
-            system = venv_setting(conf, "include-system-site-packages", "true")
-            prefixes = [os.path.dirname(exe_dir)] + (prefixes if system == "true" else [])
-            sys.prefix = sys.exec_prefix = prefixes[0]     # as site's venv() sets them (the
+            if venv_setting(conf, "include-system-site-packages", "true") != "true":
+                prefixes = []                # nor the user's site
+            venv = [os.path.dirname(exe_dir)]
+            sys.prefix = sys.exec_prefix = venv[0]     # as site's venv() sets them (the
             #   site-packages folders it names depend on them; Debian's do)
-            user = system == "true"
             break
-    dirs = site.getsitepackages(prefixes[:1])
-    if user and site.check_enableusersite():
+    dirs = site.getsitepackages(venv) if venv else []       # the venv's first, then the user's
+    if prefixes and site.check_enableusersite():
         dirs.append(site.getusersitepackages())
-    dirs += site.getsitepackages(list(dict.fromkeys(prefixes[1:])))
+    dirs += site.getsitepackages(list(dict.fromkeys(prefixes)))
     out = []
     for d in dict.fromkeys(dirs):
         if os.path.isdir(d):

@@ -125,6 +125,19 @@ def test_site_is_read_without_running_it_in_the_jobs_order(tmp_path: Path) -> No
     assert probe_torch(python, tmp_path, env)["run_py"] == str(first) == job_finds_torch(python, tmp_path, env)
 
 
+def test_the_users_site_comes_before_the_systems_as_for_the_job(tmp_path: Path) -> None:
+    """A venv that sees the system's packages: site's order is the venv's, the user's
+    (PYTHONUSERBASE here), the system's; a torch in the user's site is the job's."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(tmp_path / "venv")], check=True)
+    python = str(tmp_path / "venv" / "bin" / "python")
+    env = {"PYTHONUSERBASE": str(tmp_path / "user")}
+    user_site = subprocess.run([python, "-c", "import site; print(site.getusersitepackages())"],
+                               capture_output=True, text=True, check=True, env={**os.environ, **env})
+    run_py = fake_torch(Path(user_site.stdout.strip()), "3.3.3")
+    assert probe_torch(python, tmp_path, env)["run_py"] == str(run_py) == job_finds_torch(python, tmp_path, env)
+
+
 def test_a_torch_only_an_import_line_finds_is_found_by_running_site(tmp_path: Path) -> None:
     python, site_dir = new_venv(tmp_path / "venv")
     run_py = fake_torch(tmp_path / "hidden", "2.2.2")
