@@ -177,10 +177,21 @@ def find_torch():
         spec = PathFinder.find_spec("torch", sys.path + site_paths())
         if spec is not None:
             return spec
-        import site
-        site.main()
+        run_site()
     import importlib.util
     return importlib.util.find_spec("torch")
+
+
+def run_site():
+    """site, once, in this process (started with python -S): for a lookup that needs its
+    import lines, and before importing torch here (doctor's deep facts)."""
+    if sys.flags.no_site and not SITE_RAN:
+        import site
+        site.main()
+        SITE_RAN.append(True)
+
+
+SITE_RAN: "list[bool]" = []
 
 
 def site_paths():
@@ -399,6 +410,7 @@ def deep_facts(workdir):
 
 def torch_runtime():
     """What only importing torch tells: CUDA as built, cuDNN, NCCL, devices it sees."""
+    run_site()                # the job's torch, found as the job finds it
     try:
         import torch
     except Exception as exc:  # a broken install is a finding, not a crash
