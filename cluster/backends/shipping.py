@@ -29,7 +29,7 @@ no secret is ever among them (secrets travel on the input, after the bundle).
 The node's programs are standard library only, so they start with `python -S`: no `site`, whose
 site-packages and .pth files cost a node 4-35 ms per process (docs/SCALE.md, "Where a node's
 start-up goes"). The probe's facts say where torch is as the job's python will find it: they
-look where site would look (probe.find_torch), and run site only when torch is not there.
+look where site would look (remote/torchfind.py), and run site only when torch is not there.
 -S changes only how cluster's own interpreter starts: the environment it passes on
 to the job (PYTHONPATH and all) is the node's, and the job's python is started by the node's
 script, without it. Not -I: PYTHONHOME (which some installations need to find their standard
@@ -88,7 +88,7 @@ BOOT = ("import os,sys,json,types,marshal\n"
 # and what it imports stay there, as the run's stop, status and logs run it.
 SUPERVISOR_FILES = ("options", "family", "workers", "rundir", "containers", "stopping", "supervisor")
 # Each node-side program of cluster/remote with the modules it imports, in load order.
-PROGRAMS = {"probe": ("options", "containers", "probe"),
+PROGRAMS = {"probe": ("options", "containers", "torchfind", "probe"),
             "status": ("options", "status"),
             "execute": (*SUPERVISOR_FILES, "execute"),
             "clean": (*SUPERVISOR_FILES, "clean")}

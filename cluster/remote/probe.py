@@ -26,7 +26,6 @@ Standard library only, Python 3.8+, because it runs on whatever interpreter the 
 import errno
 import json
 import os
-import re
 import select
 import socket
 import subprocess
@@ -35,6 +34,7 @@ import time
 
 import containers  # noqa: E402  (loaded before this module by the bootloader)
 import options  # noqa: E402
+import torchfind  # noqa: E402
 
 
 def main(argv):
@@ -81,7 +81,7 @@ def facts(args):
         sys.stdout.flush()
     out = {"home": os.path.expanduser("~"), "python": sys.version.split()[0],
            "executable": sys.executable, "hostname": socket.gethostname(),
-           "torch": torch_facts()}
+           "torch": torchfind.torch_facts()}
     for key, d in (("workdir", args.workdir), ("dir", args.dir)):
         if d:
             out[key] = make_dir(d, private=key == "dir")
@@ -145,114 +145,6 @@ def private_folders(path):
         return [path]
     top = len(parts) - 1 - parts[::-1].index(".cluster")
     return [os.sep.join(parts[:i + 1]) or os.sep for i in range(top, len(parts))]
-
-
-def torch_facts():
-    """Where torch is and its version, from its files (importing torch takes seconds)."""
-    spec = find_torch()
-    if not spec or not spec.origin:
-        return None
-    base = os.path.dirname(spec.origin)
-    run_py = os.path.join(base, "distributed", "run.py")
-    info = {"run_py": run_py if os.path.exists(run_py) else None, "version": None, "cuda": None}
-    try:
-        with open(os.path.join(base, "version.py")) as f:
-            text = f.read()
-        for key, name in (("version", "__version__"), ("cuda", "cuda")):
-            m = re.search(r"^%s\s*(?::\s*\S+\s*)?=\s*'([^']*)'" % name, text, re.M)
-            info[key] = m.group(1) if m else None
-    except OSError:
-        pass
-    return info
-
-
-def find_torch():
-    """torch's spec as the job's python, which starts with site, finds it. The probe starts
-    without site (python -S: its .pth files' import lines cost a node 4-35 ms), so it looks on
-    the folders site would add, in site's order, after what sys.path holds already (PYTHONPATH
-    first, as for the job); if torch is not there, site runs after all, import lines and all
-    (an editable install's finder may be what finds it), and the import system is asked."""
-    from importlib.machinery import PathFinder
-    if sys.flags.no_site:
-        spec = PathFinder.find_spec("torch", sys.path + site_paths())
-        if spec is not None:
-            return spec
-        run_site()
-    import importlib.util
-    return importlib.util.find_spec("torch")
-
-
-def run_site():
-    """site, once, in this process (started with python -S): for a lookup that needs its
-    import lines, and before importing torch here (doctor's deep facts)."""
-    if sys.flags.no_site and not SITE_RAN:
-        import site
-        site.main()
-        SITE_RAN.append(True)
-
-
-SITE_RAN: "list[bool]" = []
-
-
-def site_paths():
-    """The folders site would add to sys.path, without running it: a virtual environment's
-    site-packages (its pyvenv.cfg, as site reads it), the user's (where site allows it), the
-    installation's; each followed by the path lines of its .pth files, in name order."""
-    import site
-    exe_dir = os.path.dirname(os.path.abspath(sys.executable))
-    prefixes, venv = [sys.prefix, sys.exec_prefix], []
-    for conf in (os.path.join(exe_dir, "pyvenv.cfg"), os.path.join(os.path.dirname(exe_dir), "pyvenv.cfg")):
-        if os.path.isfile(conf):
-            if venv_setting(conf, "include-system-site-packages", "true") != "true":
-                prefixes = []                # nor the user's site
-            venv = [os.path.dirname(exe_dir)]
-            sys.prefix = sys.exec_prefix = venv[0]     # as site's venv() sets them (the
-            #   site-packages folders it names depend on them; Debian's do)
-            break
-    dirs = site.getsitepackages(venv) if venv else []       # the venv's first, then the user's
-    if prefixes and site.check_enableusersite():
-        dirs.append(site.getusersitepackages())
-    dirs += site.getsitepackages(list(dict.fromkeys(prefixes)))
-    out = []
-    for d in dict.fromkeys(dirs):
-        if os.path.isdir(d):
-            out += [d] + pth_paths(d)
-    return out
-
-
-def venv_setting(conf, key, default):
-    try:
-        with open(conf, encoding="utf-8") as f:
-            for line in f:
-                name, eq, value = line.partition("=")
-                if eq and name.strip().lower() == key:
-                    return value.strip().lower()
-    except (OSError, UnicodeDecodeError):
-        pass
-    return default
-
-
-def pth_paths(sitedir):
-    """The folders a site folder's .pth files add (their import lines are not run)."""
-    try:
-        names = sorted(n for n in os.listdir(sitedir) if n.endswith(".pth") and not n.startswith("."))
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        try:
-            with open(os.path.join(sitedir, name), encoding="utf-8", errors="replace") as f:
-                lines = f.read().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            line = line.rstrip()
-            if not line or line.startswith("#") or line.startswith(("import ", "import\t")):
-                continue
-            path = os.path.abspath(os.path.join(sitedir, line))
-            if os.path.exists(path):
-                out.append(path)
-    return out
 
 
 def port_free(port):
@@ -410,7 +302,7 @@ def deep_facts(workdir):
 
 def torch_runtime():
     """What only importing torch tells: CUDA as built, cuDNN, NCCL, devices it sees."""
-    run_site()                # the job's torch, found as the job finds it
+    torchfind.run_site()      # the job's torch, found as the job finds it
     try:
         import torch
     except Exception as exc:  # a broken install is a finding, not a crash
