@@ -116,8 +116,10 @@ class SupervisedNode:
         ch = self.transport.spawn(shipping.boot_command(self.exe, probe))
         ch.write(probe.data)
         lines = self._json_lines(ch)
-        if listen is not None and heard is not None:
-            heard(next(lines))
+        if listen is not None:
+            said = next(lines)           # {"listening": ...}, before the facts
+            if heard is not None:
+                heard(said)
         if connect is not None and word is not None:
             try:
                 ch.write((word() + "\n").encode())
