@@ -112,6 +112,12 @@ class _Parser(Checks):
             self.problems.found.append(self.fail(data["hang_auto"], "floor", "the floor "
                                                  f"({top['hang_auto'].floor:g} s) is above the "
                                                  f"cap ({top['hang_auto'].cap:g} s)"))
+        if top.get("backend") in ALLOCATING:
+            for key in ("restarts", "hang_timeout"):
+                if top.get(key):     # the launcher's own restarts; a scheduler's job requeues
+                    self.problems.found.append(self.fail(
+                        data, key, f"is for local and ssh runs; under {top['backend']} a job "
+                                   f"requeues itself (--max-requeues)"))
         defaults = Map({}, {}, 1)
         if "defaults" in data:
             with self.problems.noted():

@@ -171,3 +171,12 @@ def test_slurm_refuses_what_it_does_itself(tmp_path: Path, key: str, request_: d
     inv.write_text("backend: slurm\n" + key + "hosts: [{name: a, address: 10.0.0.1}]\n")
     with pytest.raises(InputError, match="requeue"):
         prepared_options(inv, **request_)
+
+
+@pytest.mark.parametrize("key", ["restarts", "hang_timeout"])
+def test_slurm_inventory_names_the_line_of_a_launcher_only_key(tmp_path: Path, key: str) -> None:
+    inv = tmp_path / "slurm.yaml"
+    inv.write_text(f"backend: slurm\n{key}: 2\n")
+    with pytest.raises(InputError) as raised:
+        prepared_options(inv)
+    assert str(raised.value).startswith(f"{inv}:2: {key}: is for local and ssh runs"), raised.value
