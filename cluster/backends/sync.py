@@ -31,14 +31,15 @@ import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
-
-import pathspec
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..console import human_bytes
 from ..errors import ClusterError
 from ..plan import shpath
 from .supervised import Result
+
+if TYPE_CHECKING:
+    import pathspec
 
 DEFAULT_SKIP = ("__pycache__/", ".git/", ".hg/", ".svn/", ".cluster/", ".mypy_cache/",
                 ".pytest_cache/", ".ruff_cache/", ".tox/", ".ipynb_checkpoints/", "*.pyc", "*.pyo",
@@ -85,7 +86,12 @@ def ignore_spec(root: Path, extra: Sequence[str] = ()) -> tuple[pathspec.GitIgno
             used = name
             break
     lines += list(extra)
-    return pathspec.GitIgnoreSpec.from_lines(lines), used
+    return ignore_lines(lines), used
+
+
+def ignore_lines(lines: Sequence[str]) -> pathspec.GitIgnoreSpec:
+    import pathspec       # here, not at the top: a launch without --sync never loads its 31 modules
+    return pathspec.GitIgnoreSpec.from_lines(lines)
 
 
 def local_files(root: str | Path, exclude: Sequence[str] = ()) -> Selection:
@@ -227,7 +233,7 @@ def stale_files(previous: set[str], chosen: Selection, have: dict[str, tuple[int
     (listed without following links), not excluded now (an excluded name is never touched),
     not inside an environment."""
     local = {f.rel for f in chosen.files}
-    spec = chosen.spec or pathspec.GitIgnoreSpec.from_lines(DEFAULT_SKIP)
+    spec = chosen.spec or ignore_lines(DEFAULT_SKIP)
     envs = _environments(have)
     return sorted(rel for rel in previous - local
                   if rel in have and safe_rel(rel) and not _excluded(rel, spec)

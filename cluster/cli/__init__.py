@@ -11,7 +11,6 @@
     cluster pull    files from every node of a run into runs/<id>/pulled/<node>/
     cluster completion  the shell completion script (bash, zsh, fish)
 """
-from . import clean, completion, doctor, execute, pull, runs, top, up  # noqa: F401  (each registers its verb on `main`)
-from .main import entry, install_stop_handlers, main, run_cli
+from .main import entry, install_stop_handlers, main, run_cli  # each verb's module: at its first use (main.VERBS)
 
 __all__ = ["entry", "install_stop_handlers", "main", "run_cli"]

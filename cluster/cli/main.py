@@ -2,7 +2,7 @@
 exit code per error class) and the stop signals (SIGINT, SIGTERM, SIGHUP) every verb honours.
 
 Each verb is a module of its own (up.py, doctor.py, runs.py, execute.py, clean.py, top.py, pull.py,
-completion.py); cluster.resolve turns options into an inventory and a backend, cluster.api
+completion.py), imported when its verb is asked for (VERBS); cluster.resolve turns options into an inventory and a backend, cluster.api
 runs `up`. The verbs parse options and call the library, nothing more.
 """
 from __future__ import annotations
@@ -72,7 +72,28 @@ def host_options(command: Command) -> Command:
     return command
 
 
-@click.group(context_settings=CONTEXT)
+# Each verb's module (cluster/cli/<module>.py), imported when that verb is asked for: `cluster
+# up --local` never loads paramiko, nor `cluster up` the doctor's or top's code.
+VERBS = {"clean": "clean", "completion": "completion", "doctor": "doctor", "down": "runs",
+         "exec": "execute", "logs": "runs", "pull": "pull", "status": "runs", "top": "top",
+         "up": "up"}
+
+
+class Verbs(click.Group):
+    """The group whose verbs are imported at first use (VERBS); each module registers its own
+    on `main`."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(VERBS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in VERBS and name not in self.commands:
+            import importlib
+            importlib.import_module(f"{__package__}.{VERBS[name]}")
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=Verbs, context_settings=CONTEXT)
 @click.version_option(package_name="cluster")
 def main() -> None:
     """Launch PyTorch distributed training on many machines at once."""
