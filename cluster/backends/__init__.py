@@ -23,7 +23,7 @@ from ..nodes import NodeExit, NodeStatus, signal_name
 from ..plan import Job, LaunchPlan, Plan, Templates
 from ..request import Request
 from ..runs import RunDir
-from ..spec import Inventory
+from ..spec import Host, Inventory
 
 if TYPE_CHECKING:
     from .supervised import SupervisedBackend
@@ -138,6 +138,10 @@ class Backend(Protocol[PlanT]):
 class NodeChecks(Protocol):
     """The NODE_CHECKS capability: every node is checked before anything starts (phase one of
     cluster.check), by the process that start() then makes its supervisor."""
+
+    def open_all(self, hosts: Sequence[Host]) -> None:
+        """Start connecting to every host, in the background, before the plan is final; the
+        check uses these connections and reports a failure to connect as that node's."""
 
     def check(self, plan: LaunchPlan, *, reach: bool = False) -> dict[str, Record]:
         """What every node has (with reach, whether it can connect to the master port).

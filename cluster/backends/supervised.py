@@ -74,6 +74,14 @@ class SupervisedBackend:
             self._transports[host.name] = self._connect(host)
         return self._transports[host.name]
 
+    def open_all(self, hosts: Sequence[Host]) -> None:
+        """Connect to every host now, in the background (the pool), while the launcher renders
+        and records the plan: the nodes' side of each login (sshd's fork, key exchange,
+        authentication) runs beside the launcher's own work instead of after it. A failure is
+        kept by its transport and raised, unchanged, where the check first uses it."""
+        for host in hosts:
+            self._pool.submit(_quietly, self.transport(host).open)
+
     def check(self, plan: LaunchPlan, *, reach: bool = False) -> dict[str, dict[str, Any]]:
         """Phase one on every node at once: connect, make the run directory, say what the
         node has, by the process that start() will make the node's supervisor
@@ -366,3 +374,11 @@ class SupervisedBackend:
                 pass
         self._transports.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _quietly(fn: Callable[[], object]) -> None:
+    """fn's failure is its transport's to raise again at the next use (open_all)."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - kept by the transport, reported by the check
+        pass
