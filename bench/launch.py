@@ -285,7 +285,14 @@ class Bench:
                 raise SystemExit(f"teardown: still running after 120 s: {left[:5]}")
             time.sleep(0.02)
         took = time.monotonic() - t0
-        proc.wait(60)
+        try:                         # the launcher's own end: its records, the run's timeline
+            proc.wait(300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise SystemExit(f"teardown: every node clean after {took:.2f} s, but the launcher "
+                             f"had not exited 300 s later") from None
+        self.exited = time.monotonic() - t0
         return took
 
     def worker_pid(self, n: int, real_torchrun: bool) -> int:
@@ -388,9 +395,11 @@ def scale_run(n: int, results: dict, SshNodes) -> None:
         b.tpl_agent.mkdir()
         (b.tpl_agent / "node.sh.j2").write_text(SHELL_AGENT)
         stop = b.teardown(n, "ctrl-c", False, None)
-        print(f"scale {n} nodes: Ctrl-C, shell stand-in: {stop:.2f} s to every node clean", flush=True)
+        print(f"scale {n} nodes: Ctrl-C, shell stand-in: {stop:.2f} s to every node clean, "
+              f"the launcher exited at {b.exited:.2f} s", flush=True)
         results["scale"][n] = {"cluster": took, "pdsh": ptook, "pdsh_cpu": pcpu,
                                "pdsh_node_cpu": pnodes, "launcher": f, "stop_ctrl_c": stop,
+                               "launcher_exited": b.exited,
                                "bring_up": up, "available_before_mb": free0}
 
 

@@ -147,6 +147,17 @@ def _open_log(path: Path) -> IO[bytes]:
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
 
 
+def ask_all(targets: list[NodeProcess]) -> None:
+    """Every node told to stop at once, before any report is waited for, from the pool: each
+    word on a channel waits for the interpreter's lock among every connection's reader, and
+    at 1,000 nodes asking one after another took 40-55 s. Asking again asks only the nodes
+    not yet asked (request_stop sends its word once)."""
+    asking = [p for p in targets if isinstance(p, AsksStop)]
+    if asking:
+        with ThreadPoolExecutor(max_workers=min(len(asking), STOP_THREADS)) as pool:
+            list(pool.map(lambda p: p.request_stop(), asking))
+
+
 class Watcher:
     """hang_timeout: seconds with no progress on any node (no output line, no heartbeat from
     the reference trainer) after which every worker's stack is collected and the run stopped;
@@ -359,11 +370,9 @@ class Watcher:
         self.muted.update(labels)
         self.timeline.event(tl.STOP, nodes=sorted(labels))
         self.console.info("output of the stopped node(s) continues in their log files only")
-        for p in targets:      # every node told at once, before any report is waited for
-            if isinstance(p, AsksStop):
-                p.request_stop()
         while True:
             try:
+                ask_all(targets)
                 with ThreadPoolExecutor(max_workers=min(len(targets), STOP_THREADS)) as pool:
                     reports = list(pool.map(lambda p: p.stop(), targets))
                 break
