@@ -328,7 +328,11 @@ class SupervisedProcess:
     def stop(self) -> dict[str, Any]:
         """Asks it to stop (request_stop); its answer is its last record (what was left after
         TERM, the grace and KILL, verified). A channel that is gone or silent gets a stop
-        command of its own instead."""
+        command of its own instead. A node that already reported and ended (its turn in the
+        launcher's few stop threads came after its end: at 1,000 nodes most of them) is
+        answered by that report, with no new command."""
+        if self.closed.is_set() and self.final is not None:
+            return dict(self.final)
         if self.request_stop():
             asked = self.stop_asked or time.monotonic()     # the answer is due from then on
             left = asked + self.grace + 15 - time.monotonic()

@@ -86,3 +86,4 @@ def test_a_local_run_loads_no_ssh_code(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     said = out.stdout.splitlines()[-1] if out.stdout else ""
     assert said == "loaded: 0 False False", out.stdout[-500:] + out.stderr
+
