@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import backends, launch, resolve, tuning
-from .backends import (EXEC, REMOTE_NODES, RESTARTS, SHARED_FILESYSTEM, SYNC, Backend, node_checks,
-                       supports)
+from .backends import EXEC, REMOTE_NODES, RESTARTS, SHARED_FILESYSTEM, SYNC, Backend, supports
 from .backends.slurm_output import TERMINAL
 from .console import Console, NodeProgress
 from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
@@ -60,8 +59,6 @@ class Prepared:
             self.backend.progress = progress
         run: RunDir | None = None
         try:
-            if not self.dry_run:
-                self._connect_ahead()
             run = RunDir.create(self.job.run_id, meta={"backend": self.backend_name,
                                                        "command": argv, "cwd": os.getcwd()})
             job = self.job
@@ -83,14 +80,6 @@ class Prepared:
         finally:
             progress.close()
             self.backend.close()
-
-    def _connect_ahead(self) -> None:
-        """Every node's connection starts now, while this process records the run and renders
-        its plan; the check finds them made (or reports why one could not be)."""
-        checks = node_checks(self.backend)
-        if checks is not None:
-            launch.ensure_open_files(len(self.inventory.hosts))
-            checks.open_all(self.inventory.hosts)
 
 
 def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepared:

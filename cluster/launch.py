@@ -130,6 +130,9 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
         timeline: tl.Recorder) -> int:
     secrets = secret_values(inventory, environ)
     ensure_open_files(len(inventory.hosts))
+    checks = node_checks(backend)
+    if checks is not None:   # every login starts now, while the plan is recorded and rendered
+        checks.open_all(inventory.hosts)
     if hasattr(backend, "note"):        # what the backend tells the user goes where the run's does
         backend.note = console.info
     history: list[Record] = []

@@ -147,17 +147,6 @@ def _open_log(path: Path) -> IO[bytes]:
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
 
 
-def ask_all(targets: list[NodeProcess]) -> None:
-    """Every node told to stop at once, before any report is waited for, from the pool: each
-    word on a channel waits for the interpreter's lock among every connection's reader, and
-    at 1,000 nodes asking one after another took 40-55 s. Asking again asks only the nodes
-    not yet asked (request_stop sends its word once)."""
-    asking = [p for p in targets if isinstance(p, AsksStop)]
-    if asking:
-        with ThreadPoolExecutor(max_workers=min(len(asking), STOP_THREADS)) as pool:
-            list(pool.map(lambda p: p.request_stop(), asking))
-
-
 class Watcher:
     """hang_timeout: seconds with no progress on any node (no output line, no heartbeat from
     the reference trainer) after which every worker's stack is collected and the run stopped;
@@ -372,8 +361,12 @@ class Watcher:
         self.console.info("output of the stopped node(s) continues in their log files only")
         while True:
             try:
-                ask_all(targets)
                 with ThreadPoolExecutor(max_workers=min(len(targets), STOP_THREADS)) as pool:
+                    # every node asked before any report is waited for, from the pool: each word
+                    # waits for the interpreter's lock among every connection's reader (one
+                    # after another, 40-55 s at 1,000 nodes); asked once, however often
+                    asking = [p for p in targets if isinstance(p, AsksStop)]
+                    list(pool.map(lambda p: p.request_stop(), asking))
                     reports = list(pool.map(lambda p: p.stop(), targets))
                 break
             except KeyboardInterrupt:
