@@ -176,9 +176,14 @@ def test_preemption_signal_requeues_and_the_job_completes(slurm, workdir: Path) 
             time.sleep(0.5)
         jid = job_id(workdir)
         assert slurm.run(["scancel", "--signal=USR2", "--batch", jid]).returncode == 0
-        while "BeginTime" not in slurm.run(["squeue", "-h", "-j", jid, "-o", "%r"]).stdout:
+        while slurm.run(["squeue", "-h", "-j", jid, "-o", "%T|%r"]).stdout.strip() != "PENDING|BeginTime":
             assert time.monotonic() < deadline + 60, "job was not requeued"
             time.sleep(0.3)
+        # The requeue revoked the first attempt's credential on each slurmd, which then refuses
+        # any credential of the job issued in that same second ("Job credential revoked", the
+        # second attempt FAILED). The revocation is over once the job is PENDING again: release
+        # it in a later second than that (SLURM's own BeginTime hold is there for this).
+        time.sleep(1.05 - time.time() % 1)
         slurm.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"])
         stdout, stderr = proc.communicate(timeout=120)
     finally:
