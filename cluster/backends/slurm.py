@@ -305,15 +305,14 @@ class SlurmBackend:
             m = re.search(rf"(?:^|\s){key}=(\S*)", r.stdout)
             return m.group(1) if m else ""
         code, sig = _exit(field("ExitCode"))
-        reason = field("Reason")
+        reason, restarts = field("Reason"), field("Restarts")
         return JobInfo(job_id, field("JobState"), code, sig, _nodes(field("NodeList")),
-                       reason="" if reason == "None" else reason, source="scontrol")
+                       reason="" if reason == "None" else reason, source="scontrol",
+                       restarts=int(restarts) if restarts.isdigit() else None)
 
-    def coming_back(self, job_id: str) -> JobInfo | None:
-        """A job squeue stopped listing for a moment while it is requeued: the controller
-        still knows it in a state that is not final."""
-        info = self._scontrol(job_id)
-        return info if info is not None and info.state and not info.done else None
+    def controller(self, job_id: str) -> JobInfo | None:
+        """The job as the controller knows it (`scontrol show job`, any state), or None."""
+        return self._scontrol(job_id)
 
     def cancel(self, job_id: str) -> None:
         r = self._run("scancel", job_id)
@@ -352,24 +351,14 @@ class SlurmBackend:
         slurm = meta.get("slurm") or {}
         path, job_id = Path(slurm.get("output", "")), slurm.get("job_id")
         names = [n["name"] for n in meta.get("nodes") or ()]
-        labeller = Labeller(names)
-        reader = OutputReader(path)
-        while True:
-            info = self.queued(job_id) if follow and job_id else None
-            if info is not None and info.nodes:
-                labeller.names = list(info.nodes)
-                remember_nodes(run, info)
-            for line in reader.lines():
-                label, text = labeller.split(line)
-                if node is None or label.split(" ")[0] == node:
-                    yield label, text + b"\n"
-            if info is None:
-                break
-            self.sleep(self.poll)
-        for line in reader.rest():
-            label, text = labeller.split(line)
+        if follow and job_id:
+            lines = _followed(run, JobProcess(self, job_id, path, run.run_id, names))
+        else:
+            labeller = Labeller(names)
+            lines = ((label, text + b"\n") for label, text in map(labeller.split, OutputReader(path).rest()))
+        for label, text in lines:
             if node is None or label.split(" ")[0] == node:
-                yield label, text + b"\n"
+                yield label, text
 
     def stop_run(self, run: RunDir) -> dict[str, Record]:
         job_id = (run.meta().get("slurm") or {}).get("job_id")
@@ -399,6 +388,15 @@ class SlurmBackend:
 
     def close(self) -> None:
         """Nothing held: every command is one subprocess."""
+
+
+def _followed(run: RunDir, job: JobProcess) -> Iterator[tuple[str, bytes]]:
+    """The job's lines as `cluster up` follows them (through a requeue), until it ends."""
+    for item in job.output():
+        if not isinstance(item, dict):
+            yield item
+        elif item.get("nodes"):
+            remember_nodes(run, JobInfo(job.job_id, "", nodes=tuple(item["nodes"])))
 
 
 def _job(procs: list[NodeProcess]) -> JobProcess:

@@ -27,6 +27,7 @@ class JobInfo:
     nodes: tuple[str, ...] = ()
     reason: str = ""
     source: str = ""                 # squeue | sacct | sacct -c | jobcomp | scontrol | none
+    restarts: int | None = None      # how often it was requeued (scontrol's Restarts=)
 
     @property
     def done(self) -> bool:
@@ -52,7 +53,7 @@ class Scheduler(Protocol):
 
     def queued(self, job_id: str) -> JobInfo | None: ...
 
-    def coming_back(self, job_id: str) -> JobInfo | None: ...
+    def controller(self, job_id: str) -> JobInfo | None: ...
 
     def finished(self, job_id: str) -> JobInfo: ...
 
@@ -63,8 +64,10 @@ class Scheduler(Protocol):
 
 _LABELLED = re.compile(rb"^\s*(\d+): ?(.*)$", re.S)
 # What templates/sbatch.sh.j2 prints just before `scontrol requeue`. From then on the job may
-# leave squeue, and even read as finished, for a moment before it is pending again.
+# leave squeue, and even read as finished, for a moment before it is pending again: waited
+# through for up to REQUEUE_WAIT, unless the controller says the announced restart has ended.
 REQUEUE_MARK = b"cluster: requeueing job"
+_RESTART = re.compile(rb"[(]restart (\d+) of")
 REQUEUE_WAIT = 60.0
 ATTEMPT_MARK = b"cluster: run "               # the batch script's first line, every attempt
 END_MARK = b"cluster: job "                  # its last line: the step has ended
@@ -142,23 +145,24 @@ class JobProcess:
     A requeue the batch script announced is waited through: the job may leave squeue, and even
     read as finished, for a moment before it is pending again."""
 
-    def __init__(self, backend: Scheduler, job_id: str, output: Path, run_id: str) -> None:
+    def __init__(self, backend: Scheduler, job_id: str, output: Path, run_id: str,
+                 nodes: Sequence[str] = ()) -> None:
         self.backend = backend
         self.job_id = job_id
         self.path = output
         self.run_id = run_id
         self.node = Job(job_id)
         self.final: JobInfo | None = None
-        self.nodes: list[str] = []
+        self.nodes = list(nodes)                 # known once it starts (squeue)
 
     def output(self) -> Iterator[tuple[str, bytes] | dict[str, Any]]:
-        reader, labeller = OutputReader(self.path), Labeller()
-        last_state, requeued_at, look_now = "", None, False
+        reader, labeller, marks = OutputReader(self.path), Labeller(self.nodes), _Marks()
+        last_state = ""
         interval, next_look = self.backend.poll, 0.0
         clock = self.backend.clock
         while True:
-            if look_now or clock() >= next_look:
-                look_now = False
+            if marks.look_now or clock() >= next_look:
+                marks.look_now = False
                 info = self.backend.queued(self.job_id)
                 changed = info is not None and info.state != last_state
                 if info is not None and info.nodes and list(info.nodes) != labeller.names:
@@ -168,30 +172,36 @@ class JobProcess:
                     last_state = info.state
                     yield {"info": f"job {self.job_id}: {info.state}"
                                    + (f" ({info.reason})" if info.reason else "")}
-                for item in self._lines(reader.lines(), labeller):
-                    if isinstance(item, dict):
-                        requeued_at, look_now = _marks(item, requeued_at, look_now, clock())
-                        continue
-                    yield item
+                yield from marks.read(self._lines(reader.lines(), labeller), clock())
                 if info is not None and info.state == "PENDING":
-                    requeued_at = None              # the next attempt is queued: follow it
+                    marks.requeued_at = None        # the next attempt is queued: follow it
                 if info is None:
-                    info = self.backend.coming_back(self.job_id)
-                waiting = requeued_at is not None and clock() - requeued_at < REQUEUE_WAIT
+                    info = self._unlisted(marks)
+                waiting = marks.requeued_at is not None and clock() - marks.requeued_at < REQUEUE_WAIT
                 if info is None and not waiting:
                     break
                 interval = self.backend.poll if changed else min(self.backend.max_poll, interval * 1.5)
                 next_look = clock() + interval
             else:
-                for item in self._lines(reader.lines(), labeller):
-                    if isinstance(item, dict):
-                        requeued_at, look_now = _marks(item, requeued_at, look_now, clock())
-                        continue
-                    yield item
+                yield from marks.read(self._lines(reader.lines(), labeller), clock())
             self.backend.sleep(min(TICK, max(0.0, next_look - clock())))
         yield from (i for i in self._lines(reader.rest(), labeller) if not isinstance(i, dict))
         self.final = self.backend.finished(self.job_id)
         yield {"info": f"run {self.run_id}: {self.final.describe()} ({self.final.source})"}
+
+    def _unlisted(self, marks: _Marks) -> JobInfo | None:
+        """squeue no longer lists the job. The controller may still know it in a state that is
+        not final (requeued, coming back): follow that. If it reads the job as finished after
+        the restart the batch script announced, that attempt has ended: stop waiting for it."""
+        known = self.backend.controller(self.job_id)
+        if known is None or not known.state:
+            return None
+        if not known.done:
+            return known
+        if marks.requeued_at is not None and known.restarts is not None \
+                and known.restarts >= marks.announced:
+            marks.requeued_at = None
+        return None
 
     @staticmethod
     def _lines(lines: list[bytes], labeller: Labeller) -> Iterator[tuple[str, bytes] | dict[str, Any]]:
@@ -201,7 +211,7 @@ class JobProcess:
                 for mark, name in ((REQUEUE_MARK, "requeue"), (ATTEMPT_MARK, "attempt"),
                                    (END_MARK, "end")):
                     if text.startswith(mark):
-                        yield {"mark": name}
+                        yield {"mark": name, "text": text}
                         break
             yield label, text + b"\n"
 
@@ -227,14 +237,30 @@ class JobProcess:
         """Not offered under SLURM (the launcher refuses --hang-timeout there)."""
 
 
-def _marks(mark: dict[str, Any], requeued_at: float | None, look_now: bool,
-           now: float) -> tuple[float | None, bool]:
-    """What a line of the batch script tells the follower."""
-    name = mark.get("mark")
-    if name == "requeue":
-        return now, look_now
-    if name == "attempt":
-        return None, look_now               # the next attempt has started: follow it
-    if name == "end":
-        return requeued_at, True
-    return requeued_at, look_now
+class _Marks:
+    """What the batch script's own lines have told the follower so far."""
+
+    def __init__(self) -> None:
+        self.requeued_at: float | None = None   # when it announced a requeue not yet seen through
+        self.announced = 0                      # ... and the restart that requeue makes
+        self.look_now = False                   # the step ended: ask squeue at once
+
+    def read(self, items: Iterator[tuple[str, bytes] | dict[str, Any]],
+             now: float) -> Iterator[tuple[str, bytes]]:
+        """The lines to show; the marks among them are taken note of."""
+        for item in items:
+            if isinstance(item, dict):
+                self._note(item, now)
+            else:
+                yield item
+
+    def _note(self, mark: dict[str, Any], now: float) -> None:
+        name = mark.get("mark")
+        if name == "requeue":
+            self.requeued_at = now
+            found = _RESTART.search(mark.get("text", b""))
+            self.announced = int(found.group(1)) if found else self.announced + 1
+        elif name == "attempt":
+            self.requeued_at = None             # the next attempt has started: follow it
+        elif name == "end":
+            self.look_now = True

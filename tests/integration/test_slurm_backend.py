@@ -160,12 +160,14 @@ def test_down_cancels_a_running_job_and_leaves_no_process(slurm, workdir: Path) 
 
 def test_preemption_signal_requeues_and_the_job_completes(slurm, workdir: Path) -> None:
     """B:USR2 to the batch shell (what SLURM sends before the time limit or on preemption):
-    the step gets SIGTERM, the job is requeued, its second attempt completes. SLURM holds a
-    requeued job for about two minutes (BeginTime); the test releases it at once."""
+    the step gets SIGTERM, the job is requeued, its second attempt completes, and both `cluster
+    up` and a `cluster logs -f` started meanwhile follow it to the end. SLURM holds a requeued
+    job for about two minutes (BeginTime); the test releases it as soon as it may."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster", "up", "-i", "inventory.yaml", "--", str(PROGRAM),
          "--sleep-first", "300"], cwd=workdir, env=dict(slurm.env, NO_COLOR="1"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follower: subprocess.Popen | None = None
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -175,6 +177,9 @@ def test_preemption_signal_requeues_and_the_job_completes(slurm, workdir: Path) 
                 break
             time.sleep(0.5)
         jid = job_id(workdir)
+        follower = subprocess.Popen(        # a second terminal following the same run
+            [sys.executable, "-m", "cluster", "logs", "-f"], cwd=workdir,
+            env=dict(slurm.env, NO_COLOR="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert slurm.run(["scancel", "--signal=USR2", "--batch", jid]).returncode == 0
         while slurm.run(["squeue", "-h", "-j", jid, "-o", "%T|%r"]).stdout.strip() != "PENDING|BeginTime":
             assert time.monotonic() < deadline + 60, "job was not requeued"
@@ -186,14 +191,20 @@ def test_preemption_signal_requeues_and_the_job_completes(slurm, workdir: Path) 
         time.sleep(1.05 - time.time() % 1)
         slurm.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"])
         stdout, stderr = proc.communicate(timeout=120)
+        followed, follow_err = follower.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in (proc, follower):
+            if p is not None and p.poll() is None:
+                p.kill()
     assert proc.returncode == 0, stdout[-3000:] + stderr
+    assert follower is not None and follower.returncode == 0, followed[-3000:] + follow_err
+    assert sorted(d["restart"] for d in reports(followed)) == [0, 0, 1, 1], followed[-3000:]
     assert "requeueing job" in stdout and "on SIGUSR2" in stdout
     assert "SignalException" in stdout                  # torchrun got SIGTERM, not SIGKILL
     restarts = sorted(d["restart"] for d in reports(stdout))
     assert restarts == [0, 0, 1, 1], stdout[-3000:]
+    # What the follower reads to know a finished job is the requeued attempt (JobInfo.restarts).
+    assert " Restarts=1 " in slurm.run(["scontrol", "-o", "show", "job", jid]).stdout
 
 
 def test_secret_env_and_a_nasty_job_name_through_real_sbatch(slurm, workdir: Path, canary: Path) -> None:

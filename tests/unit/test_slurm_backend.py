@@ -200,12 +200,33 @@ def test_follow_waits_for_an_announced_requeue_even_if_the_job_reads_finished(tm
         with open(path, "a") as f:
             f.write(line)
         return ok(f"77|{state}|node[1-2]|None\n") if state else GONE
-    failed = ok("JobId=77 JobState=FAILED Reason=None ExitCode=1:0 NodeList=node[1-2]\n")
+    failed = ok("JobId=77 JobState=FAILED Reason=None Restarts=0 ExitCode=1:0 NodeList=node[1-2]\n")
     fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue, scontrol=failed,
                         sacct=ok("77|COMPLETED|0:0|node[1-2]\n"))
     code, _run, out, err = run_up(tmp_path, fake)
     assert code == 0, err
     assert "job 77: PENDING" in err and "[node1 0] second attempt" in out
+
+
+def test_follow_ends_promptly_when_the_requeued_attempt_failed_before_it_printed(tmp_path: Path) -> None:
+    # The next attempt ended before it wrote a line and before squeue showed it pending (a
+    # slurmd refusing its credential): the controller's Restarts=1 says the finished job is the
+    # announced attempt, so following ends at once with its failure instead of waiting.
+    path = tmp_path / "slurm-logs" / "r1.out"
+    steps = iter([("RUNNING", "cluster: requeueing job 77 (restart 1 of 3) on SIGUSR2\n"), (None, "")])
+
+    def squeue(argv: tuple[str, ...]) -> Completed:
+        state, line = next(steps, (None, ""))
+        with open(path, "a") as f:
+            f.write(line)
+        return ok(f"77|{state}|node[1-2]|None\n") if state else GONE
+    failed = ok("JobId=77 JobState=FAILED Reason=None Restarts=1 ExitCode=1:0 NodeList=node[1-2]\n")
+    fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue, scontrol=failed, sacct=NO_ACCOUNTING,
+                        sacct_c=ok("77|FAILED|1:0|node[1-2]\n"))
+    t0 = time.monotonic()
+    with pytest.raises(RunFailed, match="job 77 FAILED"):
+        run_up(tmp_path, fake)
+    assert time.monotonic() - t0 < 5, "following waited for a requeued attempt that had ended"
 
 
 def test_follow_ends_promptly_once_the_requeued_attempt_has_run(tmp_path: Path) -> None:
@@ -368,6 +389,28 @@ def test_logs_label_lines_by_node_and_filter_one_node(tmp_path: Path) -> None:
     assert got == [("batch", b"cluster: start\n"), ("gpu7 0", b"a\n"), ("gpu9 1", b"b\n"),
                    ("gpu7 0", b"c\n"), ("batch", b"partial\n")]
     assert [t for _, t in backend(fake).logs(run, node="gpu9")] == [b"b\n"]
+
+
+def test_logs_follow_goes_on_through_a_requeue_and_records_the_nodes(tmp_path: Path) -> None:
+    # `cluster logs -f` follows as `cluster up` does: squeue drops the requeued job for a
+    # moment and the controller knows it as pending, so the second attempt is shown too.
+    run = recorded_run(tmp_path)
+    path = tmp_path / "r1.out"
+    steps = iter([("RUNNING", "cluster: requeueing job 77 (restart 1 of 3) on SIGUSR2\n0: first\n"),
+                  (None, ""), ("RUNNING", "cluster: run r1 job 77 (restart 1)\n1: second\n"), (None, "")])
+
+    def squeue(argv: tuple[str, ...]) -> Completed:
+        state, line = next(steps, (None, ""))
+        with open(path, "a") as f:
+            f.write(line)
+        return ok(f"77|{state}|node[1-2]|None\n") if state else GONE
+    scontrol = [ok("JobId=77 JobState=PENDING Reason=BeginTime Restarts=1 ExitCode=0:0\n"),
+                ok("JobId=77 JobState=COMPLETED Reason=None Restarts=1 ExitCode=0:0\n")]
+    fake = FakeCommands(squeue=squeue, scontrol=scontrol, sacct=ok("77|COMPLETED|0:0|node[1-2]\n"))
+    got = list(backend(fake).logs(run, follow=True))
+    assert ("node1 0", b"first\n") in got and ("node2 1", b"second\n") in got, got
+    assert [n["name"] for n in run.meta()["nodes"]] == ["node1", "node2"]
+    assert list(backend(fake).logs(run, node="node2")) == [("node2 1", b"second\n")]
 
 
 def test_output_reader_and_labeller() -> None:
