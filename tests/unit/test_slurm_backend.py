@@ -152,6 +152,19 @@ def output_grows(tmp_path: Path, chunks: list[str]) -> Callable[[tuple[str, ...]
     return squeue
 
 
+def squeue_steps(path: Path, steps: list[tuple[str | None, str]]) -> Callable[[tuple[str, ...]], Completed]:
+    """A fake squeue: each call appends the step's line to the job's output file, then lists
+    the job in the step's state (None: not listed)."""
+    left = iter(steps)
+
+    def squeue(argv: tuple[str, ...]) -> Completed:
+        state, line = next(left, (None, ""))
+        with open(path, "a") as f:
+            f.write(line)
+        return ok(f"77|{state}|node[1-2]|None\n") if state else GONE
+    return squeue
+
+
 def test_follow_prints_lines_by_node_and_ends_completed(tmp_path: Path) -> None:
     chunks = ["cluster: run r1 job 77\n0: hello from", " node1\n1: hello from node2\n", "1: bye\n"]
     fake = FakeCommands(sbatch=ok("77\n"), squeue=output_grows(tmp_path, chunks),
@@ -192,14 +205,9 @@ def test_follow_waits_for_an_announced_requeue_even_if_the_job_reads_finished(tm
     # After the batch script says it requeues, SLURM may drop the job from squeue and even
     # report the first attempt as FAILED for a moment; following waits for the next attempt.
     path = tmp_path / "slurm-logs" / "r1.out"
-    steps = iter([("RUNNING", "cluster: requeueing job 77 (restart 1 of 3)\n"), (None, ""),
-                  (None, ""), ("PENDING", ""), ("RUNNING", "0: second attempt\n"), (None, "")])
-
-    def squeue(argv: tuple[str, ...]) -> Completed:
-        state, line = next(steps, (None, ""))
-        with open(path, "a") as f:
-            f.write(line)
-        return ok(f"77|{state}|node[1-2]|None\n") if state else GONE
+    steps = [("RUNNING", "cluster: requeueing job 77 (restart 1 of 3)\n"), (None, ""),
+             (None, ""), ("PENDING", ""), ("RUNNING", "0: second attempt\n"), (None, "")]
+    squeue = squeue_steps(path, steps)
     failed = ok("JobId=77 JobState=FAILED Reason=None Restarts=0 ExitCode=1:0 NodeList=node[1-2]\n")
     fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue, scontrol=failed,
                         sacct=ok("77|COMPLETED|0:0|node[1-2]\n"))
@@ -213,13 +221,8 @@ def test_follow_ends_promptly_when_the_requeued_attempt_failed_before_it_printed
     # slurmd refusing its credential): the controller's Restarts=1 says the finished job is the
     # announced attempt, so following ends at once with its failure instead of waiting.
     path = tmp_path / "slurm-logs" / "r1.out"
-    steps = iter([("RUNNING", "cluster: requeueing job 77 (restart 1 of 3) on SIGUSR2\n"), (None, "")])
-
-    def squeue(argv: tuple[str, ...]) -> Completed:
-        state, line = next(steps, (None, ""))
-        with open(path, "a") as f:
-            f.write(line)
-        return ok(f"77|{state}|node[1-2]|None\n") if state else GONE
+    steps = [("RUNNING", "cluster: requeueing job 77 (restart 1 of 3) on SIGUSR2\n"), (None, "")]
+    squeue = squeue_steps(path, steps)
     failed = ok("JobId=77 JobState=FAILED Reason=None Restarts=1 ExitCode=1:0 NodeList=node[1-2]\n")
     fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue, scontrol=failed, sacct=NO_ACCOUNTING,
                         sacct_c=ok("77|FAILED|1:0|node[1-2]\n"))
@@ -233,15 +236,10 @@ def test_follow_ends_promptly_once_the_requeued_attempt_has_run(tmp_path: Path) 
     # The next attempt's first line ends the wait for the requeue: once that attempt is done,
     # following ends at once instead of waiting out REQUEUE_WAIT.
     path = tmp_path / "slurm-logs" / "r1.out"
-    steps = iter([("RUNNING", "cluster: requeueing job 77 (restart 1 of 3) on SIGUSR2\n"),
-                  (None, ""), ("RUNNING", "cluster: run r1 job 77 on node[1-2] (restart 1)\n"),
-                  ("RUNNING", "0: done\n"), (None, "")])
-
-    def squeue(argv: tuple[str, ...]) -> Completed:
-        state, line = next(steps, (None, ""))
-        with open(path, "a") as f:
-            f.write(line)
-        return ok(f"77|{state}|node[1-2]|None\n") if state else GONE
+    steps = [("RUNNING", "cluster: requeueing job 77 (restart 1 of 3) on SIGUSR2\n"),
+             (None, ""), ("RUNNING", "cluster: run r1 job 77 on node[1-2] (restart 1)\n"),
+             ("RUNNING", "0: done\n"), (None, "")]
+    squeue = squeue_steps(path, steps)
     fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue,
                         scontrol=ok("JobId=77 JobState=COMPLETED Reason=None ExitCode=0:0\n"),
                         sacct=ok("77|COMPLETED|0:0|node[1-2]\n"))
@@ -396,14 +394,9 @@ def test_logs_follow_goes_on_through_a_requeue_and_records_the_nodes(tmp_path: P
     # moment and the controller knows it as pending, so the second attempt is shown too.
     run = recorded_run(tmp_path)
     path = tmp_path / "r1.out"
-    steps = iter([("RUNNING", "cluster: requeueing job 77 (restart 1 of 3) on SIGUSR2\n0: first\n"),
-                  (None, ""), ("RUNNING", "cluster: run r1 job 77 (restart 1)\n1: second\n"), (None, "")])
-
-    def squeue(argv: tuple[str, ...]) -> Completed:
-        state, line = next(steps, (None, ""))
-        with open(path, "a") as f:
-            f.write(line)
-        return ok(f"77|{state}|node[1-2]|None\n") if state else GONE
+    steps = [("RUNNING", "cluster: requeueing job 77 (restart 1 of 3) on SIGUSR2\n0: first\n"),
+             (None, ""), ("RUNNING", "cluster: run r1 job 77 (restart 1)\n1: second\n"), (None, "")]
+    squeue = squeue_steps(path, steps)
     scontrol = [ok("JobId=77 JobState=PENDING Reason=BeginTime Restarts=1 ExitCode=0:0\n"),
                 ok("JobId=77 JobState=COMPLETED Reason=None Restarts=1 ExitCode=0:0\n")]
     fake = FakeCommands(squeue=squeue, scontrol=scontrol, sacct=ok("77|COMPLETED|0:0|node[1-2]\n"))
