@@ -32,7 +32,7 @@ from .hang_timeout import valid as valid_hang_timeout
 from .nodes import NodeStatus
 from .plan import Job, Templates
 from .request import Request
-from .runs import RunDir, new_run_id
+from .runs import RunDir, cache_root, new_run_id
 from .spec import Inventory, check_text
 
 __all__ = ["Prepared", "Request", "Run", "detached_error", "prepare", "up"]
@@ -89,7 +89,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     contacts nothing."""
     r = request
     secrets = _checked(r)
-    templates = Templates(r.templates_dir)
+    templates = Templates(r.templates_dir, cache_root(environ) / "templates")
     name, inventory = resolve.where(r, secrets, environ)
     if not supports(name, RESTARTS) and (r.max_restarts or r.min_nodes or r.hang_timeout
                                          or inventory.restarts or inventory.hang_timeout):

@@ -19,6 +19,7 @@ import os
 import secrets
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,13 @@ def write_private(path: Path, text: str | bytes) -> None:
 def make_private_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
+
+
+def cache_root(environ: Mapping[str, str] = os.environ) -> Path:
+    """~/.cache/cluster ($XDG_CACHE_HOME/cluster): what cluster keeps between runs here."""
+    base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".cache")
+    return Path(base) / "cluster"
+
 
 
 def new_run_id(now: float | None = None) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError
-from .runs import make_private_dir, write_private
+from .runs import cache_root, make_private_dir, write_private
 from .spec import Host, Inventory
 
 VARIABLES = ("NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD")
@@ -103,8 +103,7 @@ def choose(rows: Sequence[Row], min_gain: float = MIN_GAIN) -> Row:
 
 
 def cache_path(environ: Mapping[str, str] = os.environ) -> Path:
-    base = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".cache")
-    return Path(base) / "cluster" / "nccl-tuning.json"
+    return cache_root(environ) / "nccl-tuning.json"
 
 
 def node_names(inventory: Inventory) -> list[str]:
