@@ -155,8 +155,8 @@ def run(args, user_umask=0o022):
             stopping.set()
             t = threading.Thread(target=lambda: done.append(terminate(d, grace, True)),
                                  daemon=True)
+            t.start()              # before the main thread can see it: it joins what it finds
             stoppers.append(t)
-            t.start()
 
     def stop_requested():
         # The launcher's `stop` line: no process of its own on this node, one packet.
