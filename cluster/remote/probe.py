@@ -28,7 +28,6 @@ import json
 import os
 import select
 import socket
-import subprocess
 import sys
 import time
 
@@ -210,6 +209,7 @@ def interface_addresses(wanted=()):
     have = {ip for ips in found.values() for ip in ips}
     if found and all(w in have for w in wanted if w):
         return found
+    import subprocess        # here, not above: rare (the supervisor starts its job without it)
     found = {}
     try:
         out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
@@ -335,6 +335,7 @@ def torch_runtime():
 def nvidia_smi():
     """One entry per GPU: model, driver, memory used and total (MiB), processes using it."""
     query = "index,name,driver_version,memory.used,memory.total,uuid"
+    import subprocess        # here, not above: cluster doctor's only
     try:
         res = subprocess.run(["nvidia-smi", "--query-gpu=" + query, "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30)
