@@ -54,9 +54,9 @@ def c_function(name):
         _restype_ = Int
 
     class Program:                              # ctypes.CDLL(None): this process's symbols
-        _handle = _ctypes.dlopen(None, os.RTLD_NOW | os.RTLD_LOCAL)
+        _handle = _ctypes.dlopen(None, os.RTLD_NOW | os.RTLD_LOCAL)  # type: ignore[arg-type]
 
-    return Function((name, Program))
+    return Function((name, Program))  # type: ignore[arg-type]  # any object with a _handle
 
 
 def is_subreaper(pid):

@@ -218,7 +218,8 @@ def run(args, user_umask=0o022):
 # one pipe, a session of its own, every other descriptor closed, SIGPIPE and SIGXFSZ at their
 # defaults), by os.posix_spawnp: the subprocess module's import (with locale) and its Popen
 # cost every node ~4 ms of CPU. Popen stays where the C library cannot start a session.
-KEPT = []       # a Popen of the fallback: one dropped is reaped by the next Popen's cleanup
+# The fallback's Popen objects: one dropped while its child runs is reaped by the next Popen.
+KEPT = []  # type: list
 
 
 def start_job(argv, env, umask):
