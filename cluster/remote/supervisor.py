@@ -58,7 +58,7 @@ def main(argv):
     args = parse(argv)
     os.makedirs(args.dir, exist_ok=True)
     if args.cmd == "run":
-        return run(args, USER_UMASK)
+        leave(run(args, USER_UMASK))
     if args.cmd == "stop":
         report = stop(args.dir, args.grace)
         print(json.dumps(report))
@@ -69,6 +69,19 @@ def main(argv):
     if args.cmd == "logs":
         return logs(args.dir, args.follow)
     return 2
+
+
+def leave(code):
+    """End this process with code once the run's end is recorded and told: os._exit, after a
+    flush of what is still buffered. The interpreter's own shutdown (every module finalized;
+    the daemon threads, those that watched the run, abandoned all the same) costs every
+    node ~2.5 ms of CPU."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 # Each command's options: name -> default or type; its flags; its required options.
