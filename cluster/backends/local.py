@@ -104,7 +104,10 @@ class LocalChannel:
         before this returns, so that a caller who then looks finds nothing of ours; bounded,
         since a supervisor that was running stops its node first (and goes on doing so)."""
         if self.proc.stdin:
-            self.proc.stdin.close()
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass          # it ended before reading all (no such python): closed all the same
         try:
             self.proc.wait(timeout=CLOSE_WAIT)
         except subprocess.TimeoutExpired:

@@ -8,7 +8,6 @@ node's run directory.
 """
 import os
 import signal
-import subprocess
 
 
 def runtime_start(argv, own_session=True):
@@ -16,6 +15,7 @@ def runtime_start(argv, own_session=True):
     session of its own, so that what it starts can be ended with it; own_session False keeps
     it in this process's session, as the supervisor's helpers are (no process of the run can
     join that session, so none of them is ever taken for the run's: family.py)."""
+    import subprocess        # here, not above: a run without a container never needs it
     try:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=own_session)
@@ -45,6 +45,7 @@ def runtime_result(proc, timeout):
     killed then). Its warnings on stderr never mix into a value."""
     if isinstance(proc, str):
         return None, "", proc
+    import subprocess
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

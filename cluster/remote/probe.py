@@ -27,9 +27,11 @@ import errno
 import json
 import os
 import select
-import socket
-import subprocess
 import sys
+
+# socket.py's C half: the module itself (its enums, built at import, and selectors) costs every
+# node ~3 ms of CPU, for what these calls take as it is. The master's listener, rare, uses it.
+import _socket
 import time
 
 import containers  # noqa: E402  (loaded before this module by the bootloader)
@@ -80,13 +82,13 @@ def facts(args):
         sys.stdout.write(json.dumps(start_listening(args.listen, args.listen_seconds)) + "\n")
         sys.stdout.flush()
     out = {"home": os.path.expanduser("~"), "python": sys.version.split()[0],
-           "executable": sys.executable, "hostname": socket.gethostname(),
+           "executable": sys.executable, "hostname": _socket.gethostname(),
            "torch": torchfind.torch_facts()}
     for key, d in (("workdir", args.workdir), ("dir", args.dir)):
         if d:
             out[key] = make_dir(d, private=key == "dir")
     if args.master:
-        out["network"] = network(args.own or socket.gethostname(), args.master, args.ifname)
+        out["network"] = network(args.own or _socket.gethostname(), args.master, args.ifname)
     out["ib_devices"] = sorted(os.listdir("/sys/class/infiniband")) \
         if os.path.isdir("/sys/class/infiniband") else []
     if args.port:
@@ -151,9 +153,9 @@ def port_free(port):
     """Whether torchrun's rendezvous store could listen on port: it binds every address with
     SO_REUSEADDR, so a port whose last connections sit in TIME_WAIT is free. Only a listener
     that holds the port (EADDRINUSE), or a port this user may not bind (EACCES), is busy."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
         s.bind(("", port))
         s.listen(1)
         return True
@@ -167,9 +169,19 @@ def port_free(port):
 
 def ipv4(name):
     try:
-        return socket.getaddrinfo(name, None, socket.AF_INET)[0][4][0]
-    except (socket.gaierror, IndexError, UnicodeError):
+        return _socket.getaddrinfo(host(name), None, _socket.AF_INET)[0][4][0]
+    except (_socket.gaierror, IndexError, UnicodeError):
         return None
+
+
+def host(name):
+    """name for getaddrinfo: bytes when it is ASCII (as nearly every one is), which the
+    kernel's resolver takes as they are. A str is always encoded with the idna codec first,
+    whose import (with stringprep) costs every node of a launch 1-2 ms of CPU."""
+    try:
+        return name.encode("ascii")
+    except UnicodeError:
+        return name
 
 
 def primary_addresses():
@@ -178,14 +190,14 @@ def primary_addresses():
     import fcntl
     import struct
     found = {}
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
     try:
-        for _, name in socket.if_nameindex():
+        for _, name in _socket.if_nameindex():
             try:
                 raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
             except OSError:
                 continue                  # no IPv4 address
-            found[name] = [socket.inet_ntoa(raw[20:24])]
+            found[name] = [_socket.inet_ntoa(raw[20:24])]
     except OSError:
         return {}
     finally:
@@ -200,6 +212,7 @@ def interface_addresses(wanted=()):
     have = {ip for ips in found.values() for ip in ips}
     if found and all(w in have for w in wanted if w):
         return found
+    import subprocess        # here, not above: rare (the supervisor starts its job without it)
     found = {}
     try:
         out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
@@ -215,7 +228,7 @@ def interface_addresses(wanted=()):
 
 def source_address(ip):
     """The local address the kernel would send from to reach ip (a UDP connect sends nothing)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
     try:
         s.connect((ip, 9))
         return s.getsockname()[0]
@@ -325,6 +338,7 @@ def torch_runtime():
 def nvidia_smi():
     """One entry per GPU: model, driver, memory used and total (MiB), processes using it."""
     query = "index,name,driver_version,memory.used,memory.total,uuid"
+    import subprocess        # here, not above: cluster doctor's only
     try:
         res = subprocess.run(["nvidia-smi", "--query-gpu=" + query, "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30)
@@ -384,6 +398,7 @@ LISTENING: "list[tuple]" = []      # (a string: not evaluated, Python 3.8 too)
 def start_listening(port, seconds):
     """Listen on port (as torchrun's store will) and accept and close every connection, in a
     thread, until handover() or `seconds` pass. {"listening": true}, or false with why."""
+    import socket            # its accept(): the master's only
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -441,9 +456,9 @@ def connect(addr, port, timeout):
         left = timeout - (time.time() - t0)
         tries += 1
         try:
-            with socket.create_connection((addr, port), timeout=max(0.1, min(left, 3.0))):
-                return {"ok": True, "seconds": time.time() - t0, "tries": tries}
-        except socket.timeout:
+            open_close(addr, port, max(0.1, min(left, 3.0)))
+            return {"ok": True, "seconds": time.time() - t0, "tries": tries}
+        except _socket.timeout:
             why = "no answer within %g s (a firewall dropping packets?)" % timeout
         except OSError as exc:
             why = exc.strerror or str(exc)
@@ -453,6 +468,23 @@ def connect(addr, port, timeout):
             break
         time.sleep(0.5)
     return {"ok": False, "seconds": time.time() - t0, "tries": tries, "error": why}
+
+
+def open_close(addr, port, timeout):
+    """A TCP connection to addr:port opened and closed, as socket.create_connection opens it:
+    each address of the name in turn; the last one's error when none opens."""
+    err = OSError("getaddrinfo returns an empty list")
+    for family, kind, proto, _, sa in _socket.getaddrinfo(host(addr), port, 0, _socket.SOCK_STREAM):
+        s = _socket.socket(family, kind, proto)
+        try:
+            s.settimeout(timeout)
+            s.connect(sa)
+            return
+        except OSError as exc:
+            err = exc
+        finally:
+            s.close()
+    raise err
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 
@@ -254,6 +253,7 @@ def parent(pid):
 
 
 def py_spy(spy, pid):
+    import subprocess        # here, not above: a hang's dump only
     try:
         res = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
                              timeout=20)

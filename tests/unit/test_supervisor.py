@@ -559,3 +559,47 @@ def test_a_stop_of_a_run_that_had_ended_says_how_it_ended(tmp_path: Path) -> Non
     p.communicate(timeout=30)
     assert report["signalled"] and "ended" not in report, report
 
+
+
+JOB_STARTS = r"""
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import supervisor
+if sys.argv[2] == "popen":                   # a C library whose posix_spawn has no setsid
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("setsid")
+    os.posix_spawnp = refuse
+leak = os.open(os.devnull, os.O_RDONLY)
+os.set_inheritable(leak, True)               # as a descriptor inherited from sshd may be
+signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+script = ("echo sid=$(ps -o sid= -p $$) umask=$(umask) fds=$(ls /proc/$$/fd | tr '\\n' ,); "
+          "grep SigIgn /proc/$$/status; read x || echo stdin-empty; echo err >&2; exit 3")
+pid, out = supervisor.start_job(["bash", "-c", script], dict(os.environ), 0o027)
+data = b""
+while True:
+    chunk = os.read(out, 4096)
+    if not chunk:
+        break
+    data += chunk
+print(pid, supervisor.wait_job(pid), os.getsid(0), repr(data.decode()))
+"""
+
+
+def test_the_job_starts_as_popen_would_start_it(tmp_path: Path) -> None:
+    """launch.sh starts by posix_spawn where the C library has it (the subprocess module's
+    import costs a node ~4 ms), else by Popen; either way alike: a session of its own, the
+    umask asked for, stdin /dev/null, stdout and stderr one pipe, no other descriptor, SIGPIPE
+    not ignored, its exit code."""
+    for way in ("spawn", "popen"):
+        res = subprocess.run([sys.executable, "-c", JOB_STARTS, str(SUPERVISOR.parent), way],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        pid, code, our_sid, text = res.stdout.split(" ", 3)
+        text = eval(text)
+        assert code == "3" and "stdin-empty" in text and "err" in text, (way, text)
+        assert f"sid={pid} " in text.replace("sid= ", "sid=") and our_sid != pid, (way, text)
+        assert "umask=0027" in text, (way, text)
+        fds = [f for f in text.split("fds=")[1].split()[0].split(",") if f]
+        assert sorted(fds)[:3] == ["0", "1", "2"] and len(fds) <= 4, (way, fds)   # + $(...)'s pipe
+        ignored = int(text.split("SigIgn:")[1].split()[0], 16)
+        assert not ignored & (1 << (signal.SIGPIPE - 1)), (way, text)
