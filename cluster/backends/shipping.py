@@ -86,7 +86,8 @@ BOOT = ("import os,sys,json,types,marshal\n"
 
 # What a run's start writes into the node's run directory beside its launch.sh: the supervisor
 # and what it imports stay there, as the run's stop, status and logs run it.
-SUPERVISOR_FILES = ("options", "family", "workers", "rundir", "containers", "stopping", "supervisor")
+SUPERVISOR_FILES = ("options", "family", "workers", "rundir", "containers", "stopping", "spawning",
+                    "supervisor")
 # Each node-side program of cluster/remote with the modules it imports, in load order.
 PROGRAMS = {"probe": ("options", "containers", "torchfind", "probe"),
             "status": ("options", "status"),

@@ -31,6 +31,7 @@ import time
 
 import family  # noqa: E402  (loaded before this module by the bootloader)
 import options  # noqa: E402
+import spawning  # noqa: E402
 import stopping  # noqa: E402
 import supervisor  # noqa: E402
 
@@ -52,7 +53,7 @@ def main(argv):
         child = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  start_new_session=True,
-                                 **supervisor.with_umask(supervisor.USER_UMASK))
+                                 **spawning.with_umask(supervisor.USER_UMASK))
     except FileNotFoundError:
         out.write(("cluster exec: %s: command not found\n" % command[0]).encode())
         return 127

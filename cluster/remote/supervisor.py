@@ -26,7 +26,7 @@ only if its environment carries this run's id and node name, or it belongs to th
 group while that group is known to be ours (this supervisor is alive, or is the one stopping
 it), or it descends from this supervisor. Beside it in the run's folder: stopping.py, rundir.py
 (the folder's small files), containers.py (a container runtime's commands), workers.py
-(torchrun's workers), family.py (a process's descendants).
+(torchrun's workers), family.py (a process's descendants), spawning.py (how the job starts).
 """
 import json
 import os
@@ -46,6 +46,7 @@ USER_UMASK = os.umask(0o077)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import family  # noqa: E402  (beside this file on the node)
 import options  # noqa: E402
+import spawning  # noqa: E402
 import workers  # noqa: E402
 from rundir import path, read_json, read_number, write_atomic  # noqa: E402
 from stopping import identity, supervisor_alive, terminate  # noqa: E402
@@ -147,7 +148,7 @@ def run(args, user_umask=0o022):
     log = os.fdopen(os.open(path(d, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
                     "ab", buffering=0)
     family.become_subreaper()        # whatever the run starts stays in this process's family
-    child, output = start_job(["bash", path(d, "launch.sh")], env, user_umask)
+    child, output = spawning.start_job(["bash", path(d, "launch.sh")], env, user_umask)
     write_atomic(d, "pgid", str(child))
     write_atomic(d, "supervisor.start", str(family.start_time(os.getpid())))
     write_atomic(d, "supervisor.pid", str(os.getpid()))
@@ -196,7 +197,7 @@ def run(args, user_umask=0o022):
                             daemon=True)
     pump.start()
     threading.Thread(target=reap_orphans, args=(child, ended), daemon=True).start()
-    code = wait_job(child)
+    code = spawning.wait_job(child)
     ended.set()
     grace = graces[0] if graces else args.grace
     for t in stoppers:                 # a stop in progress finishes its grace and its KILL first
@@ -225,79 +226,6 @@ def run(args, user_umask=0o022):
     write_atomic(d, "exit", json.dumps(result))
     out.record({"final": final})
     return code if code >= 0 else 128 - code
-
-
-# The run's launch.sh is started as subprocess.Popen would (stdin /dev/null, stdout and stderr
-# one pipe, a session of its own, every other descriptor closed, SIGPIPE and SIGXFSZ at their
-# defaults), by os.posix_spawnp: the subprocess module's import (with locale) and its Popen
-# cost every node ~4 ms of CPU. Popen stays where the C library cannot start a session.
-# The fallback's Popen objects: one dropped while its child runs is reaped by the next Popen.
-KEPT = []  # type: list
-
-
-def start_job(argv, env, umask):
-    """(pid, read end of its output) of argv, started with umask `umask`."""
-    r, w = os.pipe()
-    try:
-        return spawn(argv, env, umask, w), r
-    except BaseException:
-        os.close(r)
-        raise
-    finally:
-        os.close(w)
-
-
-def spawn(argv, env, umask, out):
-    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
-               (os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, out, 2)]
-    actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in inherited_fds()]
-    defaults = [getattr(signal, n) for n in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, n)]
-    old = os.umask(umask)          # the child's: no other thread runs yet that writes a file
-    try:
-        return os.posix_spawnp(argv[0], argv, env, file_actions=actions, setsid=True,
-                               setsigdef=defaults)
-    except (AttributeError, NotImplementedError):   # no posix_spawn, or no setsid in it
-        pass
-    finally:
-        os.umask(old)
-    import subprocess
-    KEPT.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                                 start_new_session=True, **with_umask(umask)))
-    return KEPT[-1].pid
-
-
-def inherited_fds():
-    """The descriptors above 2 that a child would inherit (Popen's close_fds closes them)."""
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return []
-    found = []
-    for fd in (int(n) for n in names if int(n) > 2):
-        try:
-            if os.get_inheritable(fd):
-                found.append(fd)
-        except OSError:
-            continue                   # the listing's own, closed by now
-    return found
-
-
-def wait_job(pid):
-    """Its exit as Popen's returncode: the status, or -N when signal N ended it."""
-    try:
-        _, status = os.waitpid(pid, 0)
-    except ChildProcessError:      # taken by another waiter: as Popen says then
-        return 0
-    if os.WIFSIGNALED(status):
-        return -os.WTERMSIG(status)
-    return os.WEXITSTATUS(status)
-
-
-def with_umask(mask):
-    """Popen's arguments that start the child with umask `mask`."""
-    if sys.version_info >= (3, 9):
-        return {"umask": mask}
-    return {"preexec_fn": lambda: os.umask(mask)}
 
 
 def reap_orphans(child, ended, every=1.0):

@@ -564,7 +564,7 @@ def test_a_stop_of_a_run_that_had_ended_says_how_it_ended(tmp_path: Path) -> Non
 JOB_STARTS = r"""
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-import supervisor
+import spawning
 if sys.argv[2] == "popen":                   # a C library whose posix_spawn has no setsid
     def refuse(*args, **kwargs):
         raise NotImplementedError("setsid")
@@ -574,14 +574,14 @@ os.set_inheritable(leak, True)               # as a descriptor inherited from ss
 signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 script = ("echo sid=$(ps -o sid= -p $$) umask=$(umask) fds=$(ls /proc/$$/fd | tr '\\n' ,); "
           "grep SigIgn /proc/$$/status; read x || echo stdin-empty; echo err >&2; exit 3")
-pid, out = supervisor.start_job(["bash", "-c", script], dict(os.environ), 0o027)
+pid, out = spawning.start_job(["bash", "-c", script], dict(os.environ), 0o027)
 data = b""
 while True:
     chunk = os.read(out, 4096)
     if not chunk:
         break
     data += chunk
-print(pid, supervisor.wait_job(pid), os.getsid(0), repr(data.decode()))
+print(pid, spawning.wait_job(pid), os.getsid(0), repr(data.decode()))
 """
 
 
