@@ -8,8 +8,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import stat
 import shlex
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,8 +215,8 @@ def builtin_templates_dir() -> Path:
 
 class TemplateCache(jinja2.FileSystemBytecodeCache):
     """Compiled templates kept between launches in the user's own cache folder
-    (~/.cache/cluster/templates): compiling a launch's templates took about 13 ms of the
-    launcher's CPU, loading them takes about 1 ms (bench in docs/SCALE.md). Jinja keys each by
+    (~/.cache/cluster/templates): compiling a launch's templates took about 20 ms of the
+    launcher's CPU, loading them takes about 1.4 ms (docs/SCALE.md). Jinja keys each by
     the template's file and checks its source's hash, so an edited template compiles anew.
     Code is loaded only from a folder of this user's alone; a file that cannot be read or
     written, or is not what Jinja wrote, only means compiling, as without the cache."""
