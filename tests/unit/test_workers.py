@@ -97,8 +97,14 @@ def test_joined_means_every_worker_of_the_node_is_at_the_store(proc: Path) -> No
 # --- the supervisor's word on workers, from a real supervisor and plain bash "workers" ---------
 
 # A "worker": a process in a session of its own with torchrun's rank variables, as torchrun
-# starts them; the script then waits as torchrun does.
-WORKER = "GROUP_RANK=0 RANK=0 setsid sleep 300 &\n"
+# starts them; the script then waits as torchrun does. It goes on only once the worker's exec
+# is done, as a torchrun's workers are long before it could die: until then the process is
+# the script's fork, without the rank variables, and a fast supervisor's stop looked at it
+# then (no worker counted; seen in CI once the supervisor started its job without subprocess).
+WORKER = ("GROUP_RANK=0 RANK=0 setsid sleep 300 &\n"
+          "until tr '\\0' '\\n' < /proc/$!/environ 2>/dev/null | grep -q '^GROUP_RANK='; do\n"
+          "  sleep 0.01\n"
+          "done\n")
 
 
 def records_of(out: bytes) -> list[dict]:
