@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from . import backends, launch, resolve, tuning
 from .backends import EXEC, REMOTE_NODES, RESTARTS, SHARED_FILESYSTEM, SYNC, Backend, supports
 from .backends.slurm_output import TERMINAL
 from .console import Console, NodeProgress
-from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
+from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed, did_you_mean
 from .hang_timeout import valid as valid_hang_timeout
 from .nodes import NodeStatus
 from .plan import Job, Templates
@@ -157,9 +157,20 @@ def up(inventory: str | os.PathLike[str] | None = None, script: str | None = Non
     if script is None and args:
         raise InputError("args without a script: give the script too")
     command = (str(script), *map(str, args)) if script is not None else ()
+    _known_options(options)
     request = Request(inventory_path=None if inventory is None else os.fspath(inventory),
                       command=command, env=dict(env or {}), **options)
     return Run.start(prepare(request), echo=echo)
+
+
+def _known_options(options: Mapping[str, Any]) -> None:
+    """A misspelled keyword is an InputError naming the nearest option, not Request's
+    TypeError."""
+    own = {"inventory_path", "command", "env"}          # given by up()'s own parameters
+    names = {f.name for f in dataclasses.fields(Request)} - own
+    for key in options:
+        if key not in names:
+            raise InputError(f"up() got an unknown option {key!r}: {did_you_mean(key, names)}")
 
 
 class Run:
@@ -183,6 +194,7 @@ class Run:
         self._stop_reason: str | None = None
         self._created = threading.Event()
         self._dir: RunDir | None = None
+        self._sink: IO[str] | None = None        # echo=False's devnull
         self._thread = threading.Thread(target=self._main, args=(console,), daemon=True,
                                         name=f"cluster-run-{self.run_id}")
 
@@ -192,6 +204,7 @@ class Run:
         prepared.options = dataclasses.replace(prepared.options, stop=stop)
         sink = None if echo else open(os.devnull, "w")
         run = cls(prepared, Console(out=sink, err=sink, color=False) if sink else Console())
+        run._sink = sink                     # closed when the launcher's thread ends
         run._stop = stop
         _owned(run)
         run._thread.start()
@@ -212,6 +225,8 @@ class Run:
             self._record_stop()
             self._created.set()
             _released(self)
+            if self._sink is not None:
+                self._sink.close()
 
     def _record_stop(self) -> None:
         """Why a stop was asked for, in run.json and in the error."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from .spec import Host
 
-PLAIN_IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]+$")
+PLAIN_IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]+\Z")
 
 
 @dataclass(frozen=True)

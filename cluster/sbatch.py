@@ -69,7 +69,7 @@ class SbatchPlan:
                             "nproc_per_node": self.nproc, "options": list(self.options)}})
 
 
-SBATCH_BARE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+$")
+SBATCH_BARE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+\Z")
 # sbatch reads these words anywhere in a #SBATCH line as the separator of a heterogeneous job.
 SBATCH_SEPARATORS = ("packjob", "hetjob")
 

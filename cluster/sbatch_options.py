@@ -19,4 +19,4 @@ SBATCH_OWNED: dict[str, str | None] = {
 # Options that are also a slurm setting, passed through as they are: one of the two, not both.
 SBATCH_ALIASES = {"time": "time", "partition": "partition", "account": "account",
                   "constraint": "constraint", "job-name": "job_name"}
-SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")    # the long option without its dashes
+SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*\Z")    # the long option without its dashes

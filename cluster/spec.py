@@ -17,8 +17,8 @@ import yaml
 
 from .errors import InputError
 
-HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_-]{1,63})*$")
-ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+HOSTNAME = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_-]{1,63})*\Z")
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 # Set by cluster itself on every node: the identity that stopping relies on, and the rendezvous.
@@ -118,10 +118,10 @@ def keys_of(cls: type) -> dict[str, Key]:
     return {f.name: f.metadata["key"] for f in dataclasses.fields(cls) if "key" in f.metadata}
 
 
-IFNAME = re.compile(r"^[=^]?[A-Za-z0-9_.:@-]+(,[A-Za-z0-9_.:@-]+)*$")
+IFNAME = re.compile(r"^[=^]?[A-Za-z0-9_.:@-]+(,[A-Za-z0-9_.:@-]+)*\Z")
 # An image reference as docker and podman take it (registry/path:tag@digest), or pyxis's
 # forms (registry#path, a squashfs file): never a word the runtime would read as an option.
-IMAGE = re.compile(r"^[A-Za-z0-9/.][A-Za-z0-9._/:@#+-]*$")
+IMAGE = re.compile(r"^[A-Za-z0-9/.][A-Za-z0-9._/:@#+-]*\Z")
 BACKENDS = ("ssh", "slurm", "local")        # the registry's names (cluster.backends; a test holds them equal)
 ALLOCATING = ("slurm",)                     # those with backends.ALLOCATES: an inventory needs no hosts
 HOST_KEY_POLICIES = ("strict", "accept-new", "off")

@@ -19,7 +19,7 @@ from typing import BinaryIO, Protocol
 from ..errors import ClusterError
 from ..plan import shpath
 from ..runs import make_private_dir
-from .supervised import Result
+from .transport import Result
 from .sync import safe_rel
 
 

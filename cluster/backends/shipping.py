@@ -52,7 +52,15 @@ SUPERVISOR = REMOTE / "supervisor.py"
 # failure to read or write it only means compiling, as without it.
 CODE_CACHE = "~/.cache/cluster/code"
 
-BOOT = ("import os,sys,json,types,marshal\n"
+# Its first line takes the working directory off sys.path before anything else is imported:
+# `python -c` puts it first (''), so a types.py, json.py or signal.py in the user's project
+# (local) or home (SSH) would shadow the standard library in every node program. (-P and
+# PYTHONSAFEPATH do this from Python 3.11 only; -I would drop PYTHONHOME, see above.) sys and
+# posix are built in, found on no path. The job is not started from here: its python still puts
+# its script's folder first, as usual.
+BOOT = ("import sys,posix\ntry:w=posix.getcwd()\nexcept OSError:w=''\n"
+        "sys.path[:]=[p for p in sys.path if p not in('','.',w)]\n"
+        "import os,sys,json,types,marshal\n"
         "def t(n):\n b=b''\n while len(b)<n:\n  c=os.read(0,n-len(b))\n"
         "  if not c:raise SystemExit('cluster: the launcher closed its input inside a bundle')\n"
         "  b+=c\n return b\n"

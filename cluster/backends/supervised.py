@@ -21,7 +21,7 @@ from ..spec import DEFAULT_STOP_GRACE, Host, Inventory
 from ..nodes import NodeStatus, end_detail
 from . import shipping
 from .node import SupervisedNode, SupervisedProcess
-# The transport contract, imported from here by the transports and --sync's and pull's code.
+# The transport contract (transports, --sync and pull import it from .transport itself).
 from .transport import Channel, Result, Transport
 
 if TYPE_CHECKING:

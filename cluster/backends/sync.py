@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..console import human_bytes
 from ..errors import ClusterError
 from ..plan import shpath
-from .supervised import Result
+from .transport import Result
 
 if TYPE_CHECKING:
     import pathspec

@@ -15,7 +15,7 @@ from ..spec import ENV_KEY, Mount, control_char, reserved_env, setup_block
 from ..torchrun_options import owned_torchrun_option
 from .loader import List, Map
 
-_MOUNT_FLAGS = re.compile(r"^[A-Za-z0-9]+(,[A-Za-z0-9]+)*$")
+_MOUNT_FLAGS = re.compile(r"^[A-Za-z0-9]+(,[A-Za-z0-9]+)*\Z")
 
 
 class Checks:
@@ -129,7 +129,7 @@ class Checks:
     def forward_names(self, m: Map, key: str) -> list[str]:
         items = self.strings(m, key, "[WANDB_API_KEY, 'NCCL_*']")
         for name, line in items:
-            if not re.match(r"^[A-Za-z_*?][A-Za-z0-9_*?]*$", name):
+            if not re.match(r"^[A-Za-z_*?][A-Za-z0-9_*?]*\Z", name):
                 raise InventoryError(self.source, line, key,
                                      f"{name!r} is not an environment variable name or glob")
             why = reserved_env(name) if "*" not in name and "?" not in name else None
@@ -229,7 +229,7 @@ class Checks:
 
     def slurm_signal(self, m: Map, key: str) -> str:
         signal = self.string(m, key)
-        if not re.match(r"^(B:)?[A-Z0-9]+(@\d+)?$", signal):
+        if not re.match(r"^(B:)?[A-Z0-9]+(@\d+)?\Z", signal):
             raise self.fail(m, key, f"{signal!r} is not a SLURM --signal value",
                             "e.g. USR2@90 or B:USR2@90")
         if signal.removeprefix("B:").split("@")[0] in ("USR1", "SIGUSR1"):

@@ -41,7 +41,7 @@ def forward_env(inventory: Inventory, environ: Mapping[str, str]) -> Inventory:
     return dataclasses.replace(inventory, hosts=tuple(hosts))
 
 
-_DOTENV = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*$")
+_DOTENV = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*\Z")
 _DOUBLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\", "$": "$"}
 
 

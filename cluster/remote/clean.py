@@ -27,7 +27,7 @@ import rundir  # noqa: E402
 import stopping  # noqa: E402
 import supervisor  # noqa: E402
 
-RUN_ID = re.compile(r"^(doctor-)?\d{8}-\d{6}-[0-9a-f]{4}$")   # doctor-: `cluster doctor --deep`
+RUN_ID = re.compile(r"^(doctor-)?\d{8}-\d{6}-[0-9a-f]{4}\Z")   # doctor-: `cluster doctor --deep`
 FRESH = 600.0
 
 

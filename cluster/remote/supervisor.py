@@ -142,7 +142,9 @@ def run(args, user_umask=0o022):
                                             "leftovers": [], "stopped": True,
                                             "reason": "stop requested before the start"}))
         return 143
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", **secret_env)
+    # PYTHONFAULTHANDLER is on by default (the hang watchdog's stacks come through it); a user's
+    # secret of that name wins, as an `env` entry of that name does (launch.sh exports it).
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", **secret_env}
     env.update(CLUSTER_RUN_ID=args.run_id, CLUSTER_NODE=args.node,
                CLUSTER_HEARTBEAT_FILE=path(d, "heartbeat"))
     log = os.fdopen(os.open(path(d, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),

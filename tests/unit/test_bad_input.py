@@ -206,3 +206,40 @@ def test_record_the_bad_input_suite(reliability) -> None:
                 outcome="never a traceback: exit 0, or exit 2 naming file, line and key (or an "
                         "option of the command line); no canary file was ever created",
                 exit="0 or 2", figures=seen)
+
+
+# --- a validator's end anchor -----------------------------------------------------------------
+
+def test_no_validation_pattern_ends_with_a_dollar() -> None:
+    """`$` also matches before a trailing newline: 'FOO\\n' passed the name check and broke the
+    script. Every anchored pattern of cluster/ ends with \\Z (or is used with fullmatch)."""
+    import ast
+    root = Path(__file__).resolve().parents[2] / "cluster"
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("compile", "match") and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, (str, bytes))):
+                text = node.args[0].value
+                text = text.decode() if isinstance(text, bytes) else text
+                flags = ast.unparse(node.args[1]) if len(node.args) > 1 else ""
+                if text.startswith("^") and text.endswith("$") and "re.S" not in flags:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {text}")
+    assert found == []
+
+
+def test_the_validators_refuse_a_trailing_newline() -> None:
+    from cluster import network, sbatch, sbatch_options, spec
+    for pattern, good in ((spec.HOSTNAME, "node1"), (spec.ENV_KEY, "FOO"), (spec.IFNAME, "eth0"),
+                          (spec.IMAGE, "img:1"), (sbatch.SBATCH_BARE, "gpu"),
+                          (sbatch_options.SBATCH_KEY, "qos"), (network.PLAIN_IFNAME, "eth0")):
+        assert pattern.match(good) and not pattern.match(good + "\n"), pattern.pattern
+
+
+@pytest.mark.parametrize("argv", [["--env", "FOO\n=bar"], ["--secret-env", "FOO\n"]])
+def test_a_name_with_a_trailing_newline_is_refused(tmp_path: Path, argv: list[str]) -> None:
+    (tmp_path / "t.py").write_text("print(1)\n")
+    code, err = run_quietly(["up", "--local", "--dry-run", *argv, "--", "t.py"], tmp_path)
+    assert code == 2 and "Invalid value for --" in err, err

@@ -102,3 +102,105 @@ def test_remote_programs_import_nothing_of_cluster() -> None:
     """They run on the nodes with the standard library only (supervisor, probe, workers)."""
     for path in (ROOT / "remote").glob("*.py"):
         assert [t for t, _ in imports(path)] == [], path
+
+
+def under_type_checking(tree: ast.Module) -> set[int]:
+    """ids of the import nodes inside `if TYPE_CHECKING:` blocks: they never run, so they make
+    no import circle (annotations only)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skipped
+
+
+def as_module(name: str, known: set[str]) -> str:
+    """The module a dotted import name loads: `cluster.backends.Backend` (a name imported from
+    a package) is the package `cluster.backends`."""
+    while name not in known and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def runtime_imports(path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """(module, line) for every import of cluster's own modules that can run: at the top or
+    inside a function (a lazy import still closes a circle), not under TYPE_CHECKING."""
+    me = module_name(path)
+    base = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+    tree = ast.parse(path.read_text())
+    skipped = under_type_checking(tree)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            pkg = ".".join(base[:len(base) - node.level + 1]) if node.level else ""
+            mod = f"{pkg}.{node.module}" if pkg and node.module else pkg or node.module or ""
+            # `from . import shipping` loads a module; `from .supervised import Result` a name
+            names = [f"{mod}.{a.name}" for a in node.names]
+            found += [(as_module(n, known), node.lineno) for n in names if n.startswith("cluster")]
+        elif isinstance(node, ast.Import):
+            found += [(as_module(a.name, known), node.lineno)
+                      for a in node.names if a.name.startswith("cluster")]
+    return [(m, line) for m, line in found if m != me]
+
+
+def import_graph() -> dict[str, dict[str, str]]:
+    """module -> {imported module: 'file:line' of the import}."""
+    paths = sources()
+    known = {module_name(p) for p in paths}
+    graph: dict[str, dict[str, str]] = {}
+    for path in paths:
+        edges = graph.setdefault(module_name(path), {})
+        for target, line in runtime_imports(path, known):
+            if target in known:
+                edges.setdefault(target, f"{path.relative_to(ROOT.parent)}:{line}")
+    return graph
+
+
+def circles(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan's algorithm): each is
+    at least one import circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_no_import_circles() -> None:
+    """No module imports, however indirectly or lazily, a module that imports it back: the
+    layers above forbid a circle between layers, this one inside a layer or a package."""
+    graph = import_graph()
+    found = []
+    for group in circles(graph):
+        found += [f"{graph[a][b]}: {a} imports {b}" for a in group for b in graph[a] if b in group]
+    assert found == [], "import circles:\n" + "\n".join(found)
+
+
+def test_the_circle_check_sees_a_lazy_circle() -> None:
+    graph = {"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}, "c": {"a": "c.py:9"}, "d": {"a": ""}}
+    assert circles(graph) == [["a", "b", "c"]]

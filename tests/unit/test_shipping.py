@@ -185,3 +185,34 @@ def test_a_home_where_nothing_can_be_written_still_runs(tmp_path: Path) -> None:
     home.write_text("a file, not a folder: the cache cannot be made")
     res = boot_at_home(home, connect_bundle())
     assert res.returncode == 0 and "ok" in json.loads(res.stdout.decode().splitlines()[-1]), res
+
+
+# --- the working directory is not on a node program's path ------------------------------------
+
+def standard_modules_of_the_node_programs() -> set[str]:
+    """Every top-level module the bootloader and cluster/remote's programs import."""
+    import ast
+    from cluster.backends.shipping import REMOTE
+    ours = {p.stem for p in REMOTE.glob("*.py")}
+    names = {"os", "sys", "json", "types", "marshal"}
+    for path in REMOTE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+    return names - ours - {"torch", "__future__"}
+
+
+def test_modules_in_the_working_directory_do_not_shadow_the_standard_library(tmp_path: Path) -> None:
+    """`python -c` puts the working directory first on sys.path: the user's project (local) or
+    home (SSH) holding a types.py or json.py must not replace the standard library there."""
+    shadows = standard_modules_of_the_node_programs()
+    assert {"types", "json", "select", "signal", "os"} <= shadows
+    for name in shadows:
+        (tmp_path / f"{name}.py").write_text(f"raise ImportError('the cwd shadowed {name}')\n")
+    res = subprocess.run([sys.executable, "-S", "-c", BOOT],
+                         input=program("probe", "facts", "--dir", str(tmp_path / "run")).data,
+                         capture_output=True, cwd=tmp_path, timeout=60)
+    assert res.returncode == 0 and b"shadowed" not in res.stderr, res.stderr.decode()
+    assert facts_of(res)["dir"] == str(tmp_path / "run")

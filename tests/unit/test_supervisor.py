@@ -262,6 +262,22 @@ def test_secret_env_reaches_the_run_through_stdin_only(tmp_path: Path) -> None:
     assert secret.encode() not in out
 
 
+def test_a_secret_named_like_what_the_supervisor_sets_is_the_users_value(tmp_path: Path) -> None:
+    """PYTHONFAULTHANDLER is on by default for the watchdog's stacks; a secret of that name
+    (as an `env` entry of that name, exported by launch.sh) is the user's choice and wins."""
+    d = node_dir(tmp_path, f'printf "%s" "$PYTHONFAULTHANDLER" > {tmp_path}/got.txt\n')
+    p = start(d, config={"env": {"PYTHONFAULTHANDLER": "secret-value"}})
+    out = finish(p)
+    assert p.returncode == 0, out
+    assert (tmp_path / "got.txt").read_text() == "secret-value"
+    d2 = tmp_path / "default"
+    d2.mkdir()
+    (d2 / "launch.sh").write_text(f'printf "%s" "$PYTHONFAULTHANDLER" > {tmp_path}/default.txt\n')
+    p = start(d2)
+    assert finish(p) is not None and p.returncode == 0
+    assert (tmp_path / "default.txt").read_text() == "1"
+
+
 def test_keepalive_stops_a_node_cut_off_from_its_launcher(tmp_path: Path) -> None:
     """No heartbeat for --keepalive seconds, yet the connection never closes (a cut network
     link looks like this from the node): the supervisor stops the run itself."""

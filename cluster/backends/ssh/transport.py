@@ -15,7 +15,7 @@ from fabric import Config, Connection
 
 from ...errors import ClusterError
 from ...spec import Host, SshSettings
-from ..supervised import Result
+from ..transport import Result
 from .errors import Attempt, SshError, translate
 from .hostkeys import (AcceptNewPolicy, KnownHosts, OffPolicy, StrictPolicy, known_hosts_for,
                        split_files, transport_preferring, warn_unchecked_once)
