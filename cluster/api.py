@@ -60,7 +60,8 @@ class Prepared:
         run: RunDir | None = None
         try:
             run = RunDir.create(self.job.run_id, meta={"backend": self.backend_name,
-                                                       "command": argv, "cwd": os.getcwd()})
+                                                       "command": argv, "cwd": os.getcwd(),
+                                                       "dry_run": self.dry_run})
             job = self.job
             if not supports(self.backend, REMOTE_NODES):    # simulated nodes: one folder here
                 job = dataclasses.replace(job, node_root=run.node_root())

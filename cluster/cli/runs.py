@@ -23,6 +23,7 @@ def status(run: str | None, draw: bool) -> None:
     from rich.console import Console as RichConsole
     from rich.table import Table
     rd = RunDir.find(run)
+    rd.launched()
     backend = backends.recorded(rd)
     try:
         rows = backend.status(rd)
@@ -87,7 +88,7 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
     run's outcome, and its exit code says it: 0 when every node exited 0, 4 when one did not
     (5 when one was lost), so `cluster logs -f && ...` goes on only after a success."""
     rd = RunDir.find(run)
-    names = [n["name"] for n in rd.meta().get("nodes") or []]
+    names = [n["name"] for n in rd.launched().get("nodes") or []]
     if node and node not in names:
         raise InputError(f"Invalid value for --node: {node!r} is not in run {rd.run_id} ({', '.join(names)})")
     from ..console import LineSplitter
@@ -134,6 +135,7 @@ def _end(ended: dict[str, Any]) -> str:
 def down(run: str | None) -> None:
     """Stop every node of RUN (default: the newest) and verify nothing is left."""
     rd = RunDir.find(run)
+    rd.launched()
     backend = backends.recorded(rd)
     console = Console()
     try:
