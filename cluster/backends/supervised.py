@@ -298,7 +298,8 @@ class SupervisedBackend:
             detail = end_detail(info)
             rows.append(NodeStatus(rec["rank"], rec["name"], info.get("state", "unknown"),
                                    code=info.get("code"), pid=info.get("pgid"),
-                                   uptime=info.get("uptime"), detail=detail))
+                                   uptime=info.get("uptime"), detail=detail,
+                                   ended=info.get("ended")))
         return rows
 
     def logs(self, run: RunDir, *, node: str | None = None,

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from .. import backends
+from ..api import LogErrors, detached_error, first_failed
 from .main import CONTEXT, complete_run, main
 from ..errors import ClusterError, InputError, NodeLost, RunFailed
 from ..nodes import outcome
@@ -95,29 +96,40 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
     console = Console()
     backend = backends.recorded(rd)
     splitters: dict[str, LineSplitter] = {}
+    errors = LogErrors()              # the workers' own errors, for the outcome
     try:
         for label, chunk in backend.logs(rd, node=node, follow=follow):
             sp = splitters.setdefault(label, LineSplitter())
             for line in sp.feed(chunk):
                 console.node_line(label, list(splitters).index(label), line)
+                errors.line(label, line)
         for label, sp in splitters.items():
             for line in sp.flush():
                 console.node_line(label, list(splitters).index(label), line)
+                errors.line(label, line)
         if follow:
-            report_outcome(rd, [r for r in backend.status(rd) if not node or r.name == node], console)
+            report_outcome(rd, [r for r in backend.status(rd) if not node or r.name == node],
+                           console, errors.causes())
     finally:
         backend.close()
 
 
-def report_outcome(rd: RunDir, rows: list, console: Console) -> None:
+def report_outcome(rd: RunDir, rows: list, console: Console,
+                   causes: dict[str, str] | None = None) -> None:
     """The followed run's outcome, last: a line on success, else the error (exit 4, or 5
-    when a node was lost)."""
+    when a node was lost), led by the first node to fail and its worker's own error."""
     ok, words = outcome(rows)
     if ok:
         console.info(f"run {rd.run_id} succeeded: {words}")
         return
     error = NodeLost if any(r.state == "lost" for r in rows) else RunFailed
-    raise error(f"run {rd.run_id} did not succeed: {words}")
+    first = first_failed(rows)
+    if first is None:
+        raise error(f"run {rd.run_id} did not succeed: {words}")
+    said = detached_error(rows, rd.run_id, causes)
+    others = [r for r in rows if r is not first and not (r.state == "exited" and r.code == 0)]
+    raise error(f"run {rd.run_id} did not succeed: {said.message if said else words}"
+                + (f"; then {len(others)} other node(s) did not succeed" if others else ""))
 
 
 STOP_HOW = {"term": "; every one ended within the grace after SIGTERM",

@@ -188,3 +188,26 @@ def test_a_damaged_record_is_a_message_naming_its_file(in_tmp: Path, capsys) -> 
     (run.path / "inventory.yaml").write_text("hosts: [a\n")
     assert run_cli(["status", run.run_id]) == 2
     assert f"{run.path / 'inventory.yaml'} is not valid YAML" in capsys.readouterr().err
+
+
+def test_a_detached_failure_is_the_first_node_to_fail_with_its_workers_error() -> None:
+    """Rank 2 raised and its node ended first; the others failed after it (their collective
+    lost a peer). The first is named, with its worker's own error read from its output as
+    the attached watcher reads it; not the lowest rank that failed."""
+    from cluster.api import LogErrors, detached_error
+    from cluster.nodes import NodeStatus
+    rows = [NodeStatus(0, "node1", "exited", code=1, ended=102.0),
+            NodeStatus(1, "node2", "exited", code=1, ended=101.5),
+            NodeStatus(2, "node3", "exited", code=1, ended=100.0)]
+    errors = LogErrors()
+    errors.feed("node1 0", b"[rank0]: Traceback (most recent call last):\n[rank0]:   File \"a.py\"\n"
+                           b"[rank0]: RuntimeError: Connection closed by peer\n")
+    errors.feed("node3 2", b"[rank2]: Traceback (most recent call last):\n[rank2]:   File \"a.py\"\n")
+    errors.feed("node3 2", b"[rank2]: RuntimeError: rank 2 gave up")     # no newline yet: flushed
+    causes = errors.causes()
+    assert causes == {"node1": "RuntimeError: Connection closed by peer",
+                      "node3": "RuntimeError: rank 2 gave up"}
+    error = detached_error(rows, "r", causes)
+    assert error is not None and error.exit_code == 4
+    assert str(error).startswith("node [node3 2] failed: RuntimeError: rank 2 gave up "
+                                 "(exited with code 1)"), error
