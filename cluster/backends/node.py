@@ -152,6 +152,20 @@ class SupervisedNode:
         if ch is not None:
             ch.close()
 
+    def discard(self) -> None:
+        """A staged node whose launch failed its check: its process removes the run folder
+        the check made (when still empty), then ends; waited for, so that it is gone when
+        the launcher says the launch failed."""
+        ch, self.staged = self.staged, None
+        if ch is None:
+            return
+        try:
+            ch.write(shipping.program("probe", "forget", "--dir", self.dir).data)
+        except ClusterError:
+            pass                       # it ended already: nothing to wait for
+        ch.close()
+        ch.wait()
+
     def _facts(self, facts: dict[str, Any]) -> dict[str, Any]:
         for key in ("workdir", "dir"):
             if isinstance(facts.get(key), dict):

@@ -181,3 +181,28 @@ def test_a_detached_start_that_fails_on_a_node_says_why_at_once(tmp_path: Path, 
         assert wait_for(lambda: not tagged_pids(run_id, "local0"), 10), "node local0 still runs"
     finally:
         backend.close()
+
+
+class FailsToCheck(LocalTransport):
+    """A node that cannot be checked (its login fails)."""
+
+    def spawn(self, command: str):
+        raise BackendError("connection refused")
+
+
+def test_a_failed_check_leaves_no_run_folder_on_the_nodes_that_passed(tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    (tmp_path / "tpl").mkdir()
+    (tmp_path / "tpl" / "node.sh.j2").write_text("exec sleep 300\n")
+    plan = render(local_inventory(2), Job(run_id=f"nocheck-{os.getpid()}", script="x",
+                                          node_root=str(tmp_path / "nodes")),
+                  Templates(tmp_path / "tpl"))
+    backend = SupervisedBackend(lambda host: FailsToCheck() if host.name == "local1"
+                                else LocalTransport())
+    try:
+        with pytest.raises(ClusterError, match="1 of 2 node"):
+            backend.check(plan)
+        assert not (tmp_path / "nodes" / "local0").exists()
+    finally:
+        backend.close()
