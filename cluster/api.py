@@ -26,7 +26,7 @@ from typing import IO, Any
 from . import backends, launch, resolve, tuning
 from .backends import EXEC, REMOTE_NODES, RESTARTS, SHARED_FILESYSTEM, SYNC, Backend, supports
 from .backends.slurm_output import TERMINAL
-from .console import Console, NodeProgress
+from .console import Console, LineSplitter, NodeProgress
 from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed, did_you_mean
 from .hang_timeout import valid as valid_hang_timeout
 from .nodes import NodeStatus
@@ -34,8 +34,10 @@ from .plan import Job, Templates
 from .request import Request
 from .runs import RunDir, cache_root, new_run_id
 from .spec import Inventory, check_text
+from .watch import WorkerErrors
 
-__all__ = ["Prepared", "Request", "Run", "detached_error", "prepare", "up"]
+__all__ = ["Prepared", "Request", "Run", "detached_error", "first_failed", "prepare", "up",
+           "LogErrors"]
 
 
 @dataclass
@@ -60,7 +62,8 @@ class Prepared:
         run: RunDir | None = None
         try:
             run = RunDir.create(self.job.run_id, meta={"backend": self.backend_name,
-                                                       "command": argv, "cwd": os.getcwd()})
+                                                       "command": argv, "cwd": os.getcwd(),
+                                                       "dry_run": self.dry_run})
             job = self.job
             if not supports(self.backend, REMOTE_NODES):    # simulated nodes: one folder here
                 job = dataclasses.replace(job, node_root=run.node_root())
@@ -280,7 +283,7 @@ class Run:
         rows = self._node_rows()
         if not rows or any(r.state not in _ENDED for r in rows):
             return None
-        self.error = detached_error(rows, self.run_id)
+        self.error = detached_error(rows, self.run_id, self._cause_of(first_failed(rows)))
         self.returncode = self.error.exit_code if self.error else 0
         return self.returncode
 
@@ -291,6 +294,22 @@ class Run:
             return list(backend.status(self._dir))
         finally:
             backend.close()
+
+    def _cause_of(self, row: NodeStatus | None) -> dict[str, str]:
+        """The worker's own error in the failed node's output, read from the node as
+        `cluster logs` reads it: {node name: error}, {} when it said none."""
+        if row is None or self._dir is None:
+            return {}
+        backend = backends.recorded(self._dir)
+        errors = LogErrors()
+        try:
+            for label, chunk in backend.logs(self._dir, node=row.name):
+                errors.feed(label, chunk)
+        except ClusterError:
+            return {}                  # no log to read: the failure is said without its cause
+        finally:
+            backend.close()
+        return errors.causes()
 
     def down(self, timeout: float | None = None) -> int | None:
         """Stop every node (as Ctrl-C does: SIGTERM, then SIGKILL after the stop grace) and
@@ -334,20 +353,22 @@ class Run:
         return f"<cluster.Run {self.run_id} {'ended ' + str(self.returncode) if self.done else 'running'}>"
 
 
-def detached_error(rows: Sequence[NodeStatus], run_id: str) -> ClusterError | None:
+def detached_error(rows: Sequence[NodeStatus], run_id: str,
+                   causes: Mapping[str, str] | None = None) -> ClusterError | None:
     """How a detached run ended, from its nodes' final states: None when every node exited 0;
-    else the error `cluster up` would have raised (a failed node first, then a lost one,
-    then a stop)."""
-    failed = [r for r in rows if r.state not in _FINISHED | _STOPPED | _LOST
-              or (r.state == "exited" and r.code != 0)]
+    else the error `cluster up` would have raised (the first node to fail, with its worker's
+    own error from `causes` (node name -> error) as an attached run says it; then a lost
+    node, then a stop)."""
     lost = [r for r in rows if r.state in _LOST]
     stopped = [r for r in rows if r.state in _STOPPED]
     where = f"(logs: `cluster logs {run_id}`)"
-    if failed:
-        r = failed[0]
+    r = first_failed(rows)
+    if r is not None:
         code = f" with code {r.code}" if r.code is not None else ""
-        return RunFailed(f"node [{r.name} {r.rank}] {r.state}{code}"
-                         + (f" ({r.detail})" if r.detail else "") + f" {where}")
+        how = f"{r.state}{code}" + (f" ({r.detail})" if r.detail else "")
+        cause = (causes or {}).get(r.name)
+        return RunFailed(f"node [{r.name} {r.rank}] failed: {cause} ({how}) {where}" if cause
+                         else f"node [{r.name} {r.rank}] {how} {where}")
     if lost:
         r = lost[0]
         return NodeLost(f"node [{r.name} {r.rank}] was lost: {r.detail or r.state} {where}")
@@ -355,6 +376,40 @@ def detached_error(rows: Sequence[NodeStatus], run_id: str) -> ClusterError | No
         return Interrupted(f"the run was stopped ({stopped[0].detail or 'cluster down'})",
                            signum=signal.SIGTERM)
     return None
+
+
+def first_failed(rows: Sequence[NodeStatus]) -> NodeStatus | None:
+    """The node that failed first (neither finished with 0, stopped nor lost): by when it
+    ended where the nodes say (the others' failures often follow from it: their collectives
+    lose a peer), else by rank."""
+    failed = [r for r in rows if r.state not in _FINISHED | _STOPPED | _LOST
+              or (r.state == "exited" and r.code != 0)]
+    return min(failed, key=lambda r: (r.ended is None, r.ended or 0.0, r.rank), default=None)
+
+
+class LogErrors:
+    """Each node's output, as `cluster logs` yields it ((label, bytes), label "name rank"),
+    read for its workers' own errors as the attached watcher reads them (watch.WorkerErrors)."""
+
+    def __init__(self) -> None:
+        self._lines: dict[str, LineSplitter] = {}
+        self._errors: dict[str, WorkerErrors] = {}
+
+    def feed(self, label: str, chunk: bytes) -> None:
+        for line in self._lines.setdefault(label, LineSplitter()).feed(chunk):
+            self.line(label, line)
+
+    def line(self, label: str, line: str) -> None:
+        self._errors.setdefault(label, WorkerErrors()).feed(line)
+
+    def causes(self) -> dict[str, str]:
+        """node name -> its workers' error, for each node that said one."""
+        for label, splitter in self._lines.items():
+            for line in splitter.flush():
+                self.line(label, line)
+        self._lines.clear()
+        return {label.rsplit(" ", 1)[0]: cause for label, errors in self._errors.items()
+                if (cause := errors.cause())}
 
 
 # --- the runs this program owns ----------------------------------------------------------------

@@ -98,7 +98,7 @@ def check_nodes(inventory: Inventory, job: Job, templates: Templates,
     try:
         judge(findings, len(plan.nodes), console)
     except PreflightError:
-        checks.release()                 # every staged node lets go: nothing starts
+        checks.discard()                 # every staged node lets go, its folder too: nothing starts
         raise
     ifnames = {name: f["network"]["ifname"] for name, f in facts.items()
                if preflight and (f.get("network") or {}).get("ifname")}

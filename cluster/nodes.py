@@ -71,6 +71,7 @@ class NodeStatus:
     pid: int | None = None
     uptime: float | None = None
     detail: str = ""
+    ended: float | None = None       # when it ended, by the node's clock, when it says
 
 
 def outcome(rows: list[NodeStatus]) -> tuple[bool, str]:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from . import spec
 from .errors import InputError
 
@@ -95,17 +97,20 @@ class RunDir:
         return run
 
     @classmethod
-    def find(cls, run: str | None, root: Path | None = None) -> "RunDir":
+    def find(cls, run: str | None, root: Path | None = None, dry_runs: bool = False) -> "RunDir":
         """A run by id (or unique prefix), or the newest one when run is None: newest by when
         it was created, never by when its record last changed (status rewrites it), and never
-        a collective of `cluster doctor` (a check, not the user's run)."""
+        a collective of `cluster doctor` (a check, not the user's run) nor a dry run (nothing
+        of it ran; dry_runs=True counts them)."""
         root = root or runs_root()
         runs = sorted(p for p in root.glob("*") if (p / "run.json").is_file()) if root.is_dir() else []
         if run is None:
-            own = [p for p in runs if not p.name.startswith(DOCTOR_PREFIX)]
+            own = [p for p in runs if not p.name.startswith(DOCTOR_PREFIX)
+                   and (dry_runs or not _record_of(p).get("dry_run"))]
             if not own:
                 raise InputError(f"no runs in {root}/ (start one with `cluster up`)"
-                                 + ("; cluster doctor's are named by id only" if runs else ""))
+                                 + ("; cluster doctor's and dry runs are named by id only"
+                                    if runs else ""))
             return cls(max(own, key=_created))
         if not runs:
             raise InputError(f"no runs in {root}/ (start one with `cluster up`)")
@@ -116,6 +121,22 @@ class RunDir:
         if len(matches) == 1:
             return cls(matches[0])
         raise InputError(f"no single run matches {run!r} in {root}/ ({_choices(matches or runs)})")
+
+    def launched(self) -> dict[str, Any]:
+        """The record of a run that was launched, for status, logs and down; InputError, in
+        words, for a dry run (nothing ran), a launch refused before its nodes were recorded
+        (its error), or a record without its inventory."""
+        meta = self.meta()
+        if meta.get("dry_run"):
+            raise InputError(f"run {self.run_id} is a dry run: nothing of it was started "
+                             f"(its scripts are in {self.path / 'scripts'})")
+        if not (self.path / "inventory.yaml").is_file():
+            if meta.get("error"):
+                raise InputError(f"run {self.run_id} was refused before start: {meta['error']}")
+            raise InputError(f"run {self.run_id} has no {self.path / 'inventory.yaml'} (yet): its "
+                             f"launch has not recorded its nodes, ended before it did, or the "
+                             f"file was removed")
+        return meta
 
     # -- writing --
 
@@ -132,7 +153,7 @@ class RunDir:
         write_private(self.path / "env.json", json.dumps(rec.env, indent=2) + "\n")
         try:          # a launch records twice (before the check, then with each node's
             known = self.meta()      # interface): git is asked for the commit once, not twice
-        except (OSError, ValueError):
+        except InputError:
             known = {}
         commit = known["git_commit"] if "git_commit" in known else git_commit()
         meta = {"run_id": plan.run_id, "backend": backend, "created": self._created_at(),
@@ -161,7 +182,7 @@ class RunDir:
         """When the directory was made (its first record), else now."""
         try:
             return float(self.meta().get("created") or time.time())
-        except (OSError, ValueError, TypeError):
+        except (InputError, ValueError, TypeError):
             return time.time()
 
     def update(self, **fields: Any) -> None:
@@ -172,20 +193,43 @@ class RunDir:
     # -- reading --
 
     def meta(self) -> dict[str, Any]:
-        return json.loads((self.path / "run.json").read_text())
+        """run.json; InputError naming the file when it cannot be read or is no JSON object."""
+        path = self.path / "run.json"
+        try:
+            meta = json.loads(path.read_text())
+        except OSError as exc:
+            raise InputError(f"cannot read {path}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise InputError(f"{path} is not valid JSON ({exc}); the run's record is damaged") from None
+        if not isinstance(meta, dict):
+            raise InputError(f"{path} is not a JSON object; the run's record is damaged")
+        return meta
 
     def hosts(self) -> list[spec.Host]:
-        data = spec.record_yaml((self.path / "inventory.yaml").read_text())
-        return [spec.host_from_dict(h) for h in data["hosts"]]
+        return [spec.host_from_dict(h) for h in self._inventory_record()["hosts"]]
 
     def inventory(self) -> spec.Inventory:
-        data = spec.record_yaml((self.path / "inventory.yaml").read_text())
+        data = self._inventory_record()
         return spec.Inventory(
             hosts=tuple(spec.host_from_dict(h) for h in data["hosts"]),
             source=data.get("source"), backend=data.get("backend", "ssh"),
             ssh=spec.ssh_from_dict(data.get("ssh") or {}),
             slurm=spec.slurm_from_dict(data.get("slurm") or {}),
             stop_grace=float(data.get("stop_grace") or spec.DEFAULT_STOP_GRACE))
+
+    def _inventory_record(self) -> dict[str, Any]:
+        path = self.path / "inventory.yaml"
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise InputError(f"cannot read {path}: {exc.strerror}") from None
+        try:
+            data = spec.record_yaml(text)
+        except yaml.YAMLError as exc:
+            raise InputError(f"{path} is not valid YAML ({exc}); the run's record is damaged") from None
+        if not isinstance(data, dict) or not isinstance(data.get("hosts"), list):
+            raise InputError(f"{path} has no list of hosts; the run's record is damaged")
+        return data
 
 
 SHOWN_RUNS = 5          # run ids a RUN that matches none, or several, lists
@@ -199,11 +243,20 @@ def _choices(runs: list[Path]) -> str:
             + (f" and {more} more" if more > 0 else ""))
 
 
+def _record_of(path: Path) -> dict[str, Any]:
+    """A run's run.json, {} when it cannot be read (a damaged record is said when it is used)."""
+    try:
+        meta = json.loads((path / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def _created(path: Path) -> tuple[float, str]:
     """When a run was created: its record's 'created' time, else the time in its id."""
     try:
-        created = float(json.loads((path / "run.json").read_text()).get("created") or 0)
-    except (OSError, ValueError, TypeError):
+        created = float(_record_of(path).get("created") or 0)
+    except (ValueError, TypeError):
         created = 0.0
     if not created:
         try:

@@ -13,6 +13,7 @@ from typing import Any
 
 from . import timeline as tl
 from .console import Console
+from .errors import InputError
 from .runs import RunDir
 
 INSTALL_HINT = "pip install 'cluster[train]'"
@@ -28,7 +29,7 @@ def write(run: RunDir, console: Console) -> Path:
     it wrote (the picture, else the JSON)."""
     try:
         meta = run.meta()
-    except (OSError, ValueError):
+    except InputError:          # a damaged record: the timeline is drawn from the events alone
         meta = {}
     data = tl.timeline(tl.read_events(run.path / tl.EVENTS), meta)
     json_path = tl.write_json(run.path, data)

@@ -153,6 +153,9 @@ class NodeChecks(Protocol):
     def release(self) -> None:
         """Let every node the check staged go without starting it."""
 
+    def discard(self) -> None:
+        """As release, after a failed check: the run folders the check made go too."""
+
 
 class BackendModule(Protocol):
     """What a backend's module offers (the registry imports it when the backend is chosen):

@@ -152,6 +152,20 @@ class SupervisedNode:
         if ch is not None:
             ch.close()
 
+    def discard(self) -> None:
+        """A staged node whose launch failed its check: its process removes the run folder
+        the check made (when still empty), then ends; waited for, so that it is gone when
+        the launcher says the launch failed."""
+        ch, self.staged = self.staged, None
+        if ch is None:
+            return
+        try:
+            ch.write(shipping.program("probe", "forget", "--dir", self.dir).data)
+        except ClusterError:
+            pass                       # it ended already: nothing to wait for
+        ch.close()
+        ch.wait()
+
     def _facts(self, facts: dict[str, Any]) -> dict[str, Any]:
         for key in ("workdir", "dir"):
             if isinstance(facts.get(key), dict):
@@ -192,7 +206,7 @@ class SupervisedNode:
         return json_or_error(res)
 
     def start(self, node: NodePlan, detach: bool, secrets: Mapping[str, str], grace: float,
-              keepalive: float) -> "SupervisedProcess | int | None":
+              keepalive: float) -> "SupervisedProcess | int":
         """The word to the staged process: the run's files and the supervisor, then the secret
         environment (so no value reaches a file or a command line), on the channel the check
         opened."""
@@ -209,10 +223,13 @@ class SupervisedNode:
         said = b""
         while data := ch.read():
             said += data
-        if ch.wait() != 0:
-            raise ClusterError(f"start failed: {said.decode(errors='replace').strip()[-500:]}")
-        lines = said.decode(errors="replace").strip().splitlines()
-        return int(lines[-1]) if lines and lines[-1].isdigit() else None
+        code = ch.wait()
+        text = said.decode(errors="replace").strip()
+        lines = text.splitlines()
+        if code != 0 or not (lines and lines[-1].isdigit()):
+            # no process group: its job never started, whatever the exit status said
+            raise ClusterError(f"start failed: {text[-500:] or f'exit code {code}, nothing said'}")
+        return int(lines[-1])
 
     def stop(self, grace: float) -> dict[str, Any]:
         res = self.run(shipping.on_disk(self.dir, "stop", self.dir, "--grace", f"{grace:g}"),

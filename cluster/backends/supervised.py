@@ -122,7 +122,7 @@ class SupervisedBackend:
         try:
             results = self.each_or_fail(plan.nodes, one, phase="check")
         except ClusterError:
-            self.release()
+            self.discard()
             raise
         return {n.host.name: r for n, r in results}
 
@@ -143,6 +143,12 @@ class SupervisedBackend:
         """Every staged node that will not start lets go (prepare failed, or is trying again)."""
         for remote in self._nodes.values():
             remote.release()
+
+    def discard(self) -> None:
+        """Every staged node lets go and removes the run folder its check made (the launch
+        failed its check: nothing of it stays on the nodes), all at once."""
+        staged = [remote for remote in self._nodes.values() if remote.staged is not None]
+        self.each(staged, lambda remote: remote.discard())
 
     def probe_node(self, node: NodePlan, plan: LaunchPlan, *, deep: bool = False,
                    make_dir: bool = True) -> dict[str, Any]:
@@ -298,7 +304,8 @@ class SupervisedBackend:
             detail = end_detail(info)
             rows.append(NodeStatus(rec["rank"], rec["name"], info.get("state", "unknown"),
                                    code=info.get("code"), pid=info.get("pgid"),
-                                   uptime=info.get("uptime"), detail=detail))
+                                   uptime=info.get("uptime"), detail=detail,
+                                   ended=info.get("ended")))
         return rows
 
     def logs(self, run: RunDir, *, node: str | None = None,

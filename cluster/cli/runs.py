@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from .. import backends
+from ..api import LogErrors, detached_error, first_failed
 from .main import CONTEXT, complete_run, main
 from ..errors import ClusterError, InputError, NodeLost, RunFailed
 from ..nodes import outcome
@@ -23,6 +24,7 @@ def status(run: str | None, draw: bool) -> None:
     from rich.console import Console as RichConsole
     from rich.table import Table
     rd = RunDir.find(run)
+    rd.launched()
     backend = backends.recorded(rd)
     try:
         rows = backend.status(rd)
@@ -87,36 +89,47 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
     run's outcome, and its exit code says it: 0 when every node exited 0, 4 when one did not
     (5 when one was lost), so `cluster logs -f && ...` goes on only after a success."""
     rd = RunDir.find(run)
-    names = [n["name"] for n in rd.meta().get("nodes") or []]
+    names = [n["name"] for n in rd.launched().get("nodes") or []]
     if node and node not in names:
         raise InputError(f"Invalid value for --node: {node!r} is not in run {rd.run_id} ({', '.join(names)})")
     from ..console import LineSplitter
     console = Console()
     backend = backends.recorded(rd)
     splitters: dict[str, LineSplitter] = {}
+    errors = LogErrors()              # the workers' own errors, for the outcome
     try:
         for label, chunk in backend.logs(rd, node=node, follow=follow):
             sp = splitters.setdefault(label, LineSplitter())
             for line in sp.feed(chunk):
                 console.node_line(label, list(splitters).index(label), line)
+                errors.line(label, line)
         for label, sp in splitters.items():
             for line in sp.flush():
                 console.node_line(label, list(splitters).index(label), line)
+                errors.line(label, line)
         if follow:
-            report_outcome(rd, [r for r in backend.status(rd) if not node or r.name == node], console)
+            report_outcome(rd, [r for r in backend.status(rd) if not node or r.name == node],
+                           console, errors.causes())
     finally:
         backend.close()
 
 
-def report_outcome(rd: RunDir, rows: list, console: Console) -> None:
+def report_outcome(rd: RunDir, rows: list, console: Console,
+                   causes: dict[str, str] | None = None) -> None:
     """The followed run's outcome, last: a line on success, else the error (exit 4, or 5
-    when a node was lost)."""
+    when a node was lost), led by the first node to fail and its worker's own error."""
     ok, words = outcome(rows)
     if ok:
         console.info(f"run {rd.run_id} succeeded: {words}")
         return
     error = NodeLost if any(r.state == "lost" for r in rows) else RunFailed
-    raise error(f"run {rd.run_id} did not succeed: {words}")
+    first = first_failed(rows)
+    if first is None:
+        raise error(f"run {rd.run_id} did not succeed: {words}")
+    said = detached_error(rows, rd.run_id, causes)
+    others = [r for r in rows if r is not first and not (r.state == "exited" and r.code == 0)]
+    raise error(f"run {rd.run_id} did not succeed: {said.message if said else words}"
+                + (f"; then {len(others)} other node(s) did not succeed" if others else ""))
 
 
 STOP_HOW = {"term": "; every one ended within the grace after SIGTERM",
@@ -134,6 +147,7 @@ def _end(ended: dict[str, Any]) -> str:
 def down(run: str | None) -> None:
     """Stop every node of RUN (default: the newest) and verify nothing is left."""
     rd = RunDir.find(run)
+    rd.launched()
     backend = backends.recorded(rd)
     console = Console()
     try:

@@ -50,6 +50,9 @@ def main(argv):
     if args.cmd == "connect":
         print(json.dumps(connect(args.addr, args.port, args.timeout)))
         return 0
+    if args.cmd == "forget":
+        forget(args.dir)
+        return 0
     return 2
 
 
@@ -61,6 +64,7 @@ COMMANDS = {
               ("deep", "connect-on-word"), ()),
     "listen": ({"port": int, "seconds": 60.0}, (), ("port",)),
     "connect": ({"addr": str, "port": int, "timeout": 8.0}, (), ("addr", "port")),
+    "forget": ({"dir": str}, (), ("dir",)),
 }
 
 
@@ -130,6 +134,18 @@ def make_dir(d, private):
     except OSError as exc:
         return {"error": "cannot create %s: %s" % (path, exc.strerror)}
     return path
+
+
+def forget(d):
+    """A launch that failed its check leaves this node: the run folder its check made goes,
+    and the run's folder above it when that is empty then. Empty folders only (rmdir): what
+    anything put there stays."""
+    folder = os.path.abspath(os.path.expanduser(d))
+    for empty in (folder, os.path.dirname(folder)):
+        try:
+            os.rmdir(empty)
+        except OSError:
+            return
 
 
 def script_facts(workdir, script):

@@ -134,8 +134,10 @@ def run(args, user_umask=0o022):
     config = read_config(0, CONFIG_TIMEOUT)
     secret_env = {str(k): str(v) for k, v in (config.get("env") or {}).items()}
     write_atomic(d, "tag", json.dumps({"run_id": args.run_id, "node": args.node}))
-    if args.detach and daemonize(d):
-        return 0
+    if args.detach:
+        started = daemonize(d)
+        if started is not None:
+            return started
     if os.path.exists(path(d, "stop-requested")):
         # A stop raced this start (another node failed to start): never begin.
         write_atomic(d, "exit", json.dumps({"code": None, "signal": None, "ended": time.time(),
@@ -246,22 +248,49 @@ def signal_name(num):
 
 
 def daemonize(d):
-    """Fork into a new session; True in the parent once the run has started."""
+    """Fork into a new session. In the parent, once the run has started: 0, the job's process
+    group printed; or 1, why it did not start printed, as soon as the run's process has
+    ended without starting it (a pipe it holds open closes) or after 30 s. None in the run's
+    own process, whose errors go to supervisor.err in its folder."""
+    r, w = os.pipe()
     pid = os.fork()
     if pid > 0:
+        os.close(w)
         deadline = time.time() + 30
         while time.time() < deadline and not os.path.exists(path(d, "pgid")):
-            time.sleep(0.02)
+            if select.select([r], [], [], 0.02)[0]:      # its end: it is gone
+                break
         os.waitpid(pid, 0)
-        print(read_number(d, "pgid"))
-        return True
+        os.close(r)
+        pgid = read_number(d, "pgid")
+        if pgid is None:
+            print("the run did not start on this node: %s" % why_not_started(d))
+            return 1
+        print(pgid)
+        return 0
+    os.close(r)
     os.setsid()
     if os.fork() > 0:
         os._exit(0)
     fd = os.open(os.devnull, os.O_RDWR)
-    for target in (0, 1, 2):
+    for target in (0, 1):
         os.dup2(fd, target)
-    return False
+    err = os.open(path(d, "supervisor.err"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(err, 2)
+    return None
+
+
+def why_not_started(d):
+    """A failed detached start's reason: its exit record's, else its last error line."""
+    ended = read_json(d, "exit") or {}
+    if ended.get("reason"):
+        return ended["reason"]
+    try:
+        with open(path(d, "supervisor.err"), errors="replace") as f:
+            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    return lines[-1] if lines else "no job within 30 s"
 
 
 def watch_launcher(fd, keepalive, on_lost, commands):

@@ -265,6 +265,57 @@ def test_logs_follow_every_node_at_once_over_ssh(ssh_nodes4, cli):
     assert shown == ["[node1 0] a0", "[node2 1] b0", "[node1 0] a1"], logs.dump()
 
 
+def test_a_dry_run_is_never_the_run_that_down_status_and_logs_act_on(ssh_nodes4, cli):
+    """A detached run, then a dry run: `down` with no RUN stops the detached run (not the
+    dry run, whose node folders never existed); the dry run named says what it is."""
+    inv = inventory(ssh_nodes4, cli)
+    up = cli.run("up", "-i", inv, "--nodes", "2", "--detach", *ALLREDUCE, "--sleep", "300")
+    assert up.popen.returncode == 0, up.dump()
+    run_id = up.run_id()
+    assert wait_until(lambda: len(run_procs(run_id)) >= 4, 60) is not None
+    dry = cli.run("up", "-i", inv, "--nodes", "2", "--dry-run", *ALLREDUCE)
+    assert dry.popen.returncode == 0, dry.dump()
+    dry_id = next(rid for rid in cli.run_ids() if rid != run_id)
+    status = cli.run("status", timeout=60)
+    assert status.popen.returncode == 0 and f"run {run_id}" in status.stdout, status.dump()
+    assert "removed" not in status.stdout, status.dump()
+    down = cli.run("down", timeout=60)
+    assert down.popen.returncode == 0 and "Traceback" not in down.stderr, down.dump()
+    assert wait_until(lambda: run_procs(run_id) == [], 10) is not None, run_procs(run_id)
+    named = cli.run("down", dry_id, timeout=60)
+    assert named.popen.returncode == 2, named.dump()
+    assert f"run {dry_id} is a dry run: nothing of it was started" in named.stderr, named.dump()
+
+
+FIRST_FAILURE_API = """
+import json, sys
+import cluster
+inv, programs = sys.argv[1:3]
+run = cluster.up(inv, "allreduce.py", ["--raise-rank", "2"], nodes=3, sync_dir=programs,
+                 echo=False, detach=True)
+code = run.wait(180)
+print(json.dumps({"code": code, "error": str(run.error), "run_id": run.run_id}))
+"""
+
+
+def test_a_detached_failure_names_the_first_node_and_its_workers_error(ssh_nodes4, cli):
+    """Rank 2 (node3) raises; the others fail 3 s later in their barrier. run.wait() and
+    `logs -f` name node3 and its RuntimeError, as an attached run does, not node1."""
+    import subprocess
+    inv = inventory(ssh_nodes4, cli)
+    res = subprocess.run([sys.executable, "-c", FIRST_FAILURE_API, inv, str(PROGRAMS)],
+                         cwd=cli.cwd, env=cli.env, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.splitlines()[-1])
+    assert got["code"] == 4, got
+    assert got["error"].startswith("node [node3 2] failed: RuntimeError: rank 2 gave up "
+                                   "(exited with code 1)"), got
+    logs = cli.run("logs", "-f", got["run_id"], timeout=120)
+    assert logs.popen.returncode == 4, logs.dump()
+    assert (f"run {got['run_id']} did not succeed: node [node3 2] failed: RuntimeError: rank 2 "
+            f"gave up (exited with code 1)") in logs.stderr, logs.dump()
+
+
 # --- 6. two runs on the same nodes: down A leaves B alone -----------------------------------
 
 

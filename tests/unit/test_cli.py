@@ -27,7 +27,7 @@ def test_dry_run_prints_every_script_and_records_the_run(in_tmp: Path, capsys) -
     out = capsys.readouterr().out
     assert out.count("#!/usr/bin/env bash") == 2
     assert "node 0: gpu-a (10.0.0.11)" in out and "node 1: gpu-b (10.0.0.12)" in out
-    run = RunDir.find(None, in_tmp / "runs")
+    run = RunDir.find(None, in_tmp / "runs", dry_runs=True)
     meta = run.meta()
     assert meta["dry_run"] is True and meta["backend"] == "ssh"
     assert meta["command"][-3:] == ["train.py", "--lr", "0.1 x"]
@@ -47,7 +47,7 @@ def test_dry_run_of_the_container_example(in_tmp: Path, capsys, monkeypatch) -> 
     assert code == 0
     out = capsys.readouterr().out
     assert out.count("docker \"${CLUSTER_RUN[@]}\" nvcr.io/nvidia/pytorch:24.05-py3") == 2
-    run = RunDir.find(None, in_tmp / "runs")
+    run = RunDir.find(None, in_tmp / "runs", dry_runs=True)
     assert "CLUSTER_CONTAINER=cluster-" + run.run_id + "-gpu-a" in out
     assert "hf_secret_value" not in out
     assert all("hf_secret_value" not in p.read_text() for p in run.path.rglob("*") if p.is_file())
@@ -62,10 +62,10 @@ def test_run_records_the_git_commit_of_the_working_tree(in_tmp: Path, capsys) ->
     subprocess.run([*git, "commit", "-qm", "x"], check=True)
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert run_cli(["up", "--hosts", "a", "--dry-run", "--", "train.py"]) == 0
-    assert RunDir.find(None, in_tmp / "runs").meta()["git_commit"] == head
+    assert RunDir.find(None, in_tmp / "runs", dry_runs=True).meta()["git_commit"] == head
     (in_tmp / "train.py").write_text("print(2)\n")
     assert run_cli(["up", "--hosts", "a", "--dry-run", "--", "train.py"]) == 0
-    assert RunDir.find(None, in_tmp / "runs").meta()["git_commit"] == head + "-dirty"
+    assert RunDir.find(None, in_tmp / "runs", dry_runs=True).meta()["git_commit"] == head + "-dirty"
 
 
 def test_dry_run_selects_hosts(in_tmp: Path, capsys) -> None:
@@ -91,7 +91,7 @@ def test_options_after_the_dashes_go_to_the_reference_trainer(in_tmp: Path, caps
     assert run_cli(["up", *where, "--dry-run", "--", "--epochs", "3", "--out", "mine"]) == 0
     out = capsys.readouterr().out.replace(" \\\n  ", " ")     # one argument per line
     assert "train/train.py" in out and "--epochs 3 --out mine" in out
-    meta = RunDir.find(None, in_tmp / "runs").meta()
+    meta = RunDir.find(None, in_tmp / "runs", dry_runs=True).meta()
     assert meta["script"].endswith("train/train.py")
     assert meta["args"][-4:] == ["--epochs", "3", "--out", "mine"]
     defaults = meta["args"][:-4]                           # ours first: the user's win
@@ -173,7 +173,7 @@ def test_secret_env_value_is_never_written_or_printed(in_tmp: Path, capsys, monk
     captured = capsys.readouterr()
     assert secret not in captured.out + captured.err
     assert "never written" in captured.out and "HF_TOKEN" in captured.out
-    run = RunDir.find(None, in_tmp / "runs")
+    run = RunDir.find(None, in_tmp / "runs", dry_runs=True)
     files = [p for p in run.path.rglob("*") if p.is_file()]
     assert files
     for f in files:
@@ -192,7 +192,7 @@ def test_hosts_take_python_user_port_and_key_from_the_command_line(in_tmp: Path,
                     "--port", "2222", "--identity", "/keys/id_ed25519", "--dry-run", "--", "t.py"]) == 0
     out = capsys.readouterr().out
     assert out.count("/opt/venv/bin/python") >= 2
-    hosts = RunDir.find(None, in_tmp / "runs").inventory().hosts
+    hosts = RunDir.find(None, in_tmp / "runs", dry_runs=True).inventory().hosts
     assert [(h.name, h.python, h.user, h.port, h.identity_file) for h in hosts] == [
         (f"gpu{i}", "/opt/venv/bin/python", "bob", 2222, "/keys/id_ed25519") for i in (1, 2)]
 
@@ -202,7 +202,7 @@ def test_command_line_host_settings_win_over_the_inventorys(in_tmp: Path, capsys
     inv.write_text("defaults: {python: /usr/bin/python3, user: alice}\n"
                    "hosts: [a, {name: b, python: /b/python, port: 2200}]\n")
     assert run_cli(["up", "-i", str(inv), "--python", "/opt/venv/bin/python", "--dry-run", "--", "t.py"]) == 0
-    hosts = RunDir.find(None, in_tmp / "runs").inventory().hosts
+    hosts = RunDir.find(None, in_tmp / "runs", dry_runs=True).inventory().hosts
     assert [(h.python, h.user, h.port) for h in hosts] == [
         ("/opt/venv/bin/python", "alice", None), ("/opt/venv/bin/python", "alice", 2200)]
 
@@ -247,7 +247,7 @@ def test_cluster_options_after_the_script_are_warned_about_and_passed_on(in_tmp:
     err = capsys.readouterr().err
     assert ("cluster: warning: --detach --nodes=2 -i after the script go to the script (t.py), "
             "not to cluster") in err
-    assert RunDir.find(None, in_tmp / "runs").meta()["args"] == [
+    assert RunDir.find(None, in_tmp / "runs", dry_runs=True).meta()["args"] == [
         "--detach", "--epochs", "2", "--nodes=2", "-i", "x.yaml"]
 
 

@@ -150,3 +150,59 @@ def test_logs_name_a_node_that_cannot_be_reached_unless_another_node_is_asked_fo
             list(backend.logs(_Recorded(), node="b", follow=True))
     finally:
         backend.close()
+
+
+def test_a_detached_start_that_fails_on_a_node_says_why_at_once(tmp_path: Path, monkeypatch) -> None:
+    """local1's job cannot start (no bash on its PATH): its start fails within moments, not
+    30 s later, with the supervisor's own error; the start raises and stops local0."""
+    import dataclasses
+    import sys
+    import time
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    (tmp_path / "tpl").mkdir()
+    (tmp_path / "tpl" / "node.sh.j2").write_text("exec sleep 300\n")
+    run_id = f"nobash-{os.getpid()}"
+    inv = local_inventory(2)
+    broken = dataclasses.replace(inv.hosts[1], python=sys.executable,
+                                 setup=("export PATH=/nonexistent-bin",))
+    inv = dataclasses.replace(inv, hosts=(inv.hosts[0], broken))
+    plan = render(inv, Job(run_id=run_id, script="x", node_root=str(tmp_path / "nodes")),
+                  Templates(tmp_path / "tpl"))
+    backend = SupervisedBackend(lambda host: LocalTransport())
+    try:
+        backend.check(plan)
+        t0 = time.monotonic()
+        with pytest.raises(BackendError) as info:
+            backend.start(plan, detach=True)
+        assert time.monotonic() - t0 < 15
+        assert "local1 1: start failed: the run did not start on this node: FileNotFoundError" in info.value.details
+        assert "bash" in info.value.details, info.value.details
+        assert "the started ones were stopped" in str(info.value)
+        assert wait_for(lambda: not tagged_pids(run_id, "local0"), 10), "node local0 still runs"
+    finally:
+        backend.close()
+
+
+class FailsToCheck(LocalTransport):
+    """A node that cannot be checked (its login fails)."""
+
+    def spawn(self, command: str):
+        raise BackendError("connection refused")
+
+
+def test_a_failed_check_leaves_no_run_folder_on_the_nodes_that_passed(tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    (tmp_path / "tpl").mkdir()
+    (tmp_path / "tpl" / "node.sh.j2").write_text("exec sleep 300\n")
+    plan = render(local_inventory(2), Job(run_id=f"nocheck-{os.getpid()}", script="x",
+                                          node_root=str(tmp_path / "nodes")),
+                  Templates(tmp_path / "tpl"))
+    backend = SupervisedBackend(lambda host: FailsToCheck() if host.name == "local1"
+                                else LocalTransport())
+    try:
+        with pytest.raises(ClusterError, match="1 of 2 node"):
+            backend.check(plan)
+        assert not (tmp_path / "nodes" / "local0").exists()
+    finally:
+        backend.close()

@@ -206,7 +206,7 @@ def test_cli_env_name_env_file_and_forwarding_in_order(in_tmp: Path, monkeypatch
     monkeypatch.setenv("FROM_SHELL", "it's here")
     assert run_cli(["up", "-i", "inv.yaml", "--dry-run", "--env-file", "x.env",
                     "--env", "D=flag", "--env", "FROM_SHELL", "--", "t.py"]) == 0
-    env = json.loads((RunDir.find(None, in_tmp / "runs").path / "env.json").read_text())["n"]
+    env = json.loads((RunDir.find(None, in_tmp / "runs", dry_runs=True).path / "env.json").read_text())["n"]
     assert (env["A"], env["B"], env["C"], env["D"]) == ("inv", "shell", "file", "flag")
     assert env["FROM_SHELL"] == "it's here"
 

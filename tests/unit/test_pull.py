@@ -184,11 +184,14 @@ def test_a_dry_run_and_a_slurm_run_say_why_nothing_is_pulled(tmp_path: Path, mon
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")               # two CPU nodes, even on a GPU box
     assert run_cli(["up", "--local", "--nodes", "2", "--dry-run", "--", "t.py"]) == 0
     capsys.readouterr()
-    assert run_cli(["pull", "out"]) == 2
+    assert run_cli(["pull", "out"]) == 2      # a dry run is never the newest run: named only
+    assert "dry runs are named by id only" in capsys.readouterr().err
+    dry = RunDir.find(None, dry_runs=True).run_id
+    assert run_cli(["pull", dry, "out"]) == 2
     assert "was a dry run: nothing ran on its nodes" in capsys.readouterr().err
     assert run_cli(["up", "--backend", "slurm", "--hosts", "n[1-2]", "--dry-run", "--", "t.py"]) == 0
     capsys.readouterr()
-    run = RunDir.find(None)
+    run = RunDir.find(None, dry_runs=True)
     run.update(dry_run=False)
     assert run_cli(["pull", "out"]) == 2
     err = capsys.readouterr().err

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,7 +34,7 @@ def test_run_directory_is_private_whatever_the_umask(in_tmp: Path, capsys, umask
     finally:
         os.umask(old)
     runs = in_tmp / "runs"
-    run = RunDir.find(None, runs).path
+    run = RunDir.find(None, runs, dry_runs=True).path
     for p in [runs, run, *run.rglob("*")]:
         mode = stat.S_IMODE(p.stat().st_mode)
         if p.is_dir():
@@ -72,7 +75,7 @@ def test_a_doctor_collective_is_never_the_newest_run(tmp_path: Path) -> None:
     assert RunDir.find(None, tmp_path).path == mine.path
     assert RunDir.find("doctor-20261201", tmp_path).path == check.path, "named, it is found"
     shutil.rmtree(mine.path)
-    with pytest.raises(InputError, match="cluster doctor's are named by id only"):
+    with pytest.raises(InputError, match="cluster doctor's and dry runs are named by id only"):
         RunDir.find(None, tmp_path)
 
 
@@ -137,3 +140,74 @@ def test_a_run_stopped_by_its_owner_reads_as_that_not_as_someone_elses_signal() 
                      started=True) == ["ended with exit code 143: interrupted (SIGTERM); 2 node(s) stopped"]
     assert run_notes({"stopped_because": owner, "error": "node [a 0] failed: exit code 1",
                       "exit_code": 4}, started=True)[1] == "ended with exit code 4: node [a 0] failed: exit code 1"
+
+
+def test_a_dry_run_is_never_the_newest_run(tmp_path: Path) -> None:
+    real = RunDir.create("20261201-100000-aaaa", tmp_path, meta={"backend": "ssh", "dry_run": False})
+    dry = RunDir.create("20261201-100100-bbbb", tmp_path, meta={"backend": "ssh", "dry_run": True})
+    assert RunDir.find(None, tmp_path).path == real.path
+    assert RunDir.find(None, tmp_path, dry_runs=True).path == dry.path
+    assert RunDir.find("20261201-1001", tmp_path).path == dry.path, "named, it is found"
+    with pytest.raises(InputError, match="is a dry run: nothing of it was started"):
+        dry.launched()
+
+
+def _cluster(*args: str, cwd: Path, nofile: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m cluster ARGS` in cwd, with at most `nofile` open files when given."""
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    env = {k: v for k, v in os.environ.items() if k != "CLUSTER_RUNS_DIR"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    return subprocess.run([sys.executable, "-m", "cluster", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120, preexec_fn=limit)
+
+
+def test_a_launch_refused_before_its_first_record_reads_as_that(tmp_path: Path) -> None:
+    """300 nodes need more open files than a hard limit of 200 allows: refused once its
+    run.json exists, before its inventory is recorded. status, logs and down say why."""
+    up = _cluster("up", "--hosts", "n[1-300]", "--", "t.py", cwd=tmp_path, nofile=200)
+    assert up.returncode == 2 and "open files" in up.stderr, up.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    assert not (run / "inventory.yaml").exists()
+    for verb in (["status"], ["logs"], ["down"], ["logs", "-f", run.name]):
+        said = _cluster(*verb, cwd=tmp_path)
+        assert said.returncode == 2, (verb, said.stderr)
+        assert f"run {run.name} was refused before start: " in said.stderr, (verb, said.stderr)
+        assert "open files" in said.stderr and "Traceback" not in said.stderr, (verb, said.stderr)
+
+
+def test_a_damaged_record_is_a_message_naming_its_file(in_tmp: Path, capsys) -> None:
+    run = RunDir.create("20261201-100000-aaaa", Path("runs"), meta={"backend": "ssh"})
+    (run.path / "run.json").write_text('{"backend": "ssh", ')
+    for verb in ("status", "logs", "down"):
+        assert run_cli([verb, run.run_id]) == 2
+        err = capsys.readouterr().err
+        assert f"{run.path / 'run.json'} is not valid JSON" in err and "Traceback" not in err, err
+    run.write_meta({"backend": "ssh", "run_id": run.run_id, "nodes": []})
+    (run.path / "inventory.yaml").write_text("hosts: [a\n")
+    assert run_cli(["status", run.run_id]) == 2
+    assert f"{run.path / 'inventory.yaml'} is not valid YAML" in capsys.readouterr().err
+
+
+def test_a_detached_failure_is_the_first_node_to_fail_with_its_workers_error() -> None:
+    """Rank 2 raised and its node ended first; the others failed after it (their collective
+    lost a peer). The first is named, with its worker's own error read from its output as
+    the attached watcher reads it; not the lowest rank that failed."""
+    from cluster.api import LogErrors, detached_error
+    from cluster.nodes import NodeStatus
+    rows = [NodeStatus(0, "node1", "exited", code=1, ended=102.0),
+            NodeStatus(1, "node2", "exited", code=1, ended=101.5),
+            NodeStatus(2, "node3", "exited", code=1, ended=100.0)]
+    errors = LogErrors()
+    errors.feed("node1 0", b"[rank0]: Traceback (most recent call last):\n[rank0]:   File \"a.py\"\n"
+                           b"[rank0]: RuntimeError: Connection closed by peer\n")
+    errors.feed("node3 2", b"[rank2]: Traceback (most recent call last):\n[rank2]:   File \"a.py\"\n")
+    errors.feed("node3 2", b"[rank2]: RuntimeError: rank 2 gave up")     # no newline yet: flushed
+    causes = errors.causes()
+    assert causes == {"node1": "RuntimeError: Connection closed by peer",
+                      "node3": "RuntimeError: rank 2 gave up"}
+    error = detached_error(rows, "r", causes)
+    assert error is not None and error.exit_code == 4
+    assert str(error).startswith("node [node3 2] failed: RuntimeError: rank 2 gave up "
+                                 "(exited with code 1)"), error

@@ -120,7 +120,7 @@ def test_up_applies_the_cache_visibly_and_no_tuning_ignores_it(tmp_path: Path, m
     assert captured.out.count("export NCCL_SOCKET_NTHREADS=2") == 2
     assert captured.out.count("export NCCL_NSOCKS_PERTHREAD=2") == 2
     assert "cluster doctor --tune-nccl" in captured.err and "--no-tuning" in captured.err
-    run = RunDir.find(None, tmp_path / "runs")
+    run = RunDir.find(None, tmp_path / "runs", dry_runs=True)
     assert run.meta()["nccl_tuning"]["env"] == {"NCCL_SOCKET_NTHREADS": "2", "NCCL_NSOCKS_PERTHREAD": "2"}
     assert json.loads((run.path / "env.json").read_text())["b"]["NCCL_NSOCKS_PERTHREAD"] == "2"
     for script in (run.path / "scripts").iterdir():
