@@ -78,3 +78,15 @@ def test_sampler_shards_are_the_global_batch(shuffle):
         s = data.ResumableDistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)
         s.set_epoch(4)
         assert [i for bt in one for i in bt] != list(s)[: len(one) * W * b]
+
+
+def test_the_trainer_started_by_a_test_sees_a_gpu_only_when_its_arguments_ask_for_cuda():
+    """A test meant for gloo on CPU must not find a GPU: on a machine with one, --device auto
+    picked CUDA and two ranks shared a single GPU (rank 1: invalid device ordinal)."""
+    from train_helpers import asks_for_cuda, train_env
+    for args in ([], ["--device", "cpu"], ["--device", "auto"], ["--device", "cuda", "--device", "cpu"]):
+        assert not asks_for_cuda(args)
+        assert train_env(gpus=asks_for_cuda(args))["CUDA_VISIBLE_DEVICES"] == ""
+    for args in (["--device", "cuda"], ["--epochs", "1", "--device=cuda"]):
+        assert asks_for_cuda(args)
+        assert train_env({"CUDA_VISIBLE_DEVICES": "0"}, gpus=True)["CUDA_VISIBLE_DEVICES"] == "0"
