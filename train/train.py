@@ -82,6 +82,8 @@ Environment
                           then at most once per second while steps complete (and while
                           evaluation batches do), for a hang watchdog; rank 0 writes
                           "section checkpoint" into it while it writes a checkpoint
+Every folder and file the trainer makes is private (0700 / 0600, umask 077): --out,
+--checkpoint-dir and what is in them.
 Exit codes: 0 done (also when --max-steps ended it); 143 stopped by SIGTERM; 1 an error;
 2 bad options, or a device that is not there (--device cuda without a GPU; more processes
 on a node than it has GPUs: one process per GPU, or --device cpu).
@@ -292,6 +294,9 @@ class Run:
 # ---- setup ------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
+    # What the run writes is private, as the rest of cluster's run folder (0700 folders, 0600
+    # files), whatever umask the job came with: metrics, plot, checkpoints, step times.
+    os.umask(0o077)
     args = parse_args(argv)
     stop = lifecycle.GracefulStop(args.stop_timeout)
     stop.install()

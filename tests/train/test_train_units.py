@@ -126,3 +126,22 @@ def test_the_trainer_without_the_gpu_it_asks_for_says_so_and_exits_2():
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.startswith("train.py: error: --device cuda, but this process sees no CUDA GPU")
     assert "Traceback" not in p.stderr and "FINAL" not in p.stdout
+
+
+def test_what_the_trainer_writes_is_private(tmp_path):
+    """Folders 0700 and files 0600 (as the rest of runs/<id>/), whatever umask it came with:
+    metrics, plot, checkpoints, the heartbeat and step times."""
+    import stat
+    from train_helpers import run_train
+    old = os.umask(0o022)
+    try:
+        run_train(1, ["--epochs", "1", "--max-steps", "2", "--no-resume", "--ckpt-every", "1",
+                      "--out", str(tmp_path / "out"), "--checkpoint-dir", str(tmp_path / "ck")],
+                  env={"CLUSTER_HEARTBEAT_FILE": str(tmp_path / "run" / "heartbeat")})
+    finally:
+        os.umask(old)
+    made = [p for d in ("out", "ck", "run") for p in [tmp_path / d, *(tmp_path / d).rglob("*")]]
+    assert {p.name for p in made} >= {"metrics.jsonl", "metrics.png", "ckpt_step00000002.pt",
+                                      "heartbeat", "heartbeat.steps.0"}
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in made}
+    assert modes == {p.name: "0o700" if p.is_dir() else "0o600" for p in made}
