@@ -22,7 +22,10 @@ against that repeat's baseline row, then the median over repeats is printed.
 Groups (each row's ratio is against the baseline named):
   resnet50  plain loop (baseline); trainer; trainer before (--before PATH, an older train.py)
   torchrun  the trainers under `torchrun --nproc_per_node 1` (vs the plain loop)
-  cluster   the trainer through `cluster up --local` on this machine (vs the plain loop)
+  cluster   the trainer through `cluster up --local --nodes 1 --nproc-per-node 1` on this
+            machine (vs the plain loop)
+  steptime  the trainer with CLUSTER_HEARTBEAT_FILE set, as under cluster: heartbeat and the
+            per-step compute/data times of train/steptime.py on (vs the trainer without: off)
   compile   plain loop with torch.compile (baseline); trainer --compile (TORCH_LOGS=recompiles
             counts recompilations); the ratio trainer --compile / trainer (eager) is printed too
   cifar10   trainer on synthetic 32x32 data, ResNet-18, batch 256 (baseline); the same on
@@ -293,7 +296,7 @@ def cases(a: argparse.Namespace) -> list[Case]:
     torchrun = py + ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     trainers = [("", TRAIN)] + ([(" before", Path(a.before).resolve())] if a.before else [])
     out: list[Case] = []
-    if {"resnet50", "torchrun", "cluster", "compile"} & set(a.groups):
+    if {"resnet50", "torchrun", "cluster", "compile", "steptime"} & set(a.groups):
         out.append(Case(PLAIN, me + ["--plain-worker", *common]))
         out += [Case(TRAINER + tag, py + trainer_args(a, path, []), PLAIN) for tag, path in trainers]
     if "torchrun" in a.groups:
@@ -301,8 +304,12 @@ def cases(a: argparse.Namespace) -> list[Case]:
                      PLAIN) for tag, path in trainers]
     if "cluster" in a.groups:
         out.append(Case(f"{TRAINER} through cluster up --local",
-                        py + ["-m", "cluster", "up", "--local", "--", *trainer_args(a, TRAIN, [])], PLAIN,
+                        py + ["-m", "cluster", "up", "--local", "--nodes", "1", "--nproc-per-node", "1",
+                              "--", *trainer_args(a, TRAIN, [])], PLAIN,
                         {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}))
+    if "steptime" in a.groups:
+        out.append(Case(f"{TRAINER}, step times on (heartbeat file set)", py + trainer_args(a, TRAIN, []),
+                        TRAINER, {"CLUSTER_HEARTBEAT_FILE": "{out}/heartbeat"}))
     if "compile" in a.groups:
         out.append(Case(PLAIN_COMPILED, me + ["--plain-worker", "--compile", *common]))
         out.append(Case("trainer --compile", py + trainer_args(a, TRAIN, ["--compile"]), PLAIN_COMPILED,
@@ -323,7 +330,8 @@ def cases(a: argparse.Namespace) -> list[Case]:
 def run_case(case: Case, work: Path, log) -> float:
     out = Path(tempfile.mkdtemp(dir=work))
     argv = [x.replace("{out}", str(out)) for x in case.argv]
-    env = dict(os.environ, **case.env, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **{k: v.replace("{out}", str(out)) for k, v in case.env.items()},
+               PYTHONUNBUFFERED="1")
     t0 = time.monotonic()
     proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
     log.write(f"\n===== {case.name}: {' '.join(argv)}\n{proc.stdout}\n{proc.stderr}\n")
@@ -420,7 +428,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=80)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--groups", default="resnet50", help="comma-separated: resnet50,torchrun,cluster,compile,cifar10")
+    p.add_argument("--groups", default="resnet50", help="comma-separated: resnet50,torchrun,cluster,steptime,compile,cifar10")
     p.add_argument("--before", default=None, help="another train.py to measure beside this one")
     p.add_argument("--cifar10", default=None, metavar="DIR", help="CIFAR-10 for the cifar10 group")
     p.add_argument("--make-cifar10", default=None, metavar="DIR",

@@ -88,12 +88,53 @@ def node_findings(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Fin
     out += ib_findings(name, node.host.network.ib, f.get("ib_devices") or [])
     if "script" in f:
         out.append(script_finding(node, f["script"]))
+    out += processes_per_gpu(node, f, plan)
     if "port_free" in f:
         out.append(Finding(name, "master port", PASS if f["port_free"] else FAIL,
                            f"port {plan.master_port} is {'free' if f['port_free'] else 'in use'} here",
                            "" if f["port_free"] else "another program listens on it: choose "
                            "another master_port (or leave it out to have one derived)"))
     return out
+
+
+def visible_gpus(node: Any, f: Mapping[str, Any]) -> int | None:
+    """The GPUs the node's job will see: the driver's, less those CUDA_VISIBLE_DEVICES hides
+    (the job's own environment first, else the node's). None where the driver was not seen."""
+    found = f.get("nvidia_gpus")
+    if not isinstance(found, int):
+        return None
+    env = {**dict(node.host.env), **dict(node.env)}
+    visible = env.get("CUDA_VISIBLE_DEVICES", f.get("cuda_visible"))
+    if visible is None:
+        return found
+    names = [v.strip() for v in visible.split(",")]
+    return min(found, names.index("") if "" in names else len(names))   # CUDA stops at a gap
+
+
+def asks_for_cpu(args: Sequence[str]) -> bool:
+    """The job's arguments say --device cpu (the reference trainer's; the last one wins)."""
+    device = None
+    for i, a in enumerate(args):
+        if a == "--device" and i + 1 < len(args):
+            device = args[i + 1]
+        elif a.startswith("--device="):
+            device = a.split("=", 1)[1]
+    return device == "cpu"
+
+
+def processes_per_gpu(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Finding]:
+    """More processes than GPUs on a node with GPUs: the job's processes past the last GPU
+    fail (CUDA's 'invalid device ordinal'), unless the job runs on the CPU (--device cpu).
+    A container's GPUs are the image check's (cluster doctor)."""
+    nproc, gpus = node.host.nproc_per_node, visible_gpus(node, f)
+    if (not isinstance(nproc, int) or not gpus or nproc <= gpus or node.host.container
+            or asks_for_cpu(plan.args)):
+        return []
+    return [Finding(node.host.name, "gpus", FAIL, f"nproc_per_node {nproc} but this node shows "
+                    f"{gpus} GPU(s): the processes past the last GPU have none",
+                    f"one process per GPU: nproc_per_node {gpus} (--nproc-per-node {gpus}), or "
+                    f"run on the CPU (the trainer's --device cpu, or CUDA_VISIBLE_DEVICES= in "
+                    f"the node's env)")]
 
 
 def no_torch(name: str, asked: str, executable: str | None) -> Finding:
@@ -225,7 +266,9 @@ def deep_findings(node: Any, f: Mapping[str, Any], clock: Clock | None) -> list[
                            f"reinstall torch for {exe}, or name a python whose torch imports "
                            f"(`python:` in the inventory, or --python PATH)"))
     nproc = node.host.nproc_per_node
-    if isinstance(nproc, int) and gpus and nproc > len(gpus):
+    if isinstance(nproc, int) and gpus and nproc > len(gpus) and isinstance(f.get("nvidia_gpus"), int):
+        pass                     # node_findings judged it from the driver's count (processes_per_gpu)
+    elif isinstance(nproc, int) and gpus and nproc > len(gpus):
         out.append(Finding(name, "gpus", FAIL, f"nproc_per_node {nproc} but {len(gpus)} GPU(s)",
                            f"set nproc_per_node to {len(gpus)} (or auto)"))
     elif isinstance(nproc, int) and gpus and nproc < len(gpus):

@@ -35,17 +35,56 @@ class DistInfo:
         return self.backend is not None and self.world_size > 1
 
 
-def init_distributed(device_arg: str = "auto") -> DistInfo:
-    """Initialise from torchrun's environment; NCCL on CUDA, gloo on CPU."""
+class DeviceError(Exception):
+    """The device asked for is not there for this process; the message says what to do.
+    `tell`: this process is the one of its node that says it (not every rank repeats it)."""
+
+    def __init__(self, message: str, tell: bool = True):
+        super().__init__(message)
+        self.tell = tell
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pick_device(device_arg: str, local_rank: int, local_world: int | None, gpus: int) -> torch.device:
+    """This process's device: GPU `local_rank` on CUDA (one process per GPU), else the CPU.
+    `local_world`: the node's process count (torchrun's LOCAL_WORLD_SIZE), when known, so
+    that every process of a node with too few GPUs fails alike, not only the ones past the
+    last GPU (rank 0 would otherwise wait at the rendezvous for the others)."""
+    use_cuda = gpus > 0 if device_arg == "auto" else device_arg == "cuda"
+    if not use_cuda:
+        return torch.device("cpu")
+    if gpus == 0:
+        raise DeviceError("--device cuda, but this process sees no CUDA GPU (torch.cuda."
+                          f"is_available() is False; CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r}): run where a "
+                          "GPU is, or --device cpu", tell=local_rank == 0 or local_world is None)
+    needed = max(local_rank + 1, local_world or 0)
+    if needed > gpus:
+        who = (f"this node runs {local_world} processes (LOCAL_RANK {local_rank} of "
+               f"LOCAL_WORLD_SIZE {local_world})" if local_world else f"LOCAL_RANK {local_rank}")
+        raise DeviceError(f"{who}, but this node shows {gpus} GPU(s) and each process needs "
+                          f"its own: run one process per GPU (--nproc-per-node {gpus}), or "
+                          f"--device cpu",
+                          tell=local_rank == 0 or local_world is None)
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(device_arg: str = "auto", gpus: int | None = None) -> DistInfo:
+    """Initialise from torchrun's environment; NCCL on CUDA, gloo on CPU. `gpus`: the GPUs
+    this process sees (default: what torch says). Raises DeviceError where the device asked
+    for is not there."""
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    device = pick_device(device_arg, local_rank, int(local_world) if local_world else None,
+                         visible_gpus() if gpus is None else gpus)
+    use_cuda = device.type == "cuda"
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+        torch.cuda.set_device(device)
     launched = "RANK" in os.environ and "MASTER_ADDR" in os.environ
     backend = None
     if launched:

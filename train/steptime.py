@@ -13,7 +13,11 @@ What is measured, per optimizer step (all micro-steps of --accum together):
   counted. Both moments come from hooks that only read the clock (a forward pre-hook and a
   post-accumulate-grad hook on every parameter), so training is unchanged (no no_sync(), no
   other comm hook). On CUDA the kernels are asynchronous, so the moments are CUDA events
-  recorded in those hooks and read after the step.
+  recorded in those hooks. An event is read only once it has completed (a read before that
+  raises "device not ready"): a step's events wait in a queue, and each step's end reads the
+  steps whose events have completed (event.query(), no wait), so no step waits for the GPU.
+  Only when the queue is MAX_PENDING steps long does the oldest step's last event get waited
+  for, which a CPU that far ahead of the GPU does soon anyway.
 
 The file protocol (any program can write it; docs/failures.md): every ~second, each rank
 replaces `$CLUSTER_HEARTBEAT_FILE.steps.<RANK>` with one JSON line
@@ -29,15 +33,28 @@ import json
 import os
 import sys
 import time
+from collections import deque
+from typing import Any, Callable
 
 import torch
 
 EVERY_S = 1.0
+MAX_PENDING = 16      # steps whose CUDA events may be waiting to complete
+
+
+def cuda_event() -> Any:
+    """A CUDA timing event recorded now on the current stream."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 class StepTimes:
+    """`new_event`: makes an event recorded now (CUDA's, or a test's stand-in with the same
+    query / synchronize / elapsed_time)."""
+
     def __init__(self, heartbeat_path: str | None, rank: int, device: torch.device,
-                 every_s: float = EVERY_S):
+                 every_s: float = EVERY_S, new_event: Callable[[], Any] = cuda_event):
         self.path = f"{heartbeat_path}.steps.{rank}" if heartbeat_path else None
         self.rank, self.every_s = rank, every_s
         self.cuda = device.type == "cuda"
@@ -50,6 +67,9 @@ class StepTimes:
         self._grad_at: float | None = None       # ... and its last gradient
         self._fwd_ev = self._grad_ev = None
         self._spans: list = []                   # CUDA: (forward start, last gradient) events
+        self._new_event = new_event
+        # CUDA: (data seconds, spans) of the steps whose events are not read yet, oldest first
+        self._pending: deque[tuple[float, list]] = deque()
 
     def watch(self, model: torch.nn.Module) -> None:
         """Hooks on the inner model (not DDP's wrapper): its forward starting, and each
@@ -61,21 +81,16 @@ class StepTimes:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def _event(self):
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
     def _forward_starts(self, _module, _inputs) -> None:
         self._close_micro_step()
         self._fwd_at = time.perf_counter()
         if self.cuda:
-            self._fwd_ev = self._event()
+            self._fwd_ev = self._new_event()
 
     def _grad_ready(self, _param) -> None:
         self._grad_at = time.perf_counter()
         if self.cuda:
-            self._grad_ev = self._event()
+            self._grad_ev = self._new_event()
 
     def _close_micro_step(self) -> None:
         """Count the span from the last forward start to its last gradient, if it had one."""
@@ -102,21 +117,53 @@ class StepTimes:
         return item
 
     def end(self) -> None:
-        """The step is done (its all-reduce included): count it; write the file now and then."""
+        """The step is done (its all-reduce queued, on CUDA maybe not run yet): count what is
+        known; write the file now and then."""
         if self.path is None:
             return
         self._close_micro_step()
-        # CUDA: every event recorded is done once the step is over
-        compute = self._step_compute + sum(a.elapsed_time(b) / 1e3 for a, b in self._spans)
+        if self.cuda:
+            if self._spans:
+                self._pending.append((self._step_data, self._spans))
+            self._spans = []
+            self._read_completed()
+        else:
+            self._count(self._step_compute, self._step_data)
+        self._step_data = self._step_compute = 0.0
+        now = time.monotonic()
+        if self.steps and now - self.last_write >= self.every_s:
+            self._write(now)
+            self.last_write = now
+
+    def flush(self) -> None:
+        """Count the steps whose events have completed and write a line if any is counted."""
+        if self.path is None:
+            return
+        self._read_completed()
+        if self.steps:
+            self.last_write = time.monotonic()
+            self._write(self.last_write)
+
+    def _read_completed(self) -> None:
+        """Count the queued steps whose events have all completed, oldest first; past
+        MAX_PENDING, wait for the oldest."""
+        while self._pending:
+            data, spans = self._pending[0]
+            events = [ev for span in spans for ev in span]
+            if len(self._pending) > MAX_PENDING:
+                for ev in events:
+                    ev.synchronize()
+            elif not all(ev.query() for ev in events):
+                return
+            self._pending.popleft()
+            self._count(sum(a.elapsed_time(b) for a, b in spans) / 1e3, data)
+
+    def _count(self, compute: float, data: float) -> None:
         if compute <= 0:
             return                  # no backward seen (a model without trainable parameters)
         self.compute += compute
-        self.data += self._step_data
+        self.data += data
         self.steps += 1
-        now = time.monotonic()
-        if now - self.last_write >= self.every_s:
-            self._write(now)
-            self.last_write = now
 
     def _write(self, now: float) -> None:
         # Wall-clock time, evaluations and uncounted steps included: a rate, not a work time.

@@ -82,8 +82,11 @@ Environment
                           then at most once per second while steps complete (and while
                           evaluation batches do), for a hang watchdog; rank 0 writes
                           "section checkpoint" into it while it writes a checkpoint
+Every folder and file the trainer makes is private (0700 / 0600, umask 077): --out,
+--checkpoint-dir and what is in them.
 Exit codes: 0 done (also when --max-steps ended it); 143 stopped by SIGTERM; 1 an error;
-2 bad options.
+2 bad options, or a device that is not there (--device cuda without a GPU; more processes
+on a node than it has GPUs: one process per GPU, or --device cpu).
 
 Test hooks (environment): CLUSTER_TRAIN_TEST_STEP_SLEEP=SECONDS sleeps after every
 optimizer step; CLUSTER_TRAIN_TEST_SAVE_SLEEP=STEP:SECONDS sleeps between writing and
@@ -291,10 +294,18 @@ class Run:
 # ---- setup ------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
+    # What the run writes is private, as the rest of cluster's run folder (0700 folders, 0600
+    # files), whatever umask the job came with: metrics, plot, checkpoints, step times.
+    os.umask(0o077)
     args = parse_args(argv)
     stop = lifecycle.GracefulStop(args.stop_timeout)
     stop.install()
-    info = du.init_distributed(args.device)
+    try:
+        info = du.init_distributed(args.device)
+    except du.DeviceError as e:   # what to do, once per node, without a traceback
+        if e.tell:
+            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
     try:
         code = train(args, info, stop)
         # Every rank leaves together: a rank tearing gloo down while rank 0 still writes its

@@ -8,6 +8,7 @@ Standard library only, Python 3.8+, because it runs on whatever interpreter the 
                    [--container-runtime R --container-image I]
                    [--script PATH] [--deep]
         JSON: python, torch (found without importing it), the run directory (made, 0700),
+        the GPUs the NVIDIA driver has and CUDA_VISIBLE_DEVICES,
         the network interface that reaches the master, InfiniBand devices, whether the master
         port is free; --script whether PATH, from the workdir, is a file there (the job's
         script, before anything starts); --connect whether a TCP connection to the master port opens (the
@@ -95,6 +96,8 @@ def facts(args):
         out["network"] = network(args.own or _socket.gethostname(), args.master, args.ifname)
     out["ib_devices"] = sorted(os.listdir("/sys/class/infiniband")) \
         if os.path.isdir("/sys/class/infiniband") else []
+    out["nvidia_gpus"] = nvidia_gpus()
+    out["cuda_visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     if args.port:
         out["port_free"] = port_free(args.port)
     if args.script:
@@ -109,6 +112,15 @@ def facts(args):
         out.update(deep_facts(out.get("workdir") or out.get("dir") or "."))
     out["time_start"], out["time"] = started, time.time()
     return out
+
+
+def nvidia_gpus(folder="/proc/driver/nvidia/gpus"):
+    """How many GPUs the NVIDIA driver has (one folder each), None without the driver: one
+    directory listing, not nvidia-smi's seconds."""
+    try:
+        return len(os.listdir(folder))
+    except OSError:
+        return None
 
 
 def word():

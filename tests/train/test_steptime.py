@@ -3,7 +3,9 @@
 On CUDA the kernels run after the Python that queued them has returned, so a clock read in
 the hooks would count the launch, not the work: the compute is read from CUDA events recorded
 in those hooks. The check queues GPU work that takes a known time (torch.cuda._sleep) inside
-the forward and asserts that it is counted, while the CPU spent next to nothing there. Each line's `seconds`
+the forward and asserts that it is counted, while the CPU spent next to nothing there; each
+step's end comes right after its work was queued, when its events have not completed (reading
+one then raises), as in the trainer, which never waits for the GPU per step. Each line's `seconds`
 is the wall-clock time its steps took (the first line: from its first step's start), so steps /
 seconds is the rank's step rate (cluster top's step/s)."""
 import json
@@ -39,7 +41,9 @@ class Busy(torch.nn.Module):
 
 
 def steps(device: torch.device, model: torch.nn.Module, path: str, n: int = 3) -> float:
-    """Run n steps through StepTimes; the CPU seconds spent in the forward calls."""
+    """Run n steps through StepTimes, each step's end right after its work was queued (no
+    synchronisation), then wait for the device and write what was counted; the CPU seconds
+    spent in the forward calls."""
     times = steptime.StepTimes(path, 0, device, every_s=0.0)
     times.watch(model)
     batches = iter([torch.ones(4, 8, device=device)] * n)
@@ -51,9 +55,10 @@ def steps(device: torch.device, model: torch.nn.Module, path: str, n: int = 3) -
         out = model(x)
         in_forward += time.perf_counter() - t
         out.sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         times.end()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    times.flush()
     return in_forward
 
 
@@ -79,13 +84,87 @@ def test_cuda_compute_counts_the_gpu_work_not_its_launch(tmp_path, device):
     in_forward = steps(dev, model, path)
     line = report(path)
     assert in_forward / 3 < 0.05, "the forward waited for the GPU: the check shows nothing"
+    assert line["steps"] == 3, line               # every step counted, once its events completed
     assert line["compute"] >= 0.15, line          # the GPU's sleep, counted by the events
+
+
+class FakeEvent:
+    """A CUDA event's stand-in: completes when the test says; read before that, it raises
+    as CUDA's does ("device not ready")."""
+    made: list = []
+
+    def __init__(self, at: float):
+        self.at, self.done, self.waited = at, False, False
+        FakeEvent.made.append(self)
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        if not (self.done and end.done):
+            raise RuntimeError("CUDA error: device not ready")
+        return (end.at - self.at) * 1e3
+
+
+def fake_steps(tmp_path, n: int, complete: bool = False):
+    """n steps of a CPU model through StepTimes' CUDA path, its events fakes 10 ms apart."""
+    FakeEvent.made = []
+    clock = iter(range(10_000))
+    times = steptime.StepTimes(str(tmp_path / "heartbeat"), 0, torch.device("cuda"), every_s=0.0,
+                               new_event=lambda: FakeEvent(next(clock) * 0.01))
+    model = torch.nn.Linear(4, 1, bias=False)   # one parameter: two events a step
+    times.watch(model)
+    batches = iter([torch.ones(2, 4)] * n)
+    for _ in range(n):
+        times.begin()
+        model(times.next(batches)).sum().backward()
+        if complete:
+            for ev in FakeEvent.made:
+                ev.done = True
+        times.end()
+    return times
+
+
+def test_events_are_read_only_once_they_have_completed(tmp_path):
+    """A step's end finds its events not yet completed (the GPU runs behind): it waits for
+    nothing and reads them at a later step's end, once they have completed."""
+    line = tmp_path / "heartbeat.steps.0"
+    times = fake_steps(tmp_path, 3)                 # before: elapsed_time raised at once
+    assert not line.exists() and times.steps == 0
+    assert not any(ev.waited for ev in FakeEvent.made)
+    for ev in FakeEvent.made[:4]:                  # the GPU has done the first two steps
+        ev.done = True
+    times.end()
+    got = json.loads(line.read_text())
+    assert got["steps"] == 2 and got["compute"] == pytest.approx(0.01), got
+    for ev in FakeEvent.made:
+        ev.done = True
+    times.flush()
+    assert json.loads(line.read_text())["steps"] == 1
+    assert not any(ev.waited for ev in FakeEvent.made)
+
+
+def test_a_cpu_far_ahead_waits_only_for_the_oldest_step(tmp_path):
+    times = fake_steps(tmp_path, steptime.MAX_PENDING + 3)
+    waited = [ev.waited for ev in FakeEvent.made]
+    assert waited == [True] * 6 + [False] * (len(waited) - 6)    # 3 steps x 2 events
+    line = json.loads((tmp_path / "heartbeat.steps.0").read_text())    # one a step (every_s 0)
+    assert line["steps"] == 1 and line["compute"] == pytest.approx(0.01)
+    assert len(times._pending) == steptime.MAX_PENDING
+
+
+def test_completed_events_are_read_at_the_step_s_end(tmp_path):
+    fake_steps(tmp_path, 2, complete=True)
+    assert json.loads((tmp_path / "heartbeat.steps.0").read_text())["steps"] == 1   # the 2nd's
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=CUDA)])
 def test_the_trainer_reports_its_step_times_on_cuda(tmp_path, device):
-    """The whole trainer on the GPU: every event it records is read after its step (a read of
-    an event not yet done would raise), and each step's compute is reported."""
+    """The whole trainer on the GPU: every event it records is read once it has completed (a
+    read of an event not yet done would raise), and each step's compute is reported."""
     from train_helpers import run_train
     beat = tmp_path / "run" / "heartbeat"
     beat.parent.mkdir()
@@ -123,7 +202,8 @@ def test_each_line_says_the_seconds_its_steps_took(tmp_path):
     took = time.monotonic() - t0
     second = json.loads((tmp_path / "heartbeat.steps.3").read_text())
     assert second["steps"] >= 2
-    assert 0.3 <= second["seconds"] <= took, (second, took)
+    # from the first line's write, a moment before t0 (the file read between): not from the start
+    assert 0.3 <= second["seconds"] <= took + 0.02, (second, took)
     rate = second["steps"] / second["seconds"]
     assert rate <= 1 / PAUSE, "a step takes at least its pause"
     assert second["compute"] < PAUSE, "the pause is not compute"

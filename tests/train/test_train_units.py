@@ -78,3 +78,70 @@ def test_sampler_shards_are_the_global_batch(shuffle):
         s = data.ResumableDistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=7)
         s.set_epoch(4)
         assert [i for bt in one for i in bt] != list(s)[: len(one) * W * b]
+
+
+def test_the_trainer_started_by_a_test_sees_a_gpu_only_when_its_arguments_ask_for_cuda():
+    """A test meant for gloo on CPU must not find a GPU: on a machine with one, --device auto
+    picked CUDA and two ranks shared a single GPU (rank 1: invalid device ordinal)."""
+    from train_helpers import asks_for_cuda, train_env
+    for args in ([], ["--device", "cpu"], ["--device", "auto"], ["--device", "cuda", "--device", "cpu"]):
+        assert not asks_for_cuda(args)
+        assert train_env(gpus=asks_for_cuda(args))["CUDA_VISIBLE_DEVICES"] == ""
+    for args in (["--device", "cuda"], ["--epochs", "1", "--device=cuda"]):
+        assert asks_for_cuda(args)
+        assert train_env({"CUDA_VISIBLE_DEVICES": "0"}, gpus=True)["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+du = load_train_module("dist_utils")
+
+
+def test_one_process_per_gpu_or_a_clear_error():
+    """More processes on a node than it has GPUs: every process learns what to do (not
+    torch's 'invalid device ordinal'), and one of them says it."""
+    assert du.pick_device("auto", 0, 1, gpus=1) == torch.device("cuda", 0)
+    assert du.pick_device("cuda", 3, 8, gpus=8) == torch.device("cuda", 3)
+    assert du.pick_device("auto", 1, 2, gpus=0) == torch.device("cpu")
+    assert du.pick_device("cpu", 1, 2, gpus=1) == torch.device("cpu")
+    for rank in (0, 1):
+        with pytest.raises(du.DeviceError) as err:
+            du.pick_device("auto", rank, 2, gpus=1)
+        assert "this node shows 1 GPU(s)" in str(err.value)
+        assert "--nproc-per-node 1" in str(err.value) and "--device cpu" in str(err.value)
+        assert err.value.tell == (rank == 0)
+    with pytest.raises(du.DeviceError, match=r"^LOCAL_RANK 1, but this node shows 1 GPU") as err:
+        du.pick_device("cuda", 1, None, gpus=1)     # no LOCAL_WORLD_SIZE: the rank past the GPUs
+    assert err.value.tell
+    with pytest.raises(du.DeviceError, match="sees no CUDA GPU.*or --device cpu"):
+        du.pick_device("cuda", 0, 1, gpus=0)
+
+
+def test_the_trainer_without_the_gpu_it_asks_for_says_so_and_exits_2():
+    """--device cuda where no GPU is visible: one line saying what to do, exit code 2, no
+    traceback (before: torch's own error from set_device, with its traceback)."""
+    import subprocess
+    from train_helpers import REPO, train_cmd, train_env
+    p = subprocess.run(train_cmd(1, ["--device", "cuda", "--no-plot", "--no-resume", "--out", "/nonexistent"]),
+                       cwd=REPO, env=train_env({"CUDA_VISIBLE_DEVICES": ""}), text=True,
+                       capture_output=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("train.py: error: --device cuda, but this process sees no CUDA GPU")
+    assert "Traceback" not in p.stderr and "FINAL" not in p.stdout
+
+
+def test_what_the_trainer_writes_is_private(tmp_path):
+    """Folders 0700 and files 0600 (as the rest of runs/<id>/), whatever umask it came with:
+    metrics, plot, checkpoints, the heartbeat and step times."""
+    import stat
+    from train_helpers import run_train
+    old = os.umask(0o022)
+    try:
+        run_train(1, ["--epochs", "1", "--max-steps", "2", "--no-resume", "--ckpt-every", "1",
+                      "--out", str(tmp_path / "out"), "--checkpoint-dir", str(tmp_path / "ck")],
+                  env={"CLUSTER_HEARTBEAT_FILE": str(tmp_path / "run" / "heartbeat")})
+    finally:
+        os.umask(old)
+    made = [p for d in ("out", "ck", "run") for p in [tmp_path / d, *(tmp_path / d).rglob("*")]]
+    assert {p.name for p in made} >= {"metrics.jsonl", "metrics.png", "ckpt_step00000002.pt",
+                                      "heartbeat", "heartbeat.steps.0"}
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in made}
+    assert modes == {p.name: "0o700" if p.is_dir() else "0o600" for p in made}

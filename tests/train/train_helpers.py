@@ -1,5 +1,11 @@
 """Helpers for the train/ tests: launch train/train.py with 1 plain process or with
-torchrun (gloo, CPU), parse its FINAL line, read its checkpoints, kill process trees."""
+torchrun (gloo, CPU), parse its FINAL line, read its checkpoints, kill process trees.
+
+What a test means decides the device: the processes started here see no GPU
+(CUDA_VISIBLE_DEVICES="") unless the trainer's own arguments say `--device cuda`. Otherwise a
+test meant for gloo on CPU picks CUDA on a machine with a GPU (--device auto), and with fewer
+GPUs than ranks rank 1 fails on `torch.cuda.set_device(1)`. A test that means CUDA passes
+`--device cuda` and is marked `cuda` with a skip where no GPU is."""
 from __future__ import annotations
 
 import importlib.util
@@ -31,9 +37,24 @@ def train_cmd(nproc: int, args: list[str]) -> list[str]:
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(TRAIN), *args]
 
 
-def train_env(extra: dict | None = None) -> dict:
+def asks_for_cuda(args: list[str]) -> bool:
+    """The trainer's arguments say --device cuda (the last --device wins, as in argparse)."""
+    device = None
+    for i, a in enumerate(args):
+        if a == "--device" and i + 1 < len(args):
+            device = args[i + 1]
+        elif a.startswith("--device="):
+            device = a.split("=", 1)[1]
+    return device == "cuda"
+
+
+def train_env(extra: dict | None = None, gpus: bool = False) -> dict:
+    """The environment of a process a test starts: no launcher's variables, and no GPU
+    visible unless `gpus` (a test that means CUDA)."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    if not gpus:              # else the GPUs the test run itself sees
+        env["CUDA_VISIBLE_DEVICES"] = ""
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "CLUSTER_RESTART_COUNT", "CLUSTER_HEARTBEAT_FILE"):
         env.pop(k, None)
@@ -48,8 +69,8 @@ def parse_final(stdout: str) -> dict:
 
 
 def run_train(nproc: int, args: list[str], env: dict | None = None, timeout: float = 180) -> dict:
-    p = subprocess.run(train_cmd(nproc, args), cwd=REPO, env=train_env(env), text=True,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    p = subprocess.run(train_cmd(nproc, args), cwd=REPO, env=train_env(env, asks_for_cuda(args)),
+                       text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     assert p.returncode == 0, f"train.py failed (rc {p.returncode}):\n{p.stdout[-5000:]}"
     final = parse_final(p.stdout)
     final["_stdout"] = p.stdout
@@ -57,7 +78,8 @@ def run_train(nproc: int, args: list[str], env: dict | None = None, timeout: flo
 
 
 def start_train(nproc: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(train_cmd(nproc, args), cwd=REPO, env=train_env(env), text=True,
+    return subprocess.Popen(train_cmd(nproc, args), cwd=REPO, env=train_env(env, asks_for_cuda(args)),
+                            text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
 

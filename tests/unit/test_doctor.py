@@ -518,3 +518,58 @@ def test_the_collective_on_one_process_prints_its_steps_before_the_result(tmp_pa
     assert says[2].startswith("all_reduce 1 KiB: ") and says[3].startswith("all_reduce 64 KiB: ")
     assert all(s.endswith(" GB/s bus bandwidth") for s in says[2:])
     assert done.stdout.splitlines()[-1].startswith("@@doctor "), "the result stays last"
+
+
+def gpu_plan(nproc: int = 2, args: tuple[str, ...] = (), env: str = "", container: str = ""):
+    text = f"defaults: {{nproc_per_node: {nproc}{env}}}\nhosts: [a, b]\n" + container
+    return render(inventory.parse_yaml(text, "x.yaml"), Job(run_id="r", script="t.py", args=args),
+                  Templates())
+
+
+def test_up_refuses_more_processes_than_a_node_has_gpus() -> None:
+    """The fast check (cluster up, before anything starts): a node with 1 GPU and
+    nproc_per_node 2 fails, naming the node, both counts and the fix; exit code 3."""
+    from cluster.check import judge
+    from cluster.console import Console
+    from cluster.errors import PreflightError
+    facts = {"a": node_facts(nvidia_gpus=1, cuda_visible=None),
+             "b": node_facts(nvidia_gpus=2, cuda_visible=None)}
+    found = evaluate(gpu_plan(), facts)
+    [bad] = [f for f in found if f.status == FAIL]
+    assert (bad.node, bad.check) == ("a", "gpus")
+    assert "nproc_per_node 2 but this node shows 1 GPU(s)" in bad.detail
+    assert "--nproc-per-node 1" in bad.fix and "--device cpu" in bad.fix
+    with pytest.raises(PreflightError) as err:
+        judge(found, 2, Console())
+    assert err.value.exit_code == 3 and err.value.nodes == ["a"]
+    assert "nothing was started" in str(err.value)
+
+
+@pytest.mark.parametrize("why", ["cpu job", "gpus hidden on the node", "gpus hidden by the job",
+                                 "no driver", "enough gpus", "container"])
+def test_more_processes_than_gpus_is_fine_where_the_job_runs_on_the_cpu(why) -> None:
+    plan = {"cpu job": gpu_plan(args=("--epochs", "1", "--device", "cpu")),
+            "gpus hidden by the job": gpu_plan(env=", env: {CUDA_VISIBLE_DEVICES: ''}"),
+            "container": gpu_plan(env=", container: {image: 'x:1'}")}.get(why, gpu_plan())
+    facts = {"nvidia_gpus": {"no driver": None, "enough gpus": 2}.get(why, 1),
+             "cuda_visible": "" if why == "gpus hidden on the node" else None}
+    found = evaluate(plan, {"a": node_facts(**facts)})
+    assert not by(found, "a", "gpus"), found
+
+
+def test_the_jobs_own_cuda_visible_devices_counts() -> None:
+    plan = gpu_plan(env=", env: {CUDA_VISIBLE_DEVICES: '3'}")
+    found = evaluate(plan, {"a": node_facts(nvidia_gpus=8, cuda_visible="0,1,2,3")})
+    assert "shows 1 GPU(s)" in by(found, "a", "gpus")[0].detail
+
+
+def test_the_probe_counts_the_drivers_gpus(tmp_path) -> None:
+    import subprocess
+    import sys
+    for pci in ("0000:18:00.0", "0000:2a:00.0"):
+        (tmp_path / pci).mkdir()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import probe; "
+            "print(probe.nvidia_gpus(sys.argv[2]), probe.nvidia_gpus(sys.argv[2] + '/none'))")
+    out = subprocess.run([sys.executable, "-c", code, str(REMOTE), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["2", "None"], out.stderr
