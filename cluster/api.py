@@ -102,7 +102,8 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     inventory = backends.entry(name).load().configure(inventory, r)
     if supports(name, EXEC) and not r.no_tuning:      # measured by `cluster doctor`, which execs
         inventory = tuning.applied(inventory, tuning.Cache(tuning.cache_path(environ)))
-    launch.secret_values(inventory, environ)     # a missing secret stops here: nothing is created
+    if not r.dry_run:     # a dry run needs no secret's value: it names the missing ones
+        launch.secret_values(inventory, environ)  # a missing secret stops here: nothing is created
     if (r.sync_dir or r.sync_exclude or r.sync_delete) and not supports(name, SYNC):
         raise InputError(f"--sync is for the {' and '.join(_with(SYNC))} backend "
                          f"({' and '.join(_with(SHARED_FILESYSTEM))} "

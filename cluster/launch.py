@@ -17,6 +17,7 @@ from .console import Console
 from .errors import InputError, Interrupted, NodeLost, RunFailed
 from .hang import save as save_hang
 from .hang_timeout import timeout_of
+from .inventory import unset_forwarded
 from .plan import Job, Plan, Templates
 from .runs import RunDir
 from .slow import SlowNodes
@@ -26,8 +27,10 @@ from . import timeline_png
 from .watch import Watcher, WatchResult
 
 def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
-            backend: Backend[Any], argv: list[str], console: Console) -> Plan:
-    """Render and record the plan, print it; contact nothing."""
+            backend: Backend[Any], argv: list[str], console: Console,
+            environ: Mapping[str, str] = os.environ) -> Plan:
+    """Render and record the plan, print it, and what this shell does not set that a launch
+    needs (secret_env, env_forward: said, never a value); contact nothing."""
     plan: Plan = backend.plan(inventory, job, templates)
     run.record(plan, inventory, backend.name, argv, {"dry_run": True})
     console.raw(str(plan))
@@ -37,15 +40,32 @@ def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
         console.raw(text)
         for note in notes:
             console.info(note)
+    for note in unset_notes(inventory, environ):
+        console.info(note)
     console.info(f"dry run {plan.run_id}: {plan.dry_run_note(run.path)}")
     return plan
+
+
+def unset_notes(inventory: Inventory, environ: Mapping[str, str]) -> list[str]:
+    """For a dry run: each name a launch would refuse for, as a placeholder, never a value."""
+    notes = [f"dry run: secret_env {name}=<not set in this shell>; a launch refuses until "
+             f"it is exported (a secret's value is never printed or written)"
+             for name in missing_secrets(inventory, environ)]
+    notes += [f"dry run: env_forward {name}=<not set in this shell>, so the scripts above "
+              f"leave it out; a launch refuses until it is exported"
+              for name in unset_forwarded(inventory, environ)]
+    return notes
+
+
+def missing_secrets(inventory: Inventory, environ: Mapping[str, str]) -> list[str]:
+    return sorted({name for h in inventory.hosts for name in h.secret_env if name not in environ})
 
 
 def secret_values(inventory: Inventory,
                   environ: Mapping[str, str] = os.environ) -> dict[str, dict[str, str]]:
     """Per host, the values of its secret_env names, from the launching shell. They are held
     in memory only and handed to each node's supervisor over its connection at start."""
-    missing = sorted({name for h in inventory.hosts for name in h.secret_env if name not in environ})
+    missing = missing_secrets(inventory, environ)
     if missing:
         raise InputError(f"secret environment variable(s) {', '.join(missing)} not set in this "
                          f"shell (secret_env / --secret-env take their values from it); "

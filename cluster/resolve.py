@@ -132,15 +132,16 @@ def where(request: Request, secrets: tuple[str, ...] = (),
     found = loaded(r.inventory_path, r.hosts)
     name = backends.choose(r.backend, r.force_local, found)
     inventory = backends.entry(name).load().nodes(found, r)
-    inventory = override(inventory, r.nproc_per_node, dict(r.env), environ)
+    inventory = override(inventory, r.nproc_per_node, dict(r.env), environ, r.dry_run)
     inventory = settings(inventory, secrets, r.stop_grace, r.keepalive, r.host_key_policy)
     return name, host_settings(inventory, r.python, r.user, r.port, r.identity_file)
 
 
 def override(inventory: Inventory, nproc: int | None, extra_env: dict[str, str],
-             environ: Mapping[str, str] = os.environ) -> Inventory:
-    """The inventory's env, then what its env_forward copies from this shell, then --env."""
-    inventory = inv_mod.forward_env(inventory, environ)
+             environ: Mapping[str, str] = os.environ, dry_run: bool = False) -> Inventory:
+    """The inventory's env, then what its env_forward copies from this shell (a dry run
+    leaves out a name it does not set), then --env."""
+    inventory = inv_mod.forward_env(inventory, environ, dry_run)
     hosts = []
     for h in inventory.hosts:
         changes: dict[str, object] = {}

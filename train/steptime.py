@@ -26,10 +26,20 @@ the N steps since its previous line, and W the wall-clock seconds since that lin
 line: since its first step began), so that N / W is the rank's step rate (`seconds` is
 optional: a reader without it has no rate). The node's supervisor sends them with its
 heartbeats; `cluster top` reads them for its step/s and work columns.
+
+The trainer adds `"rate"`: steps per second over about the last RATE_S seconds, which a reader
+prefers to steps / seconds. A line is written at the first step that ends after each whole
+second of the wall clock (EVERY_S), not a second after the rank's own previous line, and the
+rate's window runs from such a line to this one: the ranks of a synchronous job end each step
+together, so their windows cover the same steps (give or take the one step a rank leaves a
+moment later), and their rates agree. One-second windows that began at each rank's own moment
+covered different steps (a slow step in one rank's window and not another's): one job's nodes
+showed 4.8, 9.0 and 6.9 step/s.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -39,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 EVERY_S = 1.0
+RATE_S = 10.0
 MAX_PENDING = 16      # steps whose CUDA events may be waiting to complete
 
 
@@ -54,12 +65,16 @@ class StepTimes:
     query / synchronize / elapsed_time)."""
 
     def __init__(self, heartbeat_path: str | None, rank: int, device: torch.device,
-                 every_s: float = EVERY_S, new_event: Callable[[], Any] = cuda_event):
+                 every_s: float = EVERY_S, new_event: Callable[[], Any] = cuda_event,
+                 clock: Callable[[], float] = time.time):
         self.path = f"{heartbeat_path}.steps.{rank}" if heartbeat_path else None
         self.rank, self.every_s = rank, every_s
+        self.clock = clock                   # the wall clock: the same moments on every node
         self.cuda = device.type == "cuda"
-        self.last_write = float("-inf")      # the first step is written at once
-        self.since: float | None = None      # the previous line's write (monotonic)
+        self.window = -math.inf              # the first step is written at once
+        self.since: float | None = None      # the previous line's write
+        self.total = 0                       # steps ended since the first (their events read or not)
+        self.marks: list[tuple[float, int]] = []  # (when, total) at the lines of the last RATE_S
         self.compute = self.data = 0.0
         self.steps = 0
         self._step_data = self._step_compute = 0.0
@@ -104,7 +119,8 @@ class StepTimes:
     def begin(self) -> None:
         """A step starts (an evaluation's forwards before it are not counted)."""
         if self.since is None:
-            self.since = time.monotonic()    # the first line's seconds count from here
+            self.since = self.clock()        # the first line's seconds count from here
+            self.marks = [(self.since, 0)]
         self._step_data = self._step_compute = 0.0
         self._fwd_at = self._grad_at = None
         self._spans = []
@@ -125,15 +141,18 @@ class StepTimes:
         if self.cuda:
             if self._spans:
                 self._pending.append((self._step_data, self._spans))
+                self.total += 1
             self._spans = []
             self._read_completed()
-        else:
+        elif self._step_compute > 0:
             self._count(self._step_compute, self._step_data)
+            self.total += 1
         self._step_data = self._step_compute = 0.0
-        now = time.monotonic()
-        if self.steps and now - self.last_write >= self.every_s:
+        now = self.clock()
+        window = math.floor(now / self.every_s) if self.every_s > 0 else now
+        if self.steps and window > self.window:   # a new whole second since the previous line
             self._write(now)
-            self.last_write = now
+            self.window = window
 
     def flush(self) -> None:
         """Count the steps whose events have completed and write a line if any is counted."""
@@ -141,8 +160,9 @@ class StepTimes:
             return
         self._read_completed()
         if self.steps:
-            self.last_write = time.monotonic()
-            self._write(self.last_write)
+            now = self.clock()
+            self._write(now)
+            self.window = math.floor(now / self.every_s) if self.every_s > 0 else now
 
     def _read_completed(self) -> None:
         """Count the queued steps whose events have all completed, oldest first; past
@@ -165,11 +185,21 @@ class StepTimes:
         self.data += data
         self.steps += 1
 
+    def _rate(self, now: float) -> float | None:
+        """Steps per second from the newest line at least RATE_S old (else the first step's
+        start) to now; the lines before it are dropped."""
+        while len(self.marks) > 1 and self.marks[1][0] <= now - RATE_S:
+            self.marks.pop(0)
+        when, total = self.marks[0] if self.marks else (now, self.total)
+        self.marks.append((now, self.total))
+        return (self.total - total) / (now - when) if now > when else None
+
     def _write(self, now: float) -> None:
         # Wall-clock time, evaluations and uncounted steps included: a rate, not a work time.
         line = {"rank": self.rank, "compute": self.compute / self.steps,
                 "data": self.data / self.steps, "steps": self.steps,
-                "seconds": now - (self.since if self.since is not None else now)}
+                "seconds": now - (self.since if self.since is not None else now),
+                "rate": self._rate(now)}
         self.compute = self.data = 0.0
         self.steps = 0
         self.since = now

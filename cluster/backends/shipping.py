@@ -113,7 +113,9 @@ def boot_command(exe: str, first: Bundle) -> str:
     """The one command line for any program on a node, showing the first bundle's program.
     exe: the shell words that run the node's python (plan.python_command); the flags go after
     them, so they reach the interpreter through setup lines' `exec python "$@"` too."""
-    return " ".join([exe, "-S", "-c", shlex.quote(BOOT), *(shlex.quote(a) for a in first.run)])
+    # -B: no __pycache__ beside a module imported from the node's disk (the run folder's
+    # supervisor, which status, logs and stop import): reading a run writes nothing there.
+    return " ".join([exe, "-S", "-B", "-c", shlex.quote(BOOT), *(shlex.quote(a) for a in first.run)])
 
 
 # A bundle's part: (name, bytes, mode, code key). A mode writes it into the bundle's dir; a code

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from ..errors import InputError
 from .. import spec
-from .environment import forward_env, load_env_file
+from .environment import forward_env, load_env_file, unset_forwarded
 from .hostfile import check_unique, parse_hostfile
 from .parser import parse_yaml
 
 __all__ = ["load", "from_hostnames", "parse_yaml", "parse_hostfile", "forward_env",
-           "load_env_file"]
+           "load_env_file", "unset_forwarded"]
 
 
 def load(path: str | Path) -> spec.Inventory:

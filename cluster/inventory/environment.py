@@ -11,11 +11,12 @@ from ..errors import InputError, InventoryError
 from ..spec import ENV_KEY, Inventory, control_char, reserved_env
 
 
-def forward_env(inventory: Inventory, environ: Mapping[str, str]) -> Inventory:
+def forward_env(inventory: Inventory, environ: Mapping[str, str],
+                dry_run: bool = False) -> Inventory:
     """Each host's env_forward names and globs, copied from the launching shell into its env
-    (over the inventory's own values). A plain name that is not set is an error; a glob may
-    match nothing. Never the secret names (their values go over the connection), never a name
-    cluster sets itself."""
+    (over the inventory's own values). A plain name that is not set is an error, except in a
+    dry run, which leaves it out (unset_forwarded names it); a glob may match nothing. Never
+    the secret names (their values go over the connection), never a name cluster sets itself."""
     hosts = []
     for host in inventory.hosts:
         if not host.env_forward:
@@ -28,6 +29,8 @@ def forward_env(inventory: Inventory, environ: Mapping[str, str]) -> Inventory:
                 if pattern in host.secret_env:
                     raise InputError(f"{where}: env_forward: {pattern} is also a secret_env name; "
                                      "keep it in secret_env only (never written to a file)")
+                if pattern not in environ and dry_run:
+                    continue
                 if pattern not in environ:
                     raise InputError(f"{where}: env_forward: {pattern} is not set in this shell "
                                      f"(host {host.name}); export it, or take it out of env_forward")
@@ -39,6 +42,12 @@ def forward_env(inventory: Inventory, environ: Mapping[str, str]) -> Inventory:
                     values[name] = environ[name]
         hosts.append(host.replace(env=tuple({**dict(host.env), **values}.items())))
     return dataclasses.replace(inventory, hosts=tuple(hosts))
+
+
+def unset_forwarded(inventory: Inventory, environ: Mapping[str, str]) -> list[str]:
+    """The plain env_forward names this shell does not set: a dry run says so, a launch refuses."""
+    return sorted({name for h in inventory.hosts for name in h.env_forward
+                   if not any(c in name for c in "*?") and name not in environ})
 
 
 _DOTENV = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*?)\s*\Z")

@@ -114,8 +114,8 @@ def never_started(d):
 def last_active(path, nodes):
     """When the run last did something: the newest modification time of the run folder and of
     the files in each of its folders (output.log, heartbeat, exit, the trainer's metrics). Not
-    the folders' own times, nor __pycache__: reading a run's status (`cluster status`, this
-    very check) makes Python cache the supervisor's helper there, which is no activity."""
+    the folders' own times, nor __pycache__: before node programs ran with -B, reading a run's
+    status cached the supervisor's modules there, which is no activity."""
     newest = mtime(path)
     for d in [path] + nodes + [os.path.join(path, "train")]:
         try:

@@ -12,8 +12,9 @@ there (cluster clean removed it: nothing of the run can be running from it); "gp
 nvidia-smi; "metrics": with --metrics, the last N lines of that file, null when it is not
 there; "steps": with --steps, what each rank of the node last said of its steps in
 `HEARTBEAT.steps.<RANK>` (the protocol is in docs/failures.md): a list of {"rank", "rate" (steps
-per second, null when the line has no "seconds"), "seconds", "compute", "data", "age" (seconds
-since the file was written)}, sorted by rank, an unreadable or partial file left out}.
+per second: the line's "rate" where it has one, else steps / seconds, null with neither),
+"seconds", "compute", "data", "age" (seconds since the file was written)}, sorted by rank, an
+unreadable or partial file left out}.
 """
 import json
 import os
@@ -107,9 +108,11 @@ def step_report(path, now):
         seconds = float(seconds) if seconds is not None else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    rate = None
-    if isinstance(n, (int, float)) and seconds is not None and seconds > 0 and n > 0:
-        rate = n / seconds
+    rate = line.get("rate")         # over a longer window, the same steps on every node
+    if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate < 1e12):
+        rate = None
+        if isinstance(n, (int, float)) and seconds is not None and seconds > 0 and n > 0:
+            rate = n / seconds
     return {"rank": rank, "rate": rate, "seconds": seconds, "compute": compute, "data": data,
             "age": max(0.0, age)}
 

@@ -167,6 +167,46 @@ def test_clean_removes_old_runs_on_nodes_and_here_and_keeps_a_running_one(ssh_no
         cli.run("down", running, timeout=120)
 
 
+def snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry of folder (itself too): its size, mode and modification time."""
+    return {str(p.relative_to(folder)): (p.lstat().st_size, p.lstat().st_mode, p.lstat().st_mtime_ns)
+            for p in [folder, *sorted(folder.rglob("*"))]}
+
+
+def sizes(proc, run_id: str) -> dict[str, str]:
+    """The size each node's line of a clean gives for the run's folder."""
+    return {m.group(1): m.group(2) for m in re.finditer(
+        rf"^(node\d): (?:would remove|removed) \.cluster/{run_id} \(([\d.]+ [KMG]?B)", proc.stdout, re.M)}
+
+
+def test_reading_a_run_writes_nothing_on_its_nodes_and_clean_removes_what_it_said(ssh_nodes4, cli):
+    """status, logs, top, pull and clean --dry-run leave each node's run folder as it was
+    (no bytecode of the supervisor's modules either: a node keeps only its code cache), so the
+    size clean --dry-run gives is the size clean removes."""
+    inv = inventory(ssh_nodes4, cli)
+    done = cli.run("up", "-i", inv, "--nodes", "2", "--sync", str(PROGRAMS), "--", "allreduce.py")
+    assert done.popen.returncode == 0, done.dump()
+    run_id = done.run_id()
+    folders = [Path(ssh_nodes4.workdir(i)) / ".cluster" / run_id for i in (1, 2)]
+    make_old(cli.cwd / "runs" / run_id, 30 * DAY)
+    for folder in folders:
+        make_old(folder, 30 * DAY)
+    before = [snapshot(f) for f in folders]
+    for verb in (["status", run_id], ["logs", run_id], ["top", run_id, "--once"],
+                 ["pull", run_id, f".cluster/{run_id}"], ["clean", "-i", inv, "--dry-run"]):
+        proc = cli.run(*verb, timeout=120)
+        assert proc.popen.returncode == 0, proc.dump()
+        after = [snapshot(f) for f in folders]
+        assert after == before, (f"cluster {verb[0]} changed a node's run folder: "
+                                 f"{[sorted(set(a.items()) ^ set(b.items())) for a, b in zip(after, before)]}")
+    said = sizes(proc, run_id)
+    removed = cli.run("clean", "-i", inv, timeout=120)
+    assert removed.popen.returncode == 0, removed.dump()
+    assert not any(f.exists() for f in folders), removed.dump()
+    assert sorted(said) == ["node1", "node2"] and sizes(removed, run_id) == said, \
+        (proc.dump(), removed.dump())
+
+
 # --- top ----------------------------------------------------------------------------------
 
 

@@ -223,6 +223,24 @@ def test_status_of_a_removed_folder_is_gone(tmp_path: Path) -> None:
     assert node.status()["state"] == "gone"
 
 
+def test_status_and_logs_write_nothing_into_the_run_folder(tmp_path: Path, monkeypatch) -> None:
+    """They run the supervisor the run's start left in its folder; Python must not cache
+    its modules' bytecode there (a node keeps only its code cache), even where the node's
+    environment would let it."""
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    d = node_folder(tmp_path, "20250101-000000-aaaa", {"exit": "{}"})
+    for name in SUPERVISOR_FILES:       # as a run's start leaves them
+        (d / f"{name}.py").write_text(SUPERVISOR.with_name(f"{name}.py").read_text())
+    before = sorted(p.name for p in d.iterdir())
+    node = SupervisedNode(LocalTransport(), sys.executable, str(d))
+    assert node.status()["state"] == "exited"
+    logs = node.logs(follow=False)
+    while logs.read():
+        pass
+    logs.wait()
+    assert sorted(p.name for p in d.iterdir()) == before
+
+
 def test_reading_a_runs_status_is_no_activity(tmp_path: Path, backend) -> None:
     """`cluster status` (and the records' check) runs the supervisor in the node folder, and
     Python caches its helper there: an old run must stay old."""

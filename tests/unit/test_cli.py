@@ -128,7 +128,7 @@ def test_templates_override(in_tmp: Path, capsys) -> None:
     (["up", "--templates", "x\x00y", "--dry-run"], "control character"),
     (["up", "-i", "inv\x00.yaml", "--dry-run"], "control character"),
     (["up", "--hosts", "a", "--sync", "d\x00", "--dry-run"], "control character"),
-    (["up", "--secret-env", "UNSET_SECRET_FOR_THIS_TEST", "--dry-run"], "not set in this shell"),
+    (["up", "--secret-env", "UNSET_SECRET_FOR_THIS_TEST"], "not set in this shell"),
     (["up", "--hosts", "a", "--python", "/venv/bin/python\ntouch /tmp/x", "--dry-run"],
      "Invalid value for '--python': control character '\\n' at position 16"),
     (["up", "--hosts", "a", "--user", "bob\x00", "--dry-run"], "Invalid value for '--user': control character"),

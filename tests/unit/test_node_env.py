@@ -166,6 +166,12 @@ def test_a_forwarded_name_missing_from_this_shell_is_an_error() -> None:
     assert inventory.forward_env(inv, {"HF_TOKEN_X": "1"}).hosts[0].env == (("HF_TOKEN_X", "1"),)
 
 
+def test_a_dry_run_leaves_an_unset_forwarded_name_out_and_names_it() -> None:
+    inv = parse("defaults:\n  env_forward: [HF_TOKEN_X, B, 'NOTHING_*']\nhosts: [a]\n")
+    assert inventory.forward_env(inv, {"B": "b"}, dry_run=True).hosts[0].env == (("B", "b"),)
+    assert inventory.unset_forwarded(inv, {"B": "b"}) == ["HF_TOKEN_X"]
+
+
 @pytest.mark.parametrize("name,why", [("CLUSTER_X", "reserved"), ("1BAD", "not an environment"),
                                       ("MASTER_ADDR", "set by cluster")])
 def test_forward_names_are_checked_at_load(name: str, why: str) -> None:

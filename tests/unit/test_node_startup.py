@@ -36,7 +36,7 @@ def test_every_program_starts_without_site(tmp_path: Path) -> None:
              shipping.on_disk(str(tmp_path), "stop", str(tmp_path)),
              shipping.start(str(tmp_path), [], b"true\n")]
     for b in every:
-        assert flags(shipping.boot_command(exe, b), exe) == ["-S"], b.run
+        assert flags(shipping.boot_command(exe, b), exe) == ["-S", "-B"], b.run
 
 
 def test_the_flag_reaches_the_interpreter_through_setup_lines(tmp_path: Path) -> None:
@@ -45,7 +45,7 @@ def test_the_flag_reaches_the_interpreter_through_setup_lines(tmp_path: Path) ->
     exe = python_command(sys.executable, ("export CLUSTER_T=1",))
     status = shipping.program("status", "--dir", str(tmp_path / "none"))
     cmd = shipping.boot_command(exe, status)
-    assert cmd.startswith("bash -c ") and " cluster-setup -S -c " in cmd
+    assert cmd.startswith("bash -c ") and " cluster-setup -S -B -c " in cmd
     res = subprocess.run(["bash", "-c", cmd], input=status.data, capture_output=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.decode().splitlines()[-1])
@@ -153,12 +153,14 @@ def test_a_job_started_under_dash_s_gets_the_nodes_python_and_environment(tmp_pa
     d, extra, out = tmp_path / "run", tmp_path / "extra", tmp_path / "job.json"
     extra.mkdir()
     job = ("import json, sys\n"
-           f"json.dump({{'no_site': sys.flags.no_site, 'path': sys.path}}, open({str(out)!r}, 'w'))\n")
+           f"json.dump({{'no_site': sys.flags.no_site, 'no_pyc': sys.flags.dont_write_bytecode, "
+           f"'path': sys.path}}, open({str(out)!r}, 'w'))\n")
     script = f"{shlex.quote(sys.executable)} -c {shlex.quote(job)}\n".encode()
     start = shipping.start(str(d), ["--run-id", "r1", "--node", "n1", "--detach"], script)
     cmd = shipping.boot_command(shlex.quote(sys.executable), start)
-    assert flags(cmd, shlex.quote(sys.executable)) == ["-S"]
+    assert flags(cmd, shlex.quote(sys.executable)) == ["-S", "-B"]
     env = dict(os.environ, PYTHONPATH=str(extra))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)      # the node's own choice, not this shell's
     res = subprocess.run(["bash", "-c", cmd], input=start.data + b'{"env": {}}\n', env=env,
                          capture_output=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -166,7 +168,7 @@ def test_a_job_started_under_dash_s_gets_the_nodes_python_and_environment(tmp_pa
     while not (out.exists() and out.stat().st_size) and time.time() < deadline:
         time.sleep(0.05)
     seen = json.loads(out.read_text())
-    assert seen["no_site"] == 0
+    assert seen["no_site"] == 0 and seen["no_pyc"] == 0    # the job writes bytecode as it would
     assert str(extra) in seen["path"]
     assert any(p.endswith("-packages") for p in seen["path"]), seen["path"]
 
