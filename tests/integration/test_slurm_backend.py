@@ -207,9 +207,24 @@ def test_preemption_signal_requeues_and_the_job_completes(slurm, workdir: Path) 
     assert " Restarts=1 " in slurm.run(["scontrol", "-o", "show", "job", jid]).stdout
 
 
+def _files_holding(root: Path, value: bytes) -> list[str]:
+    """Every file under root whose bytes hold value."""
+    found = []
+    for f in root.rglob("*"):
+        try:
+            if f.is_file() and not f.is_symlink() and value in f.read_bytes():
+                found.append(str(f))
+        except OSError:
+            pass
+    return found
+
+
 def test_secret_env_and_a_nasty_job_name_through_real_sbatch(slurm, workdir: Path, canary: Path) -> None:
-    """The secret reaches every rank through sbatch's environment, never the script; a job
-    name with quotes, '#' and a backslash reaches SLURM as written (sbatch's own parser)."""
+    """The secret reaches every rank, yet the controller never gets it: not in the job's saved
+    environment (the state save location), the batch script, the slurmd spools, `scontrol show
+    job -dd`, the run's records or the output; the private file that carried it is gone once
+    the job ends. A job name with quotes, '#' and a backslash reaches SLURM as written (sbatch's
+    own parser)."""
     secret = f"tok_{os.getpid()}_$(touch {canary})'\"#"
     name = "it's \"my\" #1 job\\x"
     inv = workdir / "inventory.yaml"
@@ -225,10 +240,18 @@ def test_secret_env_and_a_nasty_job_name_through_real_sbatch(slurm, workdir: Pat
     jid = job_id(workdir)
     shown = slurm.run(["scontrol", "-o", "show", "job", jid]).stdout
     assert f"JobName={name} " in shown, shown
-    for f in [*(workdir / "runs").rglob("*"), *(workdir / "slurm-logs").rglob("*")]:
-        if f.is_file():
-            assert secret.encode() not in f.read_bytes(), f
-    assert secret not in r.stdout + r.stderr
+    # What the controller keeps of the job (it keeps it MinJobAge=300 s after the end).
+    detail = slurm.run(["scontrol", "show", "job", "-dd", jid])
+    script = slurm.run(["scontrol", "write", "batch_script", jid, "-"])
+    assert detail.returncode == 0 and script.returncode == 0 and "srun" in script.stdout, script
+    for said in (detail.stdout, script.stdout, r.stdout, r.stderr):
+        assert secret not in said, said
+    value = secret.encode()
+    state = Path(slurm.dir) / "state"
+    assert list(state.glob(f"hash.*/job.{jid}/environment")), "the controller saved no job"
+    assert _files_holding(Path(slurm.dir), value) == []      # state, spools, logs, slurm.conf
+    assert _files_holding(workdir, value) == []              # runs/, slurm-logs/, the folder
+    assert not list(workdir.rglob("*secret*")), list(workdir.rglob("*secret*"))
     assert not canary.exists()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import pytest
@@ -28,10 +28,12 @@ class FakeCommands:
         names = {"sacct_c": "sacct -c", "scontrol_config": "scontrol config"}
         self.replies = {names.get(k, k): v for k, v in replies.items()}
         self.calls: list[tuple[str, ...]] = []
+        self.hidden: dict[str, frozenset[str]] = {}     # program -> names left out of its environment
 
-    def run(self, argv: Sequence[str]) -> Completed:
+    def run(self, argv: Sequence[str], *, without: Collection[str] = ()) -> Completed:
         argv = tuple(argv)
         self.calls.append(argv)
+        self.hidden[argv[0]] = frozenset(without)
         key = "sacct -c" if argv[:2] == ("sacct", "-c") else argv[0]
         if key == "scontrol" and argv[1:3] == ("show", "config"):
             key = "scontrol config"
