@@ -390,7 +390,10 @@ class SlurmBackend:
         label = f"job {job_id}"
         before = self.queued(job_id)
         if before is None:
-            return {label: {"signalled": [], "state": self.finished(job_id).state}}
+            final = self.finished(job_id)
+            if final.done:                 # ended, perhaps detached and failed: its file may stay
+                self._forget_secrets(_secrets_file(run))
+            return {label: {"signalled": [], "state": final.state}}
         self.cancel(job_id)
         left = self.wait_gone(job_id, self.stop_timeout)
         if left is not None:

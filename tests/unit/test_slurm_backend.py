@@ -428,16 +428,19 @@ def test_down_scancels_and_waits_until_squeue_no_longer_lists_the_job(tmp_path: 
     assert len(fake.called("squeue")) == 3
 
 
-def test_down_removes_a_detached_jobs_secrets_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("running", [True, False])
+def test_down_removes_a_detached_jobs_secrets_file(running: bool, tmp_path: Path) -> None:
     run = recorded_run(tmp_path)
     secrets = tmp_path / ".r1.secrets" / "env"
     secrets.parent.mkdir(mode=0o700)
     secrets.write_bytes(b"TOKEN=v\0")
     run.update(slurm={**run.meta()["slurm"], "secrets_file": str(secrets)})
-    fake = FakeCommands(squeue=[ok("77|RUNNING|node[1-2]|None\n"), GONE], scancel=ok(),
-                        sacct=ok("77|CANCELLED by 0|0:15|node[1-2]\n"))
+    listed = [ok("77|RUNNING|node[1-2]|None\n"), GONE] if running else [GONE]
+    fake = FakeCommands(squeue=listed, scancel=ok(),
+                        sacct=ok("77|CANCELLED by 0|0:15|node[1-2]\n" if running else "77|FAILED|1:0|node1\n"))
     backend(fake).stop_run(run)
     assert not secrets.parent.exists()
+    assert bool(fake.called("scancel")) == running
 
 
 def test_down_reports_a_job_that_will_not_go(tmp_path: Path) -> None:
