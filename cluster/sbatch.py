@@ -32,7 +32,8 @@ class SbatchPlan:
     python: str
     command: tuple[str, ...]                  # script and its arguments
     env: tuple[tuple[str, str], ...]          # what cluster decided, then the user's own
-    secret_env: tuple[str, ...] = ()          # names only: sbatch's environment carries them
+    secret_env: tuple[str, ...] = ()          # names only: their values travel in secrets_file
+    secrets_file: str = ""                    # where the launcher leaves them for the job
     stop_grace: float = DEFAULT_STOP_GRACE
 
     SCRIPT_NAME = "sbatch.sh"
@@ -66,7 +67,8 @@ class SbatchPlan:
                   "args": list(self.command[1:]), "nodes": [], "secret_env": list(self.secret_env),
                   "stop_grace": self.stop_grace,
                   "slurm": {"output": self.output, "nodes": self.nodes,
-                            "nproc_per_node": self.nproc, "options": list(self.options)}})
+                            "nproc_per_node": self.nproc, "options": list(self.options),
+                            **({"secrets_file": self.secrets_file} if self.secrets_file else {})}})
 
 
 SBATCH_BARE = re.compile(r"^[A-Za-z0-9_.,:@%+=/\[\]-]+\Z")
@@ -116,6 +118,7 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
     port = job.master_port or host.master_port or derived_port(job.run_id)
     signal, signal_option = signal_parts(settings.signal)
     output = _output_path(settings.output_dir, cwd, job.run_id)
+    secrets = secrets_path(output, job.run_id) if inventory.master.secret_env else ""
     job_name = settings.job_name or f"cluster-{job.run_id}"
 
     opts: dict[str, object] = {
@@ -164,7 +167,8 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
         python=python, setup=host.setup, torchrun_args=host.torchrun_args,
         script=job.script, args=job.args, signal=signal,
         signal_option=signal_option, max_requeues=settings.max_requeues, container=container,
-        cwd=cwd, pyxis_image=pyxis_image(container.image) if container else None)
+        cwd=cwd, pyxis_image=pyxis_image(container.image) if container else None,
+        secrets_file=secrets)
 
     decided = [("CLUSTER_RUN_ID", job.run_id), ("MASTER_PORT", str(port))]
     decided += network.decided_env(net)
@@ -174,7 +178,7 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
                       workdir=cwd, nodes=nodes, nproc=nproc, master_port=port,
                       python=python, command=(job.script, *job.args),
                       env=tuple(decided) + host.env, secret_env=host.secret_env,
-                      stop_grace=inventory.stop_grace)
+                      secrets_file=secrets, stop_grace=inventory.stop_grace)
 
 
 def pyxis_image(image: str) -> str:
@@ -189,6 +193,14 @@ def pyxis_image(image: str) -> str:
     if "." in first or ":" in first or first == "localhost":
         return f"{first}#{rest}"
     return image
+
+
+def secrets_path(output: str, run_id: str) -> str:
+    """Where the launcher leaves the run's secret values for its job: a private folder beside
+    the job's output file, which the batch shell's node reaches (SLURM writes the output there
+    from it). Never the job's environment: sbatch sends that to the controller, which saves it
+    in its state folder."""
+    return str(Path(output).parent / f".{run_id}.secrets" / "env")
 
 
 def _output_path(output_dir: str, cwd: str, run_id: str) -> str:

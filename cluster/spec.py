@@ -206,7 +206,8 @@ class Host:
         (), "environment for the training processes, written shell-quoted", "env", merge=MERGE,
         kind="mapping of strings")
     secret_env: tuple[str, ...] = key(
-        (), "names whose values come from the launching shell and never touch a disk",
+        (), "names whose values come from the launching shell and never touch a disk (under "
+            "SLURM: one private file the job reads, then removed; docs/slurm.md)",
         "secret_names", merge=ADD, kind="list of names")
     env_forward: tuple[str, ...] = key(
         (), "names and globs whose values are copied from the launching shell at cluster up",

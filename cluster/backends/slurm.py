@@ -1,7 +1,9 @@
 """SLURM: sbatch / squeue / sacct / scancel / scontrol behind one subprocess seam.
 
     plan      the batch script (cluster.sbatch, pure); the launch flow records it
-    start     `sbatch --parsable` of the recorded script -> a JobProcess (slurm_output.py) that
+    start     the secret values into a private file the job reads (never sbatch's environment,
+              which the controller saves), then
+              `sbatch --parsable` of the recorded script -> a JobProcess (slurm_output.py) that
               the one watcher follows like any node: the output file, labelled by node, until
               squeue no longer lists the job; then the final state (sacct, else `sacct -c` and
               the job completion file, else `scontrol show job`): COMPLETED is success.
@@ -21,8 +23,9 @@ import dataclasses
 import os
 import re
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,9 +88,13 @@ class SlurmCommands:
         self.env = dict(env) if env is not None else None    # None: this process's environment
         self.timeout = timeout
 
-    def run(self, argv: Sequence[str]) -> Completed:
+    def run(self, argv: Sequence[str], *, without: Collection[str] = ()) -> Completed:
+        """`without`: names left out of the program's environment."""
+        env = self.env
+        if without:
+            env = {k: v for k, v in (os.environ if env is None else env).items() if k not in without}
         try:
-            p = subprocess.run(list(argv), env=self.env, capture_output=True, text=True,
+            p = subprocess.run(list(argv), env=env, capture_output=True, text=True,
                                timeout=self.timeout, stdin=subprocess.DEVNULL)
         except FileNotFoundError:
             raise BackendError(f"{argv[0]} not found: run this on a machine with the SLURM "
@@ -161,11 +168,18 @@ class SlurmBackend:
     def start(self, plan: SbatchPlan, *, detach: bool = False,
               secrets: Mapping[str, Mapping[str, str]] | None = None,
               run: RunDir | None = None) -> list[NodeProcess]:
-        """sbatch the recorded script (the output folder made first: SLURM will not make it);
-        the secret values travel in sbatch's environment (--export=ALL), never in the script."""
+        """sbatch the recorded script (the output folder made first: SLURM will not make it).
+        The secret values go in a private file the job reads (write_secrets), and are left out
+        of sbatch's environment, which the controller would save with the job."""
         assert run is not None, "the launch flow records the plan before it starts it"
         Path(plan.output).parent.mkdir(parents=True, exist_ok=True)
-        job_id = self.submit(run.script_path(plan.SCRIPT_NAME), export_all=bool(plan.secret_env))
+        if plan.secrets_file:
+            write_secrets(Path(plan.secrets_file), _values(plan.secret_env, secrets or {}))
+        try:
+            job_id = self.submit(run.script_path(plan.SCRIPT_NAME), hide=plan.secret_env)
+        except BaseException:
+            forget_secrets(plan.secrets_file)          # no job will read them
+            raise
         return [JobProcess(self, job_id, Path(plan.output), plan.run_id)]
 
     def started(self, plan: SbatchPlan, procs: list[NodeProcess], run: RunDir) -> Record:
@@ -178,6 +192,8 @@ class SlurmBackend:
     def ended(self, plan: SbatchPlan, procs: list[NodeProcess], result: object) -> Record:
         """The job's final state, and the nodes SLURM gave it (for `cluster logs --node`)."""
         job = _job(procs)
+        if job.final is not None and job.final.done:
+            self._forget_secrets(plan.secrets_file)
         out: Record = {"final": dataclasses.asdict(job.final)} if job.final else {}
         if job.nodes:
             out["nodes"] = [{"rank": i, "name": n, "address": n} for i, n in enumerate(job.nodes)]
@@ -214,10 +230,9 @@ class SlurmBackend:
 
     # -- submit, query, cancel --
 
-    def submit(self, script: Path, *, export_all: bool = False) -> str:
-        """sbatch the script; export_all makes sure the submitting shell's environment (the
-        secret_env values among it) reaches the job even where SBATCH_EXPORT says otherwise."""
-        r = self._run("sbatch", "--parsable", *(["--export=ALL"] if export_all else []), str(script))
+    def submit(self, script: Path, *, hide: Collection[str] = ()) -> str:
+        """sbatch the script, the names in `hide` (the secrets) left out of its environment."""
+        r = self.commands.run(("sbatch", "--parsable", str(script)), without=hide)
         if r.code != 0:
             said = (r.stderr.strip() or r.stdout.strip() or "(no output)")
             raise BackendError(f"sbatch refused the job script {script} (exit code {r.code}):\n{said}")
@@ -351,14 +366,22 @@ class SlurmBackend:
         slurm = meta.get("slurm") or {}
         path, job_id = Path(slurm.get("output", "")), slurm.get("job_id")
         names = [n["name"] for n in meta.get("nodes") or ()]
-        if follow and job_id:
-            lines = _followed(run, JobProcess(self, job_id, path, run.run_id, names))
+        job = JobProcess(self, job_id, path, run.run_id, names) if follow and job_id else None
+        if job is not None:
+            lines = _followed(run, job)
         else:
             labeller = Labeller(names)
             lines = ((label, text + b"\n") for label, text in map(labeller.split, OutputReader(path).rest()))
         for label, text in lines:
             if node is None or label.split(" ")[0] == node:
                 yield label, text
+        if job is not None and job.final is not None and job.final.done:
+            self._forget_secrets(_secrets_file(run))        # followed to the job's end
+
+    def _forget_secrets(self, path: str) -> None:
+        problem = forget_secrets(path)
+        if problem:
+            self.warn(problem)
 
     def stop_run(self, run: RunDir) -> dict[str, Record]:
         job_id = (run.meta().get("slurm") or {}).get("job_id")
@@ -367,13 +390,17 @@ class SlurmBackend:
         label = f"job {job_id}"
         before = self.queued(job_id)
         if before is None:
-            return {label: {"signalled": [], "state": self.finished(job_id).state}}
+            final = self.finished(job_id)
+            if final.done:                 # ended, perhaps detached and failed: its file may stay
+                self._forget_secrets(_secrets_file(run))
+            return {label: {"signalled": [], "state": final.state}}
         self.cancel(job_id)
         left = self.wait_gone(job_id, self.stop_timeout)
         if left is not None:
             return {label: {"signalled": [job_id],
                             "error": f"still listed by squeue as {left.state} after "
                                      f"{self.stop_timeout:.0f} s"}}
+        self._forget_secrets(_secrets_file(run))
         return {label: {"signalled": [job_id], "state": self.finished(job_id).state}}
 
     def pull(self, run: RunDir, paths: Sequence[str], into: Path,
@@ -397,6 +424,56 @@ def _followed(run: RunDir, job: JobProcess) -> Iterator[tuple[str, bytes]]:
             yield item
         elif item.get("nodes"):
             remember_nodes(run, JobInfo(job.job_id, "", nodes=tuple(item["nodes"])))
+
+
+# --- the secret environment's file -----------------------------------------------------------
+
+
+def _values(names: Sequence[str], secrets: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """The values of the job's secret names, from the launch flow's per-host values (all
+    taken from the launching shell, so the same for every host)."""
+    values: dict[str, str] = {}
+    for per_host in secrets.values():
+        values.update(per_host)
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise InputError(f"secret environment variable(s) {', '.join(missing)} not set in this "
+                         f"shell (secret_env / --secret-env take their values from it)")
+    return {n: values[n] for n in names}
+
+
+def write_secrets(path: Path, values: Mapping[str, str]) -> None:
+    """The values as NAME=value records ended by NUL (a value may hold a newline), in a file
+    only its owner reads (0600, created so), in a folder of its own (0700) made new: an
+    existing one is refused rather than trusted."""
+    try:
+        path.parent.mkdir(mode=0o700)
+        os.chmod(path.parent, 0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise BackendError(f"cannot write the secret environment's file {path} for the job: "
+                           f"{exc.strerror}") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(b"".join(f"{k}={v}".encode() + b"\0" for k, v in values.items()))
+
+
+def forget_secrets(path: str) -> str:
+    """Remove the secrets' file and its folder, if still there (the job may have). What went
+    wrong, or "": the run's outcome matters more than this, so the caller warns."""
+    if not path:
+        return ""
+    for remove, what in ((os.unlink, Path(path)), (os.rmdir, Path(path).parent)):
+        try:
+            remove(what)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            return f"cannot remove {what} (the secret environment's file): {exc.strerror}; remove it by hand"
+    return ""
+
+
+def _secrets_file(run: RunDir) -> str:
+    return str((run.meta().get("slurm") or {}).get("secrets_file") or "")
 
 
 def _job(procs: list[NodeProcess]) -> JobProcess:
@@ -447,11 +524,16 @@ def configure(inventory: Inventory, request: Request) -> Inventory:
 
 def create(inventory: Inventory, request: Request,
            sync: Sequence[tuple[str, str]] = ()) -> SlurmBackend:
-    return SlurmBackend(cwd=os.getcwd())
+    return SlurmBackend(cwd=os.getcwd(), warn=_stderr_warn)
 
 
 def recorded(run: RunDir) -> SlurmBackend:
-    return SlurmBackend()
+    return SlurmBackend(warn=_stderr_warn)
+
+
+def _stderr_warn(text: str) -> None:
+    sys.stderr.write(f"cluster: {text}\n")
+    sys.stderr.flush()
 
 
 if TYPE_CHECKING:       # mypy holds this module and its classes to the contract

@@ -89,7 +89,8 @@ class HangTimeout(click.ParamType):
 @click.option("--env-file", "env_files", multiple=True, type=SafePath(dir_okay=False, exists=True),
               metavar="FILE", help="Extra environment from a dotenv file (KEY=VALUE lines; repeatable).")
 @click.option("--secret-env", "secret_names", multiple=True, metavar="NAME",
-              help="Pass NAME from this shell to every node without writing its value anywhere (repeatable).")
+              help="Pass NAME from this shell to every node, its value never in a script, record or "
+                   "command line; under SLURM in a private file the job removes (repeatable).")
 @click.option("--max-restarts", type=click.IntRange(0), metavar="N",
               help="After a failure, start the whole job again up to N times (default: the "
                    "inventory's restarts, else 0). Not after a failure before the rendezvous was complete.")

@@ -132,10 +132,16 @@ def test_failing_rank_ends_failed_with_exit_code(slurm, workdir: Path) -> None:
 
 
 def test_down_cancels_a_running_job_and_leaves_no_process(slurm, workdir: Path) -> None:
-    r = up(slurm, workdir, str(PROGRAM), "--sleep", "300", extra=("--detach",))
+    """... and removes the detached job's secrets file, which the job needed until then."""
+    env = dict(slurm.env, NO_COLOR="1", CLUSTER_RUNS_DIR=str(workdir / "runs"), TOKEN="down-me")
+    r = subprocess.run([sys.executable, "-m", "cluster", "up", "-i", "inventory.yaml", "--detach",
+                        "--secret-env", "TOKEN", "--", str(PROGRAM), "--sleep", "300"],
+                       cwd=workdir, env=env, capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stderr
     jid = job_id(workdir)
     run_id = next((workdir / "runs").iterdir()).name
+    secrets = workdir / "slurm-logs" / f".{run_id}.secrets" / "env"
+    assert secrets.read_bytes() == b"TOKEN=down-me\0" and secrets.stat().st_mode & 0o777 == 0o600
     out = workdir / "slurm-logs" / f"{run_id}.out"          # created when the job starts
     deadline = time.monotonic() + 90
     while not out.exists() or out.read_text().count('"world": 2') < 2:   # both ranks run
@@ -150,6 +156,7 @@ def test_down_cancels_a_running_job_and_leaves_no_process(slurm, workdir: Path) 
     assert down.returncode == 0, down.stderr
     assert f"[job {jid}] CANCELLED" in down.stderr
     assert slurm.run(["squeue", "-h", "-j", jid]).stdout.strip() == ""
+    assert not secrets.parent.exists()
     deadline = time.monotonic() + 10
     while processes_with_env("SLURM_JOB_ID", jid):
         assert time.monotonic() < deadline, processes_with_env("SLURM_JOB_ID", jid)
@@ -160,12 +167,15 @@ def test_down_cancels_a_running_job_and_leaves_no_process(slurm, workdir: Path) 
 
 def test_preemption_signal_requeues_and_the_job_completes(slurm, workdir: Path) -> None:
     """B:USR2 to the batch shell (what SLURM sends before the time limit or on preemption):
-    the step gets SIGTERM, the job is requeued, its second attempt completes, and both `cluster
-    up` and a `cluster logs -f` started meanwhile follow it to the end. SLURM holds a requeued
-    job for about two minutes (BeginTime); the test releases it as soon as it may."""
+    the step gets SIGTERM, the job is requeued, its second attempt completes (with the secret,
+    read again from the file the first attempt left), and both `cluster up` and a `cluster logs
+    -f` started meanwhile follow it to the end. SLURM holds a requeued job for about two
+    minutes (BeginTime); the test releases it as soon as it may."""
+    secret = f"requeued-{os.getpid()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster", "up", "-i", "inventory.yaml", "--", str(PROGRAM),
-         "--sleep-first", "300"], cwd=workdir, env=dict(slurm.env, NO_COLOR="1"),
+        [sys.executable, "-m", "cluster", "up", "-i", "inventory.yaml", "--secret-env", "TOKEN",
+         "--", str(PROGRAM), "--sleep-first", "300", "--env-hash", "TOKEN"], cwd=workdir,
+        env=dict(slurm.env, NO_COLOR="1", TOKEN=secret),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     follower: subprocess.Popen | None = None
     try:
@@ -203,13 +213,32 @@ def test_preemption_signal_requeues_and_the_job_completes(slurm, workdir: Path) 
     assert "SignalException" in stdout                  # torchrun got SIGTERM, not SIGKILL
     restarts = sorted(d["restart"] for d in reports(stdout))
     assert restarts == [0, 0, 1, 1], stdout[-3000:]
+    want = hashlib.sha256(secret.encode()).hexdigest()
+    assert [d["env_hash"] for d in reports(stdout)] == [want] * 4, stdout[-3000:]
+    assert _files_holding(Path(slurm.dir), secret.encode()) == []
+    assert not list((workdir / "slurm-logs").glob(".*.secrets"))
     # What the follower reads to know a finished job is the requeued attempt (JobInfo.restarts).
     assert " Restarts=1 " in slurm.run(["scontrol", "-o", "show", "job", jid]).stdout
 
 
+def _files_holding(root: Path, value: bytes) -> list[str]:
+    """Every file under root whose bytes hold value."""
+    found = []
+    for f in root.rglob("*"):
+        try:
+            if f.is_file() and not f.is_symlink() and value in f.read_bytes():
+                found.append(str(f))
+        except OSError:
+            pass
+    return found
+
+
 def test_secret_env_and_a_nasty_job_name_through_real_sbatch(slurm, workdir: Path, canary: Path) -> None:
-    """The secret reaches every rank through sbatch's environment, never the script; a job
-    name with quotes, '#' and a backslash reaches SLURM as written (sbatch's own parser)."""
+    """The secret reaches every rank, yet the controller never gets it: not in the job's saved
+    environment (the state save location), the batch script, the slurmd spools, `scontrol show
+    job -dd`, the run's records or the output; the private file that carried it is gone once
+    the job ends. A job name with quotes, '#' and a backslash reaches SLURM as written (sbatch's
+    own parser)."""
     secret = f"tok_{os.getpid()}_$(touch {canary})'\"#"
     name = "it's \"my\" #1 job\\x"
     inv = workdir / "inventory.yaml"
@@ -225,10 +254,18 @@ def test_secret_env_and_a_nasty_job_name_through_real_sbatch(slurm, workdir: Pat
     jid = job_id(workdir)
     shown = slurm.run(["scontrol", "-o", "show", "job", jid]).stdout
     assert f"JobName={name} " in shown, shown
-    for f in [*(workdir / "runs").rglob("*"), *(workdir / "slurm-logs").rglob("*")]:
-        if f.is_file():
-            assert secret.encode() not in f.read_bytes(), f
-    assert secret not in r.stdout + r.stderr
+    # What the controller keeps of the job (it keeps it MinJobAge=300 s after the end).
+    detail = slurm.run(["scontrol", "show", "job", "-dd", jid])
+    script = slurm.run(["scontrol", "write", "batch_script", jid, "-"])
+    assert detail.returncode == 0 and script.returncode == 0 and "srun" in script.stdout, script
+    for said in (detail.stdout, script.stdout, r.stdout, r.stderr):
+        assert secret not in said, said
+    value = secret.encode()
+    state = Path(slurm.dir) / "state"
+    assert list(state.glob(f"hash.*/job.{jid}/environment")), "the controller saved no job"
+    assert _files_holding(Path(slurm.dir), value) == []      # state, spools, logs, slurm.conf
+    assert _files_holding(workdir, value) == []              # runs/, slurm-logs/, the folder
+    assert not list(workdir.rglob("*secret*")), list(workdir.rglob("*secret*"))
     assert not canary.exists()
 
 

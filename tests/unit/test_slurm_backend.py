@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import pytest
 
 from cluster import launch
 from cluster.backends.slurm import (Completed, Labeller, OutputReader, Retry, SlurmBackend,
-                                    cli_settings)
+                                    SlurmCommands, cli_settings)
 from cluster.errors import BackendError, InputError, Interrupted, RunFailed
 from cluster.spec import Host, Inventory, SlurmSettings
 from cluster.plan import Job, Templates
@@ -28,10 +29,12 @@ class FakeCommands:
         names = {"sacct_c": "sacct -c", "scontrol_config": "scontrol config"}
         self.replies = {names.get(k, k): v for k, v in replies.items()}
         self.calls: list[tuple[str, ...]] = []
+        self.hidden: dict[str, frozenset[str]] = {}     # program -> names left out of its environment
 
-    def run(self, argv: Sequence[str]) -> Completed:
+    def run(self, argv: Sequence[str], *, without: Collection[str] = ()) -> Completed:
         argv = tuple(argv)
         self.calls.append(argv)
+        self.hidden[argv[0]] = frozenset(without)
         key = "sacct -c" if argv[:2] == ("sacct", "-c") else argv[0]
         if key == "scontrol" and argv[1:3] == ("show", "config"):
             key = "scontrol config"
@@ -60,9 +63,9 @@ def console() -> tuple[Console, io.StringIO, io.StringIO]:
     return Console(out=out, err=err, color=False), out, err
 
 
-def inventory() -> Inventory:
-    return Inventory(hosts=(Host(name="slurm", address="slurm", python="/venv/bin/python"),),
-                     backend="slurm")
+def inventory(secret_env: tuple[str, ...] = ()) -> Inventory:
+    return Inventory(hosts=(Host(name="slurm", address="slurm", python="/venv/bin/python",
+                                 secret_env=secret_env),), backend="slurm")
 
 
 def backend(fake: FakeCommands, cwd: Path | None = None) -> SlurmBackend:
@@ -72,7 +75,7 @@ def backend(fake: FakeCommands, cwd: Path | None = None) -> SlurmBackend:
 
 def up(inv: Inventory, job: Job, templates: Templates, settings: SlurmSettings, *, argv: list[str],
        console: Console, backend: SlurmBackend, cwd: str, runs_root: Path,
-       dry_run: bool = False, detach: bool = False) -> int:
+       dry_run: bool = False, detach: bool = False, environ: dict[str, str] | None = None) -> int:
     """`cluster up --backend slurm` as the CLI runs it: the one launch flow."""
     import dataclasses
     inv = dataclasses.replace(inv, slurm=settings)
@@ -81,15 +84,16 @@ def up(inv: Inventory, job: Job, templates: Templates, settings: SlurmSettings, 
         launch.dry_run(inv, job, templates, run, backend, argv, console)
         return 0
     return launch.up(inv, job, templates, backend, run, argv, console,
-                     launch.Options(detach=detach), environ={})
+                     launch.Options(detach=detach), environ=environ or {})
 
 
-def run_up(tmp_path: Path, fake: FakeCommands, **kw: object) -> tuple[int, RunDir, str, str]:
+def run_up(tmp_path: Path, fake: FakeCommands, secrets: dict[str, str] | None = None,
+           **kw: object) -> tuple[int, RunDir, str, str]:
     c, out, err = console()
     job = Job(run_id="r1", script="train.py", args=("--out", "runs/r1/train"))
-    code = up(inventory(), job, Templates(), SlurmSettings(nodes=2), argv=["cluster", "up"],
+    code = up(inventory(tuple(secrets or ())), job, Templates(), SlurmSettings(nodes=2), argv=["cluster", "up"],
               console=c, backend=backend(fake, tmp_path), cwd=str(tmp_path),
-              runs_root=tmp_path / "runs", **kw)  # type: ignore[arg-type]
+              runs_root=tmp_path / "runs", environ=secrets, **kw)  # type: ignore[arg-type]
     return code, RunDir(tmp_path / "runs" / "r1"), out.getvalue(), err.getvalue()
 
 
@@ -350,6 +354,68 @@ def test_squeue_failure_other_than_unknown_job_is_an_error(tmp_path: Path) -> No
         backend(fake).status(recorded_run(tmp_path))
 
 
+# --- the secret environment ------------------------------------------------------------------
+
+SECRET = "tok $(touch /tmp/x) 'q' \"d\"\nline2"
+SECRETS_FILE = Path("slurm-logs") / ".r1.secrets" / "env"
+
+
+def sbatch_seeing_the_secrets_file(tmp_path: Path, seen: list[bytes]) -> Callable[[tuple[str, ...]], Completed]:
+    """A fake sbatch that checks the secrets' file is in place, private, as it submits."""
+    def sbatch(argv: tuple[str, ...]) -> Completed:
+        f = tmp_path / SECRETS_FILE
+        assert f.stat().st_mode & 0o777 == 0o600 and f.parent.stat().st_mode & 0o777 == 0o700
+        seen.append(f.read_bytes())
+        return ok("77\n")
+    return sbatch
+
+
+def test_secret_values_go_to_a_private_file_and_never_to_sbatchs_environment(tmp_path: Path) -> None:
+    seen: list[bytes] = []
+    fake = FakeCommands(sbatch=sbatch_seeing_the_secrets_file(tmp_path, seen))
+    code, run, _out, _err = run_up(tmp_path, fake, secrets={"TOKEN": SECRET, "OTHER": "b=c"},
+                                   detach=True)
+    assert code == 0
+    assert seen == [f"TOKEN={SECRET}\0OTHER=b=c\0".encode()]
+    assert fake.hidden["sbatch"] == {"TOKEN", "OTHER"}        # the controller would save them
+    assert fake.called("sbatch") == [("sbatch", "--parsable", str(run.script_path("sbatch.sh")))]
+    assert (tmp_path / SECRETS_FILE).exists(), "a detached job still needs them"
+    assert run.meta()["slurm"]["secrets_file"] == str(tmp_path / SECRETS_FILE)
+    for f in run.path.rglob("*"):
+        assert not f.is_file() or SECRET.encode() not in f.read_bytes(), f
+
+
+def test_the_secrets_file_goes_when_the_followed_job_ends(tmp_path: Path) -> None:
+    fake = FakeCommands(sbatch=sbatch_seeing_the_secrets_file(tmp_path, []),
+                        squeue=output_grows(tmp_path, ["0: hi\n"]),
+                        sacct=ok("77|FAILED|1:0|node[1-2]\n"))
+    with pytest.raises(RunFailed):
+        run_up(tmp_path, fake, secrets={"TOKEN": SECRET})
+    assert not (tmp_path / SECRETS_FILE).parent.exists()
+
+
+def test_the_secrets_file_goes_when_sbatch_refuses_the_job(tmp_path: Path) -> None:
+    fake = FakeCommands(sbatch=ok(code=1, err="sbatch: error: invalid partition specified"))
+    with pytest.raises(BackendError):
+        run_up(tmp_path, fake, secrets={"TOKEN": SECRET})
+    assert (tmp_path / "slurm-logs").is_dir() and not (tmp_path / SECRETS_FILE).parent.exists()
+
+
+def test_an_existing_secrets_folder_is_refused_not_trusted(tmp_path: Path) -> None:
+    (tmp_path / SECRETS_FILE).parent.mkdir(parents=True, mode=0o777)
+    fake = FakeCommands(sbatch=ok("77\n"))
+    with pytest.raises(BackendError, match="cannot write the secret environment's file"):
+        run_up(tmp_path, fake, secrets={"TOKEN": SECRET})
+    assert fake.called("sbatch") == []
+
+
+def test_sbatch_runs_without_the_hidden_names_in_its_environment(tmp_path: Path) -> None:
+    commands = SlurmCommands(env={"PATH": os.environ["PATH"], "TOKEN": "v", "KEEP": "k"})
+    said = commands.run(["env"], without={"TOKEN"}).stdout.splitlines()
+    assert "KEEP=k" in said and not any(line.startswith("TOKEN=") for line in said)
+    assert "TOKEN=v" in commands.run(["env"]).stdout.splitlines()
+
+
 # --- down -----------------------------------------------------------------------------------
 
 def test_down_scancels_and_waits_until_squeue_no_longer_lists_the_job(tmp_path: Path) -> None:
@@ -360,6 +426,21 @@ def test_down_scancels_and_waits_until_squeue_no_longer_lists_the_job(tmp_path: 
     assert fake.called("scancel") == [("scancel", "77")]
     assert report == {"job 77": {"signalled": ["77"], "state": "CANCELLED"}}
     assert len(fake.called("squeue")) == 3
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_down_removes_a_detached_jobs_secrets_file(running: bool, tmp_path: Path) -> None:
+    run = recorded_run(tmp_path)
+    secrets = tmp_path / ".r1.secrets" / "env"
+    secrets.parent.mkdir(mode=0o700)
+    secrets.write_bytes(b"TOKEN=v\0")
+    run.update(slurm={**run.meta()["slurm"], "secrets_file": str(secrets)})
+    listed = [ok("77|RUNNING|node[1-2]|None\n"), GONE] if running else [GONE]
+    fake = FakeCommands(squeue=listed, scancel=ok(),
+                        sacct=ok("77|CANCELLED by 0|0:15|node[1-2]\n" if running else "77|FAILED|1:0|node1\n"))
+    backend(fake).stop_run(run)
+    assert not secrets.parent.exists()
+    assert bool(fake.called("scancel")) == running
 
 
 def test_down_reports_a_job_that_will_not_go(tmp_path: Path) -> None:

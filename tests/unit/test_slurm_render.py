@@ -277,13 +277,14 @@ out = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys},
 print(json.dumps(out))
 if os.environ.get("FAKE_SLEEP"):
     import time; time.sleep(float(os.environ["FAKE_SLEEP"]))
+sys.exit(int(os.environ.get("FAKE_EXIT") or 0))
 """
 
 
 def fake_slurm(tmp_path: Path, name: str, **host_changes: object) -> tuple[Path, dict[str, str]]:
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    keys = [k for k, _ in NASTY]
+    keys = [k for k, _ in NASTY] + ["TOKEN", "OTHER"]
     for prog, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
                        ("squeue", FAKE_SQUEUE), ("scancel", FAKE_SCANCEL),
                        ("python", FAKE_PYTHON % keys)):
@@ -379,3 +380,47 @@ def test_signal_requeues_under_the_cap_else_stops_the_step(restarts: str, requeu
         assert not (tmp_path / "scontrol.requeue").exists()
         assert (tmp_path / "scancel.args").read_text().split() == ["--signal=TERM", "42.0"]
         assert "not requeueing (restarted 5 of 5 time(s))" in err
+
+
+# --- the secret environment, from the launcher's private file ---------------------------------
+
+SECRET = "tok $(touch x) 'q' \"d\" `id`\nline2 \\ end"
+
+
+def with_secrets(tmp_path: Path) -> tuple[Path, dict[str, str], Path]:
+    """The script of a run with two secret names, and the file the launcher left for it."""
+    script, env = fake_slurm(tmp_path, "one_node", secret_env=("TOKEN", "OTHER"))
+    secrets = tmp_path / "slurm-logs" / f".{RUN_ID}.secrets" / "env"
+    secrets.parent.mkdir(parents=True, mode=0o700)
+    secrets.write_bytes(f"TOKEN={SECRET}\0OTHER=a=b\0".encode())
+    return script, env, secrets
+
+
+def test_secrets_reach_every_node_from_the_file_which_goes_after_success(tmp_path: Path) -> None:
+    script, env, secrets = with_secrets(tmp_path)
+    assert SECRET not in script.read_text() and str(secrets) in script.read_text()
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    for i in (0, 1):
+        report = json.loads((tmp_path / f"node{i}.out").read_text().splitlines()[-1])
+        assert report["user"] == {"TOKEN": SECRET, "OTHER": "a=b"}      # as written, not as shell
+    assert not secrets.parent.exists()
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_failed_step_keeps_the_secrets_for_a_requeued_attempt(tmp_path: Path) -> None:
+    script, env, secrets = with_secrets(tmp_path)
+    out = subprocess.run(["bash", str(script)], env={**env, "FAKE_EXIT": "3"},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 3
+    assert secrets.read_bytes().startswith(b"TOKEN=")
+
+
+def test_a_missing_secrets_file_stops_the_job_before_the_step(tmp_path: Path) -> None:
+    script, env, secrets = with_secrets(tmp_path)
+    secrets.unlink()
+    out = subprocess.run(["bash", str(script)], env={**env, "SLURMD_NODENAME": "nodeA"},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1
+    assert f"the secret environment's file {secrets} is missing or unreadable on nodeA" in out.stderr
+    assert not (tmp_path / "srun.args").exists()

@@ -32,8 +32,21 @@ export MASTER_PORT=$(( 30057 + ${SLURM_RESTART_COUNT:-0} ))
 # Lines reach the output file (and `cluster up`/`cluster logs`) as they are printed.
 export PYTHONUNBUFFERED=1
 
-# Secret environment, exported by sbatch from the submitting shell (never written here):
-# HF_TOKEN
+# Secret environment: HF_TOKEN
+# Never in this script, nor in the job's environment (which the controller keeps). The launcher
+# left the values in a private file (0600, in a 0700 folder beside the output): NAME=value
+# records ended by NUL, read here on every attempt (a requeued job needs them again) and taken
+# as they are, never as shell text. The job removes the file when its step succeeds; else the
+# launcher does once the job has ended.
+CLUSTER_SECRETS=/home/u/project/slurm-logs/.20250101-120000-abcd.secrets/env
+if [ ! -r "$CLUSTER_SECRETS" ]; then
+  echo "cluster: the secret environment's file $CLUSTER_SECRETS is missing or unreadable on ${SLURMD_NODENAME:-the batch node} (removed, or not on a filesystem this node shares); not starting" >&2
+  exit 1
+fi
+while IFS= read -r -d '' cluster_secret; do
+  export "${cluster_secret?}"
+done < "$CLUSTER_SECRETS"
+unset cluster_secret
 
 # The step runs in a container, through pyxis (srun --container-*), image
 # nvcr.io/nvidia/pytorch:24.05-py3: the job's working directory at the same path, the user's home not
@@ -134,6 +147,13 @@ while :; do
   fi
   break
 done
+# The run is over: the secrets' file goes. Only after success: a failed or stopped step may
+# belong to an attempt that SLURM requeues, which needs it again (an EXIT trap would also fire
+# when a requeue stops this shell with SIGTERM).
+if [ "$CLUSTER_RC" = 0 ]; then
+  rm -f -- "$CLUSTER_SECRETS"
+  rmdir -- "${CLUSTER_SECRETS%/*}" 2>/dev/null
+fi
 # The follower (`cluster up`, `cluster logs -f`) takes this line as the cue to look the job up.
 echo "cluster: job $SLURM_JOB_ID step ended with exit code $CLUSTER_RC" >&2
 exit "$CLUSTER_RC"
