@@ -250,6 +250,24 @@ def _without_lost(inventory: Inventory, result: WatchResult, options: Options) -
     return inventory
 
 
+def _evidence(result: WatchResult, label: str) -> str:
+    """What the final error shows under its line: the failing worker's own traceback (its last
+    frames and error; torchrun's closing banner only names the rank), else the node's last
+    lines; then the other ranks' errors, which came of it (a peer's gloo "Connection closed")."""
+    if label in result.tracebacks:
+        rank, trace = result.tracebacks[label]
+        who = f"rank {rank}'s traceback" if rank is not None else "its worker's traceback"
+        text = f"{who} ([{label}]):\n" + "\n".join(f"  | {line}" for line in trace)
+    else:
+        tail = result.tails.get(label) or []
+        text = (f"last {len(tail)} line(s):\n" + "\n".join(f"  | {line}" for line in tail)
+                if tail else "")
+    if result.then:
+        text += (f"\nthen {len(result.then)} other rank(s) failed, most likely because it did:\n"
+                 + "\n".join(f"  | {line}" for line in result.then))
+    return text.lstrip("\n")
+
+
 def _outcome(result: WatchResult, plan: Plan, console: Console) -> int:
     left = result.leftovers()
     if left:
@@ -278,9 +296,6 @@ def _outcome(result: WatchResult, plan: Plan, console: Console) -> int:
         if ex.lost:
             msg += (f"; if it is only cut off, [{label}] stops its own processes within "
                     f"ssh.keepalive of losing the launcher")
-        tail = result.tails.get(label) or []
-        details = (f"last {len(tail)} line(s):\n" + "\n".join(f"  | {line}" for line in tail)
-                   if tail else "")
-        raise (NodeLost if ex.lost else RunFailed)(msg + why_not, details=details)
+        raise (NodeLost if ex.lost else RunFailed)(msg + why_not, details=_evidence(result, label))
     console.info(f"run {plan.run_id}: all {plan.node_count} node(s) finished")
     return 0
