@@ -356,8 +356,9 @@ class Watcher:
                 self.timeline.event(tl.JOINED, label, group_rank=record.get("group_rank"))
             elif "beat" in record:
                 self.progress = self.clock()
-                section = record.get("section")
-                self.timeout.beat(label, self.progress, section if isinstance(section, str) else None)
+                section, pace = record.get("section"), record.get("pace")
+                self.timeout.beat(label, self.progress, section if isinstance(section, str) else None,
+                                  float(pace) if isinstance(pace, (int, float)) else None)
                 self.timeline.beat(label)
                 if record.get("steps"):
                     named = self._step_times(label, record["steps"])
