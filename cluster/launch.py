@@ -154,7 +154,7 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
         procs = backend.start(plan, detach=options.detach, secrets=secrets, run=run)
         timeline.event(tl.STARTED, nodes=list(plan.log_names))    # each node's label (a lane)
         console.info(backend.start_note(procs, plan)
-                     + (f" (attempt {job.attempt + 1} of {options.restarts + 1})" if job.attempt else ""))
+                     + (f" ({_attempt_of(job.attempt, options.restarts)})" if job.attempt else ""))
         run.update(**backend.started(plan, procs, run),
                    timings={**(run.meta().get("timings") or {}), "start": round(time.monotonic() - t0, 3)})
         if options.detach:
@@ -214,9 +214,16 @@ def _retry(result: WatchResult, plan: Plan, options: Options,
     if why_not:
         result.not_retried = why_not
         return None
-    left = options.restarts - len(history) + 1
     return (f"{_ending(result)}; restarting the whole job on a fresh rendezvous "
-            f"({left} restart(s) left)")
+            f"({_attempt_of(len(history), options.restarts)})")
+
+
+def _attempt_of(attempt: int, restarts: int) -> str:
+    """'attempt 2 of 3, 1 restart left' for the attempt starting (0 the first), the restarts
+    left once it has started (that restart is spent), with --max-restarts `restarts`."""
+    left = restarts - attempt
+    after = "no restart left" if left == 0 else f"{left} restart{'s' if left > 1 else ''} left"
+    return f"attempt {attempt + 1} of {restarts + 1}, {after}"
 
 
 def _configuration(result: WatchResult, options: Options) -> str | None:
