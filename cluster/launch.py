@@ -270,9 +270,16 @@ def _evidence(result: WatchResult, label: str) -> str:
         text = (f"last {len(tail)} line(s):\n" + "\n".join(f"  | {line}" for line in tail)
                 if tail else "")
     if result.then:
+        shown = result.then[:OTHER_ERRORS]
+        more = len(result.then) - len(shown)
         text += (f"\nthen {len(result.then)} other rank(s) failed, most likely because it did:\n"
-                 + "\n".join(f"  | {line}" for line in result.then))
+                 + "\n".join(f"  | {line}" for line in shown)
+                 + (f"\n  | ... and {more} more (each node's log has its own)" if more else ""))
     return text.lstrip("\n")
+
+
+# The other ranks' errors shown under a failure: at 1,000 nodes every rank says its peer is gone.
+OTHER_ERRORS = 8
 
 
 def _outcome(result: WatchResult, plan: Plan, console: Console) -> int:

@@ -209,6 +209,19 @@ def test_a_peer_rank_on_the_same_node_comes_after_the_root_cause(tmp_path: Path)
     assert "  | [b 1] rank 0: RuntimeError: [/__w/pytorch" in details, details
 
 
+def test_the_other_ranks_errors_are_shown_up_to_a_few() -> None:
+    """At scale every other rank says its peer is gone: a few are shown, then how many more."""
+    from cluster.launch import OTHER_ERRORS, _evidence
+    from cluster.watch import WatchResult
+    result = WatchResult(tracebacks={"b 1": (1, ["RuntimeError: boom"])},
+                         then=[f"[n{i} {i}] rank {i}: RuntimeError: Connection closed by peer"
+                               for i in range(100)])
+    lines = _evidence(result, "b 1").splitlines()
+    assert lines[2] == "then 100 other rank(s) failed, most likely because it did:"
+    assert len(lines) == 3 + OTHER_ERRORS + 1
+    assert lines[-1] == f"  | ... and {100 - OTHER_ERRORS} more (each node's log has its own)"
+
+
 def test_a_worker_without_a_traceback_keeps_the_last_lines(tmp_path: Path) -> None:
     _, final = run_failure("worker_exit_code.log", tmp_path)
     assert "\nlast 20 line(s):\n" in final and "exitcode  : 7" in final, final
