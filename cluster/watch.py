@@ -7,6 +7,7 @@ happens, not on a timer.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import re
@@ -54,8 +55,12 @@ class WorkerErrors:
     (its ChildFailedError banner) names the root-cause rank but not its error, and comes
     last, so the worker's own words are further up than any tail of the output reaches."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: Callable[[], int] | None = None) -> None:
         self.found: list[tuple[int | None, str]] = []      # (global rank if prefixed, line)
+        # When each rank first said an error, on a count every node's errors share (the order
+        # they arrived in here, across nodes)
+        self.order = order or itertools.count().__next__
+        self.said_at: dict[int | None, int] = {}
         self.in_traceback: dict[int | None, bool] = {}
         # Each rank's traceback as it comes, and the last one it ended (frames, then the error
         # line): the evidence the final error shows, in place of torchrun's banner.
@@ -89,6 +94,7 @@ class WorkerErrors:
     def _error(self, rank: int | None, text: str, frames: deque[str]) -> None:
         frames.append(text)
         self.found.append((rank, text.strip()))
+        self.said_at.setdefault(rank, self.order())
         self.traces[rank] = list(frames)
 
     def _report(self, line: str) -> None:
@@ -120,13 +126,13 @@ class WorkerErrors:
         """The cause's own traceback (its last frames and the error line); [] when none."""
         return self.traces.get(self.cause_rank(), []) if self.found else []
 
-    def others(self, but: int | None = None) -> dict[int, str]:
-        """Each prefixed rank's last error but `but`'s, in the order they first said one."""
+    def others(self, but: int | None = None) -> list[tuple[int, int, str]]:
+        """(when it first said one, rank, its last error) of each prefixed rank but `but`."""
         last: dict[int, str] = {}
         for rank, text in self.found:
             if rank is not None and rank != but:
                 last[rank] = text
-        return last
+        return [(self.said_at[r], r, text) for r, text in last.items()]
 
     def _silent_exit(self) -> str | None:
         if self.root_rank is None or self.root_exit is None:
@@ -155,7 +161,7 @@ class WatchResult:
     # label -> that error's rank (None: unprefixed) and traceback (its last frames, the error)
     tracebacks: dict[str, tuple[int | None, list[str]]] = field(default_factory=dict)
     # The other ranks' errors, after the first failure's ("[label] rank N: error"), in the
-    # order of the nodes: most often its consequence (gloo's "Connection closed by peer").
+    # order they arrived: most often its consequence (gloo's "Connection closed by peer").
     then: list[str] = field(default_factory=list)
     joined: set[str] = field(default_factory=set)    # nodes whose workers were seen at the store
     # Nodes whose torchrun had started its workers, from events: its report of a failed worker,
@@ -209,7 +215,8 @@ class Watcher:
         # (node, its exit); (node, None) when its torchrun reported a failed worker
         self.events: queue.Queue[tuple[NodeProcess, NodeExit | None]] = queue.Queue()
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
-        self.errors: dict[str, WorkerErrors] = {p.node.label: WorkerErrors() for p in procs}
+        said = itertools.count().__next__         # one order for every node's errors
+        self.errors: dict[str, WorkerErrors] = {p.node.label: WorkerErrors(said) for p in procs}
         # Nodes we are stopping print their shutdown tracebacks; those go to the log files only.
         self.muted: set[str] = set()
         self.progress = clock()
@@ -258,13 +265,14 @@ class Watcher:
         return result
 
     def _other_errors(self, result: WatchResult) -> list[str]:
-        """Every rank's error but the first failure's own, each once, its node named."""
+        """Every rank's error but the first failure's own, each once, its node named, in the
+        order they arrived."""
         first = result.first_failure[0] if result.first_failure else None
-        lines = []
+        said = []
         for label, errors in self.errors.items():
             but = errors.cause_rank() if label == first else None
-            lines += [f"[{label}] rank {r}: {text}" for r, text in errors.others(but).items()]
-        return lines
+            said += [(at, f"[{label}] rank {r}: {text}") for at, r, text in errors.others(but)]
+        return [line for _, line in sorted(said)]
 
     def _fail_early(self, label: str, pending: set[str], result: WatchResult) -> bool:
         """Stop every other node now; then wait for this node's own exit (its torchrun is

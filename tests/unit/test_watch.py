@@ -386,3 +386,29 @@ def test_one_thread_reads_every_node_and_a_stop_asks_every_node_first(tmp_path: 
     assert all(f"[{n.node.label}] hello from {n.node.label}" in out.getvalue() for n in nodes[1:])
     # the reader, the few exit waiters, the stop's waiters: a constant, not a thread per node
     assert max(n.threads_seen for n in nodes[1:]) - before <= 1 + 8 + 32
+
+
+def test_the_other_ranks_errors_are_in_the_order_they_arrived_across_nodes(tmp_path: Path) -> None:
+    c, _, _ = console()
+    order: list = []
+
+    def erring(label: str, rank: int, after: threading.Event | None, then: threading.Event):
+        lines = [f"[rank{rank}]: Traceback (most recent call last):\n".encode(),
+                 f"[rank{rank}]: RuntimeError: peer of rank {rank} gone\n".encode()]
+
+        class Node(FakeNode):
+            def output(self):
+                if after is not None:
+                    after.wait(5)
+                yield from lines
+                order.append(rank)
+                then.set()
+                self.stopped.wait(30)
+        return Node(label, lines, None)
+    first, second = threading.Event(), threading.Event()
+    late, early = erring("a 0", 0, first, second), erring("c 2", 2, None, first)
+    failing = FakeNode("b 1", [b"[rank1]: Traceback (most recent call last):\n",
+                               b"[rank1]: RuntimeError: boom\n"], NodeExit(code=1), delay=0.3)
+    res = Watcher([late, failing, early], c, {}).run()
+    assert res.then == ["[c 2] rank 2: RuntimeError: peer of rank 2 gone",
+                        "[a 0] rank 0: RuntimeError: peer of rank 0 gone"], (res.then, order)
