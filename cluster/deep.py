@@ -56,12 +56,13 @@ def collective_env(sizes: Sequence[int], iters: int,
 
 class Measure(Protocol):
     def __call__(self, env: Mapping[str, str], sizes: Sequence[int] = ...,
-                 iters: int = ..., show_steps: bool = ...) -> dict[str, Any]: ...
+                 iters: int = ..., show_steps: bool = ..., run_id: str | None = ...) -> dict[str, Any]: ...
 
 
 def collective(inventory: Inventory, backend: Any, templates: Templates) -> Measure:
     """measure(env, sizes, iters): one run of the collective on the inventory's nodes with env
-    added, started and recorded like any run, through cluster.launch: as runs/doctor-<id>/,
+    added, started and recorded like any run, through cluster.launch: as runs/<run_id>/ (a
+    new doctor-<time>-<hex> when not given),
     which status, logs, down and top pass over when no RUN is named. Remote nodes get the
     collective program with each check (backend.tools), in the same round trip. With
     show_steps, each measurement as it ends goes to backend.progress (step_lines)."""
@@ -71,8 +72,8 @@ def collective(inventory: Inventory, backend: Any, templates: Templates) -> Meas
         backend.tools[COLLECTIVE.name] = COLLECTIVE.read_bytes()
 
     def measure(env: Mapping[str, str], sizes: Sequence[int] = DEEP_SIZES, iters: int = 5,
-                show_steps: bool = True) -> dict[str, Any]:
-        job = collective_job(f"{DOCTOR_PREFIX}{new_run_id()}", shipped)
+                show_steps: bool = True, run_id: str | None = None) -> dict[str, Any]:
+        job = collective_job(run_id or f"{DOCTOR_PREFIX}{new_run_id()}", shipped)
         run = RunDir.create(job.run_id)
         if not shipped:        # nodes on this machine: their folders under the run's here
             job = dataclasses.replace(job, node_root=run.node_root())

@@ -42,7 +42,10 @@ class Report:
     fingerprint: dict[str, dict[str, list[str]]]
     deep: dict[str, Any] | None = None
     tuning: dict[str, Any] | None = None      # --tune-nccl: the table and what was kept
-    seconds: float = 0.0
+    seconds: float = 0.0                      # the whole of it, as the user waited
+    # Each part's own seconds, in order: "survey" (probe, containers, reach), "collective"
+    # (--deep), "tune-nccl" (every setting's launch).
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -50,17 +53,23 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "ok": self.ok, "seconds": round(self.seconds, 3),
+                "timings": {k: round(v, 3) for k, v in self.timings.items()},
                 "nodes": self.nodes, "master": {"name": self.master, "port": self.port},
                 "checks": [dataclasses.asdict(f) for f in self.findings],
                 "fingerprint": self.fingerprint, "deep": self.deep, "tuning": self.tuning}
 
 
 def diagnose(inventory: Inventory, backend: Any, templates: Templates, *,
-             deep: bool = False, run_deep: Callable[[], dict[str, Any]] | None = None) -> Report:
+             deep: bool = False, run_deep: Callable[[str], dict[str, Any]] | None = None,
+             run_tune: Callable[[], dict[str, Any]] | None = None,
+             started: float | None = None,
+             timer: Callable[[], float] = time.monotonic) -> Report:
     """Probe every node (never raising for one node's failure: it becomes a finding), check
-    that every node reaches the master port, judge; with deep, run the collective too. Each
-    phase is announced to backend.progress (PhaseLines), if it has one."""
-    t0 = time.monotonic()
+    that every node reaches the master port, judge; with deep, run the collective too
+    (run_deep(run_id): recorded as runs/<run_id>); with run_tune, the NCCL sweep. Each phase
+    is announced to backend.progress (PhaseLines), if it has one. report.seconds counts from
+    `started` (the command's start, on `timer`), so it is what the user waited for."""
+    t0 = timer() if started is None else started
     plan = render(inventory, Job(run_id=f"{DOCTOR_PREFIX}{new_run_id()}", script="-"), templates)
     begin(backend, "probe", len(plan.nodes))
     facts, clock, findings = survey(backend, plan)
@@ -79,19 +88,34 @@ def diagnose(inventory: Inventory, backend: Any, templates: Templates, *,
     report = Report(nodes=[n.host.name for n in plan.nodes], master=plan.master.host.name,
                     port=plan.master_port, findings=findings,
                     fingerprint=fingerprint(facts, deep=True))
+    report.timings["survey"] = timer() - t0
     if deep and run_deep is not None and report.ok:
-        begin(backend, "collective", len(plan.nodes))
-        report.deep = deep_summary(run_deep())
+        t = timer()
+        run_id = f"{DOCTOR_PREFIX}{new_run_id()}"
+        begin(backend, "collective", len(plan.nodes), run=run_id)
+        report.deep = deep_summary(run_deep(run_id))
         report.findings += deep_findings(report.deep)
-    report.seconds = time.monotonic() - t0
+        report.timings["collective"] = timer() - t
+    if run_tune is not None and report.ok:
+        t = timer()
+        try:
+            report.tuning = run_tune()
+        except PreflightError as exc:
+            report.findings.append(Finding("all", "nccl tuning", FAIL, str(exc)))
+        report.timings["tune-nccl"] = timer() - t
+    report.seconds = timer() - t0
     return report
 
 
-def begin(backend: Any, phase: str, total: int) -> None:
-    """Say that a phase starts (its nodes' ends are told by backend.each, phase=...)."""
+def begin(backend: Any, phase: str, total: int, run: str | None = None) -> None:
+    """Say that a phase starts (its nodes' ends are told by backend.each, phase=...); `run`,
+    the run that records it."""
     progress = getattr(backend, "progress", None)
-    if progress is not None:
-        progress(phase, 0, total)
+    if progress is None:
+        return
+    if run is not None and isinstance(progress, PhaseLines):
+        progress.run = run
+    progress(phase, 0, total)
 
 
 def listener_finding(plan: LaunchPlan, exc: ClusterError) -> Finding:
@@ -186,7 +210,7 @@ PHASES = {
     "inside": "starting {total} node(s)' container to see its torch and GPUs",
     "reach": "testing that {total} node(s) reach the master port",
     "collective": "running a collective across {total} node(s) (all_reduce, then every pair); "
-                  "it is recorded as runs/doctor-<id>",
+                  "it is recorded as runs/{run}",
     "check": "checking {total} node(s) before the collective starts",
     "measure": "measuring in {total} steps (the sum, each message size, each round of pairs)",
 }
@@ -213,6 +237,7 @@ class PhaseLines:
         self.counter = counter or NodeCounts(stream, min_nodes=1, enabled=terminal)
         self.lock = threading.Lock()
         self.phase: str | None = None
+        self.run = "doctor-..."           # the run that records the phase (begin sets it)
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         with self.lock:
@@ -220,7 +245,7 @@ class PhaseLines:
                 if self.phase is not None:
                     self.close()
                 self.phase = phase
-                said = PHASES.get(phase, phase + ": {total} node(s)").format(total=total)
+                said = PHASES.get(phase, phase + ": {total} node(s)").format(total=total, run=self.run)
                 self.stream.write(f"cluster: {said}\n")
                 self.stream.flush()
             if phase not in UNCOUNTED:
@@ -282,5 +307,15 @@ def render_text(report: Report) -> str:
     lines.append("")
     lines.append(f"{'OK' if report.ok else 'FAILED'}: {sum(f.status == 'fail' for f in report.findings)} "
                  f"failure(s), {sum(f.status == 'warn' for f in report.findings)} warning(s) "
-                 f"in {report.seconds:.1f} s")
+                 f"in {report.seconds:.1f} s{parts(report.timings)}")
     return "\n".join(lines)
+
+
+PARTS = {"survey": "the survey", "collective": "the collective", "tune-nccl": "NCCL tuning"}
+
+
+def parts(timings: Mapping[str, float]) -> str:
+    """' (the survey 1.8 s, NCCL tuning 5.4 s)' when more than the survey ran, else ''."""
+    if len(timings) < 2:
+        return ""
+    return " (" + ", ".join(f"{PARTS.get(k, k)} {v:.1f} s" for k, v in timings.items()) + ")"

@@ -25,7 +25,9 @@ node's next one is not a sample of the pace.
 Intervals are per node (a node's beat after its own last one): with many nodes the beats of
 all of them interleave, and the time between any two says nothing about a step. The node's
 supervisor reports a beat at most once a second (cluster/remote/workers.py), so a job that
-steps faster shows 1 s intervals: the floor decides there.
+steps faster shows 1 s intervals: the floor decides there. The timeout rests on those reported
+intervals (the watchdog sees nothing finer), but the line says the job's own pace too, which
+each report carries (`pace`: the heartbeat file's changes the node saw since its last report).
 
 The defaults (cluster.spec.HangAuto), for real clusters:
 - startup 1200 s (20 min): the first step of a large job waits for the image or environment,
@@ -62,7 +64,8 @@ class FixedTimeout:
     def __init__(self, seconds: float) -> None:
         self.value = float(seconds)
 
-    def beat(self, node: str, at: float, section: str | None = None) -> None:
+    def beat(self, node: str, at: float, section: str | None = None,
+             pace: float | None = None) -> None:
         pass
 
     def seconds(self) -> float:
@@ -88,10 +91,13 @@ class LearnedTimeout:
         self.value = settings.startup
         self.shown = settings.startup             # the last value said
         self.sections: dict[str, str] = {}        # node -> the section it is in
+        self.paces: dict[str, float] = {}         # node -> the job's own seconds between beats
 
-    def beat(self, node: str, at: float, section: str | None = None) -> None:
+    def beat(self, node: str, at: float, section: str | None = None,
+             pace: float | None = None) -> None:
         """A heartbeat of `node` at time `at` (seconds, the caller's monotonic clock); with
-        `section`, the node has entered that long pause (until its next beat without one)."""
+        `section`, the node has entered that long pause (until its next beat without one);
+        `pace`, the seconds between the job's own beats since the node's last report."""
         before = self.last_beat.get(node)
         self.last_beat[node] = at
         was = self.sections.pop(node, None)
@@ -103,6 +109,8 @@ class LearnedTimeout:
         if node not in self.first_done:
             self.first_done.add(node)             # its first interval: start-up, not pace
             return
+        if pace is not None and pace > 0:
+            self.paces[node] = pace
         self._learn(at - before, at)
 
     def _learn(self, interval: float, at: float) -> None:
@@ -146,6 +154,10 @@ class LearnedTimeout:
     def reason(self) -> str:
         s = self.settings
         pace = f"{s.multiple:g}x the {self.interval:.1f} s between heartbeats"
+        job = max(self.paces.values(), default=None)     # the slowest node's
+        if job is not None and job * MATERIAL < self.interval:   # the reports hide its pace
+            pace = (f"{s.multiple:g}x the {self.interval:.1f} s between reported heartbeats "
+                    f"(the job beats every {job:.2f} s; a node reports one a second at most)")
         if self.value == s.floor and s.multiple * self.interval < s.floor:
             return f"the floor (hang_auto.floor; {pace} is less)"
         if self.value == s.cap and s.multiple * self.interval > s.cap:

@@ -174,7 +174,7 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
         procs = backend.start(plan, detach=options.detach, secrets=secrets, run=run)
         timeline.event(tl.STARTED, nodes=list(plan.log_names))    # each node's label (a lane)
         console.info(backend.start_note(procs, plan)
-                     + (f" (attempt {job.attempt + 1} of {options.restarts + 1})" if job.attempt else ""))
+                     + (f" ({_attempt_of(job.attempt, options.restarts)})" if job.attempt else ""))
         run.update(**backend.started(plan, procs, run),
                    timings={**(run.meta().get("timings") or {}), "start": round(time.monotonic() - t0, 3)})
         if options.detach:
@@ -234,9 +234,16 @@ def _retry(result: WatchResult, plan: Plan, options: Options,
     if why_not:
         result.not_retried = why_not
         return None
-    left = options.restarts - len(history) + 1
     return (f"{_ending(result)}; restarting the whole job on a fresh rendezvous "
-            f"({left} restart(s) left)")
+            f"({_attempt_of(len(history), options.restarts)})")
+
+
+def _attempt_of(attempt: int, restarts: int) -> str:
+    """'attempt 2 of 3, 1 restart left' for the attempt starting (0 the first), the restarts
+    left once it has started (that restart is spent), with --max-restarts `restarts`."""
+    left = restarts - attempt
+    after = "no restart left" if left == 0 else f"{left} restart{'s' if left > 1 else ''} left"
+    return f"attempt {attempt + 1} of {restarts + 1}, {after}"
 
 
 def _configuration(result: WatchResult, options: Options) -> str | None:
@@ -270,6 +277,31 @@ def _without_lost(inventory: Inventory, result: WatchResult, options: Options) -
     return inventory
 
 
+def _evidence(result: WatchResult, label: str) -> str:
+    """What the final error shows under its line: the failing worker's own traceback (its last
+    frames and error; torchrun's closing banner only names the rank), else the node's last
+    lines; then the other ranks' errors, which came of it (a peer's gloo "Connection closed")."""
+    if label in result.tracebacks:
+        rank, trace = result.tracebacks[label]
+        who = f"rank {rank}'s traceback" if rank is not None else "its worker's traceback"
+        text = f"{who} ([{label}]):\n" + "\n".join(f"  | {line}" for line in trace)
+    else:
+        tail = result.tails.get(label) or []
+        text = (f"last {len(tail)} line(s):\n" + "\n".join(f"  | {line}" for line in tail)
+                if tail else "")
+    if result.then:
+        shown = result.then[:OTHER_ERRORS]
+        more = len(result.then) - len(shown)
+        text += (f"\nthen {len(result.then)} other rank(s) failed, most likely because it did:\n"
+                 + "\n".join(f"  | {line}" for line in shown)
+                 + (f"\n  | ... and {more} more (each node's log has its own)" if more else ""))
+    return text.lstrip("\n")
+
+
+# The other ranks' errors shown under a failure: at 1,000 nodes every rank says its peer is gone.
+OTHER_ERRORS = 8
+
+
 def _outcome(result: WatchResult, plan: Plan, console: Console) -> int:
     left = result.leftovers()
     if left:
@@ -298,9 +330,6 @@ def _outcome(result: WatchResult, plan: Plan, console: Console) -> int:
         if ex.lost:
             msg += (f"; if it is only cut off, [{label}] stops its own processes within "
                     f"ssh.keepalive of losing the launcher")
-        tail = result.tails.get(label) or []
-        details = (f"last {len(tail)} line(s):\n" + "\n".join(f"  | {line}" for line in tail)
-                   if tail else "")
-        raise (NodeLost if ex.lost else RunFailed)(msg + why_not, details=details)
+        raise (NodeLost if ex.lost else RunFailed)(msg + why_not, details=_evidence(result, label))
     console.info(f"run {plan.run_id}: all {plan.node_count} node(s) finished")
     return 0

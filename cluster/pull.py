@@ -3,8 +3,10 @@ runs/<id>/pulled/<node>/, each PATH relative to the node's workdir.
 
 The PATH rules are checked before anything is contacted; the copying is the recorded backend's
 `pull` capability (backends/pull.py for nodes behind a transport); every node reports, and the
-outcome is one exit code: 0 when every node gave every PATH, 3 when a node could not be
-reached, 1 when a node lacked a PATH or a copy failed.
+outcome is one exit code: 0 when every PATH came from some node, 3 when a node could not be
+reached, 1 when a PATH was on no node or a copy failed. A PATH that only some nodes have is
+the usual case, not a failure: rank 0 alone writes the checkpoints, on whichever node the
+rendezvous made it rank 0; each node's line says what it lacked.
 """
 from __future__ import annotations
 
@@ -78,11 +80,12 @@ def pull(run: RunDir, paths: Sequence[str], backend: Any, console: Console,
     results = fetch(run, list(paths), into, node=node)
     for name, result in results.items():
         console.info(f"[{name}] {describe(result)}")
-    line, failed = totals(results, into)
-    if not failed:
+    line, failed, nowhere = totals(results, list(paths), into)
+    if not failed and not nowhere:
         console.info(line)
         return 0
-    message = f"{line}; incomplete from {', '.join(failed)}"
+    message = line + (f"; incomplete from {', '.join(failed)}" if failed else "") \
+        + (f"; on no node: {', '.join(nowhere)}" if nowhere else "")
     if any(isinstance(r, PreflightError) for r in results.values()):
         raise PreflightError(message)       # a node could not be reached
     raise ClusterError(message)
@@ -100,11 +103,14 @@ def describe(result: Any) -> str:
     return text
 
 
-def totals(results: dict[str, Any], into: Path) -> tuple[str, list[str]]:
-    """The last line, and the nodes that did not give every PATH."""
+def totals(results: dict[str, Any], paths: list[str],
+           into: Path) -> tuple[str, list[str], list[str]]:
+    """The last line (how many nodes gave each PATH), the nodes that failed (unreached, a copy
+    that failed) and the PATHs that came from no node."""
     done = [r for r in results.values() if not isinstance(r, Exception)]
-    failed = sorted(n for n, r in results.items() if isinstance(r, Exception) or r.missing)
+    failed = sorted(n for n, r in results.items() if isinstance(r, Exception))
+    gave = {p: sum(p not in r.missing for r in done) for p in paths}
     line = (f"pulled {sum(r.files for r in done)} file(s) "
-            f"({human_bytes(sum(r.bytes for r in done))}) into {into}/; every PATH from "
-            f"{len(results) - len(failed)} of {len(results)} node(s)")
-    return line, failed
+            f"({human_bytes(sum(r.bytes for r in done))}) into {into}/; "
+            + ", ".join(f"{p} from {n} of {len(results)} node(s)" for p, n in gave.items()))
+    return line, failed, [p for p, n in gave.items() if n == 0]

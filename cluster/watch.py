@@ -7,6 +7,7 @@ happens, not on a timer.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import re
@@ -54,9 +55,17 @@ class WorkerErrors:
     (its ChildFailedError banner) names the root-cause rank but not its error, and comes
     last, so the worker's own words are further up than any tail of the output reaches."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: Callable[[], int] | None = None) -> None:
         self.found: list[tuple[int | None, str]] = []      # (global rank if prefixed, line)
+        # When each rank first said an error, on a count every node's errors share (the order
+        # they arrived in here, across nodes)
+        self.order = order or itertools.count().__next__
+        self.said_at: dict[int | None, int] = {}
         self.in_traceback: dict[int | None, bool] = {}
+        # Each rank's traceback as it comes, and the last one it ended (frames, then the error
+        # line): the evidence the final error shows, in place of torchrun's banner.
+        self.reading: dict[int | None, deque[str]] = {}
+        self.traces: dict[int | None, list[str]] = {}
         self.torchrun_failed = False
         self.in_root_cause = False
         self.root_rank: int | None = None
@@ -73,11 +82,20 @@ class WorkerErrors:
         rank, text = (int(m.group(1)), line[m.end():]) if m else (None, line)
         if text.startswith("Traceback (most recent call last)"):
             self.in_traceback[rank] = True
+            self.reading[rank] = deque([text], maxlen=TAIL_LINES)   # a deep one: its last frames
         elif self.in_traceback.get(rank) and text.strip() and not text[0].isspace():
             self.in_traceback[rank] = False               # frames are indented; this is the error
-            self.found.append((rank, text.strip()))
+            self._error(rank, text, self.reading.pop(rank, deque()))
+        elif self.in_traceback.get(rank):
+            self.reading.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
         elif PYTHON_SAYS.search(text):
-            self.found.append((rank, text.strip()))
+            self._error(rank, text, deque())
+
+    def _error(self, rank: int | None, text: str, frames: deque[str]) -> None:
+        frames.append(text)
+        self.found.append((rank, text.strip()))
+        self.said_at.setdefault(rank, self.order())
+        self.traces[rank] = list(frames)
 
     def _report(self, line: str) -> None:
         if line.startswith("Root Cause"):
@@ -95,8 +113,26 @@ class WorkerErrors:
         arrived when the banner does (its report comes after it, maybe not yet)."""
         if not self.found:
             return None if printed_only else self._silent_exit()
-        rank = self.root_rank if any(r == self.root_rank for r, _ in self.found) else self.found[0][0]
-        return [text for r, text in self.found if r == rank][-1]
+        return [text for r, text in self.found if r == self.cause_rank()][-1]
+
+    def cause_rank(self) -> int | None:
+        """The rank whose error is the cause: torchrun's root cause when it printed one, else
+        the first that did (None: unprefixed output, or no error at all)."""
+        if any(r == self.root_rank for r, _ in self.found):
+            return self.root_rank
+        return self.found[0][0] if self.found else None
+
+    def traceback(self) -> list[str]:
+        """The cause's own traceback (its last frames and the error line); [] when none."""
+        return self.traces.get(self.cause_rank(), []) if self.found else []
+
+    def others(self, but: int | None = None) -> list[tuple[int, int, str]]:
+        """(when it first said one, rank, its last error) of each prefixed rank but `but`."""
+        last: dict[int, str] = {}
+        for rank, text in self.found:
+            if rank is not None and rank != but:
+                last[rank] = text
+        return [(self.said_at[r], r, text) for r, text in last.items()]
 
     def _silent_exit(self) -> str | None:
         if self.root_rank is None or self.root_exit is None:
@@ -122,6 +158,11 @@ class WatchResult:
     stops: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> stop report
     tails: dict[str, list[str]] = field(default_factory=dict)
     causes: dict[str, str] = field(default_factory=dict)   # label -> its worker's own error
+    # label -> that error's rank (None: unprefixed) and traceback (its last frames, the error)
+    tracebacks: dict[str, tuple[int | None, list[str]]] = field(default_factory=dict)
+    # The other ranks' errors, after the first failure's ("[label] rank N: error"), in the
+    # order they arrived: most often its consequence (gloo's "Connection closed by peer").
+    then: list[str] = field(default_factory=list)
     joined: set[str] = field(default_factory=set)    # nodes whose workers were seen at the store
     # Nodes whose torchrun had started its workers, from events: its report of a failed worker,
     # or its supervisor stopping them or finding them left. torchrun starts them only after
@@ -174,7 +215,8 @@ class Watcher:
         # (node, its exit); (node, None) when its torchrun reported a failed worker
         self.events: queue.Queue[tuple[NodeProcess, NodeExit | None]] = queue.Queue()
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
-        self.errors: dict[str, WorkerErrors] = {p.node.label: WorkerErrors() for p in procs}
+        said = itertools.count().__next__         # one order for every node's errors
+        self.errors: dict[str, WorkerErrors] = {p.node.label: WorkerErrors(said) for p in procs}
         # Nodes we are stopping print their shutdown tracebacks; those go to the log files only.
         self.muted: set[str] = set()
         self.progress = clock()
@@ -217,7 +259,20 @@ class Watcher:
         self._collect(pending, result)
         result.tails = {k: list(v) for k, v in self.tails.items()}
         result.causes = {k: c for k, e in self.errors.items() if (c := e.cause())}
+        result.tracebacks = {k: (e.cause_rank(), t) for k, e in self.errors.items()
+                             if (t := e.traceback())}
+        result.then = self._other_errors(result)
         return result
+
+    def _other_errors(self, result: WatchResult) -> list[str]:
+        """Every rank's error but the first failure's own, each once, its node named, in the
+        order they arrived."""
+        first = result.first_failure[0] if result.first_failure else None
+        said = []
+        for label, errors in self.errors.items():
+            but = errors.cause_rank() if label == first else None
+            said += [(at, f"[{label}] rank {r}: {text}") for at, r, text in errors.others(but)]
+        return [line for _, line in sorted(said)]
 
     def _fail_early(self, label: str, pending: set[str], result: WatchResult) -> bool:
         """Stop every other node now; then wait for this node's own exit (its torchrun is
@@ -309,8 +364,9 @@ class Watcher:
                 self.timeline.event(tl.JOINED, label, group_rank=record.get("group_rank"))
             elif "beat" in record:
                 self.progress = self.clock()
-                section = record.get("section")
-                self.timeout.beat(label, self.progress, section if isinstance(section, str) else None)
+                section, pace = record.get("section"), record.get("pace")
+                self.timeout.beat(label, self.progress, section if isinstance(section, str) else None,
+                                  float(pace) if isinstance(pace, (int, float)) else None)
                 self.timeline.beat(label)
                 if record.get("steps"):
                     named = self._step_times(label, record["steps"])

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
 from .. import resolve
 from ..backends import NODE_CHECKS, supports
 from .main import CONTEXT, SafePath, host_options, main
-from ..errors import InputError, PreflightError
-from ..preflight import FAIL, Finding
+from ..errors import InputError
 from ..plan import Templates
 from ..request import Request
 
@@ -33,6 +33,8 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
            force_local: bool, master_port: int | None, host_key_policy: str | None, deep: bool,
            tune_nccl: bool, as_json: bool) -> None:
     """Check every node, and the network between them, before a run: exit 0 only when nothing fails."""
+    import time
+    started = time.monotonic()          # the report's seconds: all the user waits for
     import dataclasses
     import json as json_mod
     from .. import deep as deep_mod
@@ -58,18 +60,17 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
             click.echo(f"cluster: {tuning.label(row.env)}: " + ", ".join(
                 f"{gb:.3f} GB/s at {size / 2**20:.0f} MiB" for size, gb in sorted(row.busbw.items())),
                 err=True)
+    def tune() -> dict[str, Any]:
+        # Each setting is a short launch with a line of its own (shown): its steps would say
+        # the same bandwidths again, once per setting.
+        return deep_mod.tune_nccl(
+            inventory, lambda env: measure({**env, "CLUSTER_DOCTOR_PAIRS": "0"}, tuning.SIZES,
+                                           10, show_steps=False),
+            tuning.Cache(tuning.cache_path()), shown=shown)
     try:
-        report = doc.diagnose(inventory, backend, templates, deep=deep, run_deep=lambda: measure({}))
-        if tune_nccl and report.ok:
-            # Each setting is a short launch with a line of its own (shown): its steps would
-            # say the same bandwidths again, once per setting.
-            try:
-                report.tuning = deep_mod.tune_nccl(
-                    inventory, lambda env: measure({**env, "CLUSTER_DOCTOR_PAIRS": "0"}, tuning.SIZES,
-                                                   10, show_steps=False),
-                    tuning.Cache(tuning.cache_path()), shown=shown)
-            except PreflightError as exc:
-                report.findings.append(Finding("all", "nccl tuning", FAIL, str(exc)))
+        report = doc.diagnose(inventory, backend, templates, deep=deep,
+                              run_deep=lambda run_id: measure({}, run_id=run_id),
+                              run_tune=tune if tune_nccl else None, started=started)
     finally:
         progress.close()
         backend.close()

@@ -196,11 +196,13 @@ def test_doctor_deep_runs_a_real_collective_on_three_nodes(ssh_nodes4, cli, reco
     assert "node1 <-> node2" in text.stdout or "node2 <-> node1" in text.stdout
     # Progress on stderr, one line per phase (not a terminal: no redrawn counts).
     phases = [line for line in text.stderr.splitlines() if line.startswith("cluster: ")]
-    assert phases[:3] == [
+    assert phases[:2] == [
         "cluster: asking 3 node(s) what they have (python, torch, GPUs, disk, clock)",
-        "cluster: testing that 3 node(s) reach the master port",
-        "cluster: running a collective across 3 node(s) (all_reduce, then every pair); it is "
-        "recorded as runs/doctor-<id>"], text.stderr
+        "cluster: testing that 3 node(s) reach the master port"], text.stderr
+    recorded = re.fullmatch(r"cluster: running a collective across 3 node\(s\) \(all_reduce, then "
+                            r"every pair\); it is recorded as runs/(doctor-[0-9]{8}-[0-9]{6}-\w+)",
+                            phases[2])
+    assert recorded and recorded.group(1) in cli.run_ids(), (phases[2], cli.run_ids())
     assert "\r" not in text.stderr and "\x1b" not in text.stderr
     # The collective's steps as they end: the sum, each size, the pairs (1 + 3 + 3 rounds).
     steps = phases[phases.index("cluster: checking 3 node(s) before the collective starts") + 1:]
@@ -301,6 +303,10 @@ def test_tune_nccl_on_cpu_nodes_says_why_and_stores_nothing(cli):
     [finding] = [c for c in report["checks"] if c["check"] == "nccl tuning"]
     assert finding["status"] == "fail" and "ran on gloo, not NCCL" in finding["detail"]
     assert report["tuning"] is None and not cache.exists()
+    # the seconds are the whole command's, the sweep's launch included (it said the survey's)
+    assert set(report["timings"]) == {"survey", "tune-nccl"}, report["timings"]
+    assert report["seconds"] >= sum(report["timings"].values()) - 0.01
+    assert report["timings"]["tune-nccl"] > 1.0, report["timings"]   # a real launch of torchrun
 
 
 # --- --hosts with the nodes' python and user from the command line (no inventory) -----------------

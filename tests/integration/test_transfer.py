@@ -95,9 +95,56 @@ def test_pull_brings_each_nodes_files_into_its_own_folder(ssh_nodes4, cli, tmp_p
         assert (pulled / name / "writer.py").read_text() == WRITER
         assert sorted(p.name for p in (pulled / name / "out" / "deep").iterdir()) == [f"{name}.txt"]
         assert f"cluster: [{name}] " in done.stderr
-    assert "every PATH from 3 of 3 node(s)" in done.stderr, done.dump()
+    assert "out from 3 of 3 node(s), writer.py from 3 of 3 node(s)" in done.stderr, done.dump()
     for p in [pulled, *pulled.rglob("*")]:
         assert stat.S_IMODE(p.stat().st_mode) == (0o700 if p.is_dir() else 0o600), p
     missing = cli.run("pull", "nope", "--node", "node2", timeout=120)
     assert missing.popen.returncode == 1, missing.dump()
     assert "[node2] 0 file(s) (0 B) into" in missing.stderr and "not on this node: nope" in missing.stderr
+    assert "nope from 0 of 1 node(s); on no node: nope" in missing.stderr, missing.dump()
+
+
+# A training script as people write them: every rank trains, rank 0 alone saves the
+# checkpoints (in checkpoints/ of its working directory), as the reference trainer does.
+TRAIN = """\
+import argparse, os, time
+import torch.distributed as dist
+p = argparse.ArgumentParser()
+p.add_argument("--epochs", type=int, default=2)
+args = p.parse_args()
+dist.init_process_group("gloo")
+for epoch in range(args.epochs):
+    time.sleep(0.2)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.makedirs("checkpoints", exist_ok=True)
+        open(f"checkpoints/epoch-{epoch}.pt", "w").write(f"epoch {epoch}")
+dist.destroy_process_group()
+"""
+
+
+def test_the_getting_started_ssh_flow_as_written(ssh_nodes4, cli, tmp_path):
+    """docs/getting-started.md, section 2, in its order, on two SSH nodes: sync and run, then
+    the detached run, status, logs -f, top, pull checkpoints/, down. Every step succeeds; the
+    checkpoints come from the node that wrote them."""
+    import yaml
+    data = ssh_nodes4.inventory([1, 2])
+    for host in data["hosts"]:
+        host["workdir"] = f"{host['workdir']}/getting-started"
+    inv = cli.home / "my-hosts.yaml"
+    inv.write_text(yaml.safe_dump(data, sort_keys=False))
+    cli.cwd = tree(tmp_path / "project", {"train.py": TRAIN})      # `--sync .` is this folder
+    steps = [("up", "-i", str(inv), "--sync", ".", "--", "train.py", "--epochs", "5"),
+             ("up", "-i", str(inv), "--detach", "--", "train.py"),
+             ("status",), ("logs", "-f"), ("top", "--once"), ("pull", "checkpoints/"), ("down",)]
+    said = {}
+    for step in steps:
+        done = cli.run(*step, timeout=180)
+        said[step[0] + (" detach" if "--detach" in step else "")] = done
+        assert done.popen.returncode == 0, (step, done.dump())
+    run_id = said["up detach"].run_id()
+    pulled = cli.cwd / "runs" / run_id / "pulled"
+    got = sorted(p.relative_to(pulled).as_posix() for p in pulled.rglob("*.pt"))
+    writer = got[0].split("/")[0]               # rank 0's node, wherever the rendezvous put it
+    assert got == [f"{writer}/checkpoints/epoch-{i}.pt" for i in range(5)], got
+    assert "checkpoints from 1 of 2 node(s)" in said["pull"].stderr, said["pull"].dump()

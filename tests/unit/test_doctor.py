@@ -319,12 +319,13 @@ def test_every_phase_gets_one_line_and_the_counts_go_to_the_live_counter() -> No
     lines = PhaseLines(stream, counter=counter)
     for call in [("probe", 0, 3), ("probe", 1, 3), ("probe", 3, 3), ("reach", 0, 3),
                  ("collective", 0, 3), ("check", 2, 3), ("check", 3, 3)]:
+        lines.run = "doctor-20261206-120000-ab12"
         lines(*call)
     said = stream.text.splitlines()
     assert said == ["cluster: asking 3 node(s) what they have (python, torch, GPUs, disk, clock)",
                     "cluster: testing that 3 node(s) reach the master port",
                     "cluster: running a collective across 3 node(s) (all_reduce, then every "
-                    "pair); it is recorded as runs/doctor-<id>",
+                    "pair); it is recorded as runs/doctor-20261206-120000-ab12",
                     "cluster: checking 3 node(s) before the collective starts"]
     assert counter.calls == [("probe", 0, 3), ("probe", 1, 3), ("probe", 3, 3), ("check", 2, 3),
                              ("check", 3, 3)], "reach and the collective have no count per node"
@@ -347,6 +348,55 @@ def test_diagnose_announces_its_phases_to_the_backends_progress() -> None:
     fake.progress = PhaseLines(stream, counter=Counter())
     diagnose(inventory.parse_yaml("hosts: [a, b]\n", "x.yaml"), fake, Templates())
     assert [line.split(" ")[1] for line in stream.text.splitlines()] == ["asking", "testing"]
+
+
+class Healthy(NoListener):
+    """Nodes that pass every check: their clocks are this machine's."""
+
+    def probe_node(self, node, plan, *, deep=False, make_dir=True):
+        import time
+        return {**super().probe_node(node, plan), "time_start": time.time(), "time": time.time()}
+
+    def reach(self, plan):
+        return {n.host.name: {"ok": True, "seconds": 0.001} for n in plan.nodes}
+
+
+def test_the_seconds_said_are_all_the_user_waited_for_each_part_labelled() -> None:
+    """`doctor --tune-nccl` said 'in 1.8 s' of a 7.2 s run: the survey's time alone, the sweep
+    after it not counted. The seconds count from the command's start to the end of the sweep,
+    and each part is named with its own."""
+    now = [100.0]
+    clock = lambda: now[0]          # noqa: E731
+
+    def spend(seconds: float, result: dict):
+        def run(*_):
+            now[0] += seconds
+            return result
+        return run
+    fake = Healthy()
+    probe = fake.probe_node
+    fake.probe_node = lambda *a, **kw: spend(0.9, probe(*a, **kw))()     # 2 nodes: 1.8 s
+    report = diagnose(inventory.parse_yaml("hosts: [a, b]\n", "x.yaml"), fake, Templates(),
+                      run_tune=spend(5.4, {"table": [], "chosen": {}, "cache": "c"}),
+                      started=100.0, timer=clock)
+    assert report.ok, report.findings
+    assert report.seconds == pytest.approx(7.2)
+    assert report.timings == pytest.approx({"survey": 1.8, "tune-nccl": 5.4})
+    assert render_text(report).endswith("in 7.2 s (the survey 1.8 s, NCCL tuning 5.4 s)")
+    assert report.to_json()["seconds"] == 7.2 and report.to_json()["timings"]["tune-nccl"] == 5.4
+
+
+def test_the_collectives_record_is_named_by_its_real_run_id() -> None:
+    """The phase line said 'it is recorded as runs/doctor-<id>', a placeholder: it names the
+    run the collective is then recorded as."""
+    fake, stream, ran = Healthy(), Stream(tty=False), []
+    fake.progress = PhaseLines(stream, counter=Counter())
+    measured = {"sum_ok": True, "world_size": 2, "backend": "gloo", "allreduce": [], "pairs": []}
+    diagnose(inventory.parse_yaml("hosts: [a, b]\n", "x.yaml"), fake, Templates(), deep=True,
+             run_deep=lambda run_id: ran.append(run_id) or measured)
+    [run_id] = ran
+    assert run_id.startswith("doctor-") and "<" not in run_id
+    assert stream.text.splitlines()[-1].endswith(f"it is recorded as runs/{run_id}"), stream.text
 
 
 def test_a_listener_refused_by_the_node_is_reported_in_words_not_json(tmp_path) -> None:

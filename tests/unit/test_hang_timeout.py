@@ -76,6 +76,23 @@ def test_the_floor_and_the_cap() -> None:
                     "heartbeats is more)"]
 
 
+def test_a_job_that_beats_faster_than_the_reports_is_said_at_its_own_pace() -> None:
+    """A node reports one beat a second at most: a job beating 3 times a second shows 1 s
+    between reports. The timeout rests on those (the watchdog sees nothing finer), but the
+    line says the job's own pace, which each report carries, not the reporting cap as it."""
+    t, said = learned()
+    for i in range(13):
+        t.beat("a 0", float(i), pace=None if i < 2 else 1 / 3)
+    assert t.seconds() == DEFAULTS.floor
+    assert said == ["hang timeout now 30 s: the floor (hang_auto.floor; 10x the 1.0 s between "
+                    "reported heartbeats (the job beats every 0.33 s; a node reports one a second "
+                    "at most) is less)"]
+    slow, said = learned(HangAuto(floor=5))
+    for i in range(13):                               # a pace the reports show as it is
+        slow.beat("a 0", 4.2 * i, pace=4.2)
+    assert said == ["hang timeout now 42 s: 10x the 4.2 s between heartbeats"]
+
+
 def test_a_hang_after_steady_beats_is_detected_at_the_right_time() -> None:
     """The issue's case: beats every half second for 12 s, then nothing. The node's supervisor
     reports a beat at most once a second, so the launcher sees 1 s intervals."""
@@ -166,7 +183,7 @@ def test_the_watcher_stops_a_job_that_hangs_after_steady_beats() -> None:
     thread.start()
     for second in range(13):
         clock.set(float(second))
-        node.say({"beat": float(second)})
+        node.say({"beat": float(second), "pace": 0.333})
     clock.set(12.0 + 9.9)
     clock.looked(thread)
     assert not node.stacks_asked.is_set() and thread.is_alive(), "fired before the timeout"
@@ -176,8 +193,9 @@ def test_the_watcher_stops_a_job_that_hangs_after_steady_beats() -> None:
     assert results[0].hang.seconds == pytest.approx(10)
     said = err.getvalue()
     assert said.count("hang timeout now") == 1, said
-    assert "hang timeout now 10 s: 10x the 1.0 s between heartbeats" in said
-    assert "(--hang-timeout auto: 10x the 1.0 s between heartbeats)" in said
+    assert ("hang timeout now 10 s: 10x the 1.0 s between reported heartbeats (the job beats "
+            "every 0.33 s; a node reports one a second at most)") in said
+    assert "(--hang-timeout auto: 10x the 1.0 s between reported heartbeats (the job" in said
 
 
 # --- the setting: CLI, Python API, inventory -------------------------------------------------

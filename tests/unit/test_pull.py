@@ -155,11 +155,35 @@ def test_every_node_reports_and_the_others_are_fetched(tmp_path: Path) -> None:
     assert lines[0] == f"cluster: [node1] 1 file(s) (5 B) into {run.path}/pulled/node1/"
     assert lines[1] == f"cluster: [node2] 0 file(s) (0 B) into {run.path}/pulled/node2/; not on this node: out"
     assert lines[2].startswith("cluster: [node3] failed: node3 (10.0.0.3:22): cannot connect")
-    assert str(info.value) == (f"pulled 1 file(s) (5 B) into {run.path}/pulled/; every PATH from 1 of 3 node(s); "
-                               f"incomplete from node2, node3")
+    assert str(info.value) == (f"pulled 1 file(s) (5 B) into {run.path}/pulled/; out from 1 of 3 node(s); "
+                               f"incomplete from node3")
     assert info.value.exit_code == 3, "a node could not be reached"
     assert (run.path / "pulled" / "node1" / "out" / "who.txt").read_text() == "node1"
     assert stat.S_IMODE((run.path / "pulled").stat().st_mode) == 0o700
+
+
+def test_a_path_that_only_some_nodes_have_is_pulled_from_them_and_one_on_none_fails(
+        tmp_path: Path) -> None:
+    """Rank 0 alone writes the checkpoints, on one node: `cluster pull checkpoints/` (as
+    docs/getting-started.md has it) gets them from that node and exits 0 (it exited 1, the
+    other nodes lacking them). A PATH that no node has still fails (exit 1)."""
+    run = recorded(tmp_path, ("node1", "node2"))
+    tree(tmp_path / "node2", {"checkpoints/epoch-0.pt": "e0", "out/log.txt": "2"})
+    tree(tmp_path / "node1", {"out/log.txt": "1"})
+    backend = SupervisedBackend(lambda h: LocalTransport())
+    err = io.StringIO()
+    try:
+        assert pull(run, ["checkpoints", "out"], backend, Console(err=err)) == 0
+        with pytest.raises(ClusterError) as info:
+            pull(run, ["checkpoints", "nope"], backend, Console(err=io.StringIO()))
+    finally:
+        backend.close()
+    lines = err.getvalue().splitlines()
+    assert lines[0].endswith("/pulled/node1/; not on this node: checkpoints"), lines
+    assert lines[-1].endswith("/pulled/; checkpoints from 1 of 2 node(s), out from 2 of 2 node(s)")
+    assert (run.path / "pulled" / "node2" / "checkpoints" / "epoch-0.pt").read_text() == "e0"
+    assert str(info.value).endswith("checkpoints from 1 of 2 node(s), nope from 0 of 2 node(s); "
+                                    "on no node: nope") and info.value.exit_code == 1
 
 
 def test_pull_of_a_local_run_through_the_cli(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -170,7 +194,7 @@ def test_pull_of_a_local_run_through_the_cli(tmp_path: Path, monkeypatch, capsys
         tree(tmp_path / n, {"ckpt/last.pt": n})
     assert run_cli(["pull", run.run_id[:12], "ckpt/", "--node", "local1"]) == 0
     err = capsys.readouterr().err
-    assert f"pulled 1 file(s) (6 B) into runs/{run.run_id}/pulled/; every PATH from 1 of 1 node(s)" in err
+    assert f"pulled 1 file(s) (6 B) into runs/{run.run_id}/pulled/; ckpt from 1 of 1 node(s)" in err
     assert (run.path / "pulled" / "local1" / "ckpt" / "last.pt").read_text() == "local1"
     assert not (run.path / "pulled" / "local0").exists()
     assert run_cli(["pull", "ckpt", "--node", "gpu9"]) == 2

@@ -30,9 +30,20 @@ def failed(had_workers=("b 1",), seconds_ago=100.0, **exits) -> WatchResult:
 
 def test_a_failure_after_the_rendezvous_restarts_while_the_budget_lasts() -> None:
     why = _retry(failed(), PLAN, Options(restarts=2), history=[{}])
-    assert why is not None and "fresh rendezvous" in why and "(2 restart(s) left)" in why
+    assert why is not None and "fresh rendezvous" in why and "(attempt 2 of 3, 1 restart left)" in why
     assert _retry(failed(), PLAN, Options(restarts=2), history=[{}, {}, {}]) is None
     assert _retry(failed(), PLAN, Options(restarts=0), history=[{}]) is None
+
+
+def test_the_restarts_left_are_counted_at_every_attempt() -> None:
+    """--max-restarts 1 said '(1 restart(s) left)' as it started its last attempt: the count
+    is of what is left once the restart being made is spent, at every attempt."""
+    said = [_retry(failed(), PLAN, Options(restarts=1), history=[{}])]
+    assert said[0] is not None and said[0].endswith("(attempt 2 of 2, no restart left)"), said
+    said = [_retry(failed(), PLAN, Options(restarts=3), history=[{}] * n) for n in (1, 2, 3, 4)]
+    assert [s and s.rsplit("(", 1)[1] for s in said] == [
+        "attempt 2 of 4, 2 restarts left)", "attempt 3 of 4, 1 restart left)",
+        "attempt 4 of 4, no restart left)", None]
 
 
 def test_a_failure_before_the_rendezvous_is_configuration_and_names_no_node() -> None:

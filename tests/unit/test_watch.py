@@ -162,7 +162,69 @@ def test_the_final_error_leads_with_the_workers_own_error_not_torchruns_banner(t
     assert lead.startswith("node [b 1] failed: RuntimeError: boom: the loss is NaN at step 3 "
                            "(exit code 1)"), final
     assert "failed first: its torchrun reported a failed worker: RuntimeError: boom" in said
-    assert "To enable traceback" in final      # the last lines still follow, as evidence
+    # the evidence under it is the worker's own traceback, not torchrun's closing banner
+    assert "rank 1's traceback ([b 1]):\n  | Traceback (most recent call last):" in final, final
+    assert "ChildFailedError" not in final and "To enable traceback" not in final, final
+
+
+def test_the_evidence_is_the_raising_ranks_traceback_then_its_peers_errors(tmp_path: Path) -> None:
+    """Two nodes of one run (`cluster up --local --nodes 2`, rank 1 raised, rank 0 then lost
+    its peer in gloo; each node's real log): the final error shows rank 1's frames and error,
+    then rank 0's gloo error after it, as what came of it, whichever node's lines came first."""
+    from cluster.errors import RunFailed
+    from cluster.launch import _outcome
+    c, _, _ = console()
+    peer, raised = (
+        [ln + b"\n" for ln in (FAILURES / name).read_bytes().splitlines()]
+        for name in ("two_nodes_peer.log", "two_nodes_raised.log"))
+    res = Watcher([FakeNode("local0 0", peer, None),
+                   FakeNode("local1 1", raised, NodeExit(code=1), delay=0.2)], c, {}).run()
+    plan = type("P", (), {"run_id": "r", "logs_hint": "runs/r/logs/", "node_count": 2})()
+    try:
+        _outcome(res, plan, c)
+        raise AssertionError("the failure was not raised")
+    except RunFailed as exc:
+        details = exc.details
+    assert details.splitlines()[:7] == [
+        "rank 1's traceback ([local1 1]):",
+        "  | Traceback (most recent call last):",
+        '  |   File "/tmp/sumrep/boom.py", line 8, in <module>',
+        "  |     deeper()",
+        '  |   File "/tmp/sumrep/boom.py", line 5, in deeper',
+        '  |     raise RuntimeError("boom: the loss is NaN at step 3")',
+        "  | RuntimeError: boom: the loss is NaN at step 3"], details
+    assert details.splitlines()[7:9] == [
+        "then 1 other rank(s) failed, most likely because it did:",
+        "  | [local0 0] rank 0: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/"
+        "transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:23203. This is "
+        "typically caused by a remote worker crashing. Check the logs of the remote worker "
+        "before reporting an error. GLHF! \U0001f3d6\ufe0f"], details
+    assert "ChildFailedError" not in details and "SignalException" not in details
+
+
+def test_a_peer_rank_on_the_same_node_comes_after_the_root_cause(tmp_path: Path) -> None:
+    _, final = run_failure("two_ranks.log", tmp_path)
+    details = final.split("\n", 1)[1]
+    assert details.index("RuntimeError: boom") < details.index("Connection closed by peer")
+    assert "  | [b 1] rank 0: RuntimeError: [/__w/pytorch" in details, details
+
+
+def test_the_other_ranks_errors_are_shown_up_to_a_few() -> None:
+    """At scale every other rank says its peer is gone: a few are shown, then how many more."""
+    from cluster.launch import OTHER_ERRORS, _evidence
+    from cluster.watch import WatchResult
+    result = WatchResult(tracebacks={"b 1": (1, ["RuntimeError: boom"])},
+                         then=[f"[n{i} {i}] rank {i}: RuntimeError: Connection closed by peer"
+                               for i in range(100)])
+    lines = _evidence(result, "b 1").splitlines()
+    assert lines[2] == "then 100 other rank(s) failed, most likely because it did:"
+    assert len(lines) == 3 + OTHER_ERRORS + 1
+    assert lines[-1] == f"  | ... and {100 - OTHER_ERRORS} more (each node's log has its own)"
+
+
+def test_a_worker_without_a_traceback_keeps_the_last_lines(tmp_path: Path) -> None:
+    _, final = run_failure("worker_exit_code.log", tmp_path)
+    assert "\nlast 20 line(s):\n" in final and "exitcode  : 7" in final, final
 
 
 def test_the_root_cause_rank_is_named_not_the_peer_that_lost_it(tmp_path: Path) -> None:
@@ -324,3 +386,29 @@ def test_one_thread_reads_every_node_and_a_stop_asks_every_node_first(tmp_path: 
     assert all(f"[{n.node.label}] hello from {n.node.label}" in out.getvalue() for n in nodes[1:])
     # the reader, the few exit waiters, the stop's waiters: a constant, not a thread per node
     assert max(n.threads_seen for n in nodes[1:]) - before <= 1 + 8 + 32
+
+
+def test_the_other_ranks_errors_are_in_the_order_they_arrived_across_nodes(tmp_path: Path) -> None:
+    c, _, _ = console()
+    order: list = []
+
+    def erring(label: str, rank: int, after: threading.Event | None, then: threading.Event):
+        lines = [f"[rank{rank}]: Traceback (most recent call last):\n".encode(),
+                 f"[rank{rank}]: RuntimeError: peer of rank {rank} gone\n".encode()]
+
+        class Node(FakeNode):
+            def output(self):
+                if after is not None:
+                    after.wait(5)
+                yield from lines
+                order.append(rank)
+                then.set()
+                self.stopped.wait(30)
+        return Node(label, lines, None)
+    first, second = threading.Event(), threading.Event()
+    late, early = erring("a 0", 0, first, second), erring("c 2", 2, None, first)
+    failing = FakeNode("b 1", [b"[rank1]: Traceback (most recent call last):\n",
+                               b"[rank1]: RuntimeError: boom\n"], NodeExit(code=1), delay=0.3)
+    res = Watcher([late, failing, early], c, {}).run()
+    assert res.then == ["[c 2] rank 2: RuntimeError: peer of rank 2 gone",
+                        "[a 0] rank 0: RuntimeError: peer of rank 0 gone"], (res.then, order)

@@ -169,3 +169,36 @@ def test_a_section_is_read_from_the_heartbeat_file_and_nothing_else_is_one(tmp_p
                           ("section " + "x" * 41, None), ("Section checkpoint", None)]:
         beat.write_text(content)
         assert workers.section_of(str(beat)) == want, content
+
+
+def test_a_job_beating_faster_than_the_reports_has_its_own_pace_reported(tmp_path: Path) -> None:
+    """A job that touches its heartbeat 3 times a second: the node reports a beat at most once
+    a second, and each report carries the job's own pace (about 0.33 s), not the 1 s between
+    reports (the hang line said '10x the 1.0 s between heartbeats' of such a job)."""
+    import threading
+    import time
+    beat = tmp_path / "heartbeat"
+    beat.write_text("")
+    records: list = []
+    done = threading.Event()
+    progress = workers.Progress(lambda: None, str(beat), records.append, done)
+    progress.start()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3.6:
+        os.utime(beat)
+        time.sleep(1 / 3)
+    done.set()
+    progress.join(5)
+    paces = [r["pace"] for r in records if "pace" in r]
+    assert paces and all(0.25 <= p <= 0.45 for p in paces), records
+
+
+def test_the_pace_is_the_files_changes_between_two_reports() -> None:
+    pace = workers.Pace()
+    pace.look(10.0)
+    assert pace.report(10.0) is None                  # the first report: nothing to compare
+    for mtime in (10.25, 10.5, 10.5, 10.75, 11.0):    # one stat saw no change
+        pace.look(mtime)
+    assert pace.report(11.0) == 0.25
+    pace.look(13.0)
+    assert pace.report(13.0) == 2.0
