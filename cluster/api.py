@@ -61,6 +61,7 @@ class Prepared:
         try:
             run = RunDir.create(self.job.run_id, meta={"backend": self.backend_name,
                                                        "command": argv, "cwd": os.getcwd()})
+            self.templates.save()        # the compiled templates, now that a run is made
             job = self.job
             if not supports(self.backend, REMOTE_NODES):    # simulated nodes: one folder here
                 job = dataclasses.replace(job, node_root=run.node_root())
@@ -86,7 +87,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     """Every check that needs no node, in one pass: the request's own values, the backend
     (chosen once) and its nodes with the command line over the inventory, the backend's own
     options, the secrets' presence, the rendered scripts. Raises InputError; creates and
-    contacts nothing."""
+    contacts nothing (the compiled templates reach their cache when the run starts)."""
     r = request
     secrets = _checked(r)
     templates = Templates(r.templates_dir, cache_root(environ) / "templates")
