@@ -33,7 +33,7 @@ from .nodes import NodeStatus
 from .plan import Job, Templates
 from .request import Request
 from .runs import RunDir, cache_root, new_run_id
-from .spec import Inventory, check_text
+from .spec import Inventory, check_text, env_problem
 from .watch import WorkerErrors
 
 __all__ = ["Prepared", "Request", "Run", "detached_error", "first_failed", "prepare", "up",
@@ -64,6 +64,7 @@ class Prepared:
             run = RunDir.create(self.job.run_id, meta={"backend": self.backend_name,
                                                        "command": argv, "cwd": os.getcwd(),
                                                        "dry_run": self.dry_run})
+            self.templates.save()        # the compiled templates, now that a run is made
             job = self.job
             if not supports(self.backend, REMOTE_NODES):    # simulated nodes: one folder here
                 job = dataclasses.replace(job, node_root=run.node_root())
@@ -89,7 +90,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     """Every check that needs no node, in one pass: the request's own values, the backend
     (chosen once) and its nodes with the command line over the inventory, the backend's own
     options, the secrets' presence, the rendered scripts. Raises InputError; creates and
-    contacts nothing."""
+    contacts nothing (the compiled templates reach their cache when the run starts)."""
     r = request
     secrets = _checked(r)
     templates = Templates(r.templates_dir, cache_root(environ) / "templates")
@@ -132,6 +133,10 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
 
 def _checked(r: Request) -> tuple[str, ...]:
     """The request's own values, before any file is read: its texts, the secrets' names."""
+    for name, env_value in r.env.items():          # --env, --env-file and env= alike
+        why = env_problem(str(name), str(env_value))
+        if why:
+            raise InputError(f"Invalid value for --env (env=): {why}")
     secrets = resolve.parse_secret_names(r.secret_names, dict(r.env))
     if r.hang_timeout is not None and not valid_hang_timeout(r.hang_timeout):
         raise InputError(f"Invalid value for --hang-timeout: {r.hang_timeout!r} is not 'auto' "
@@ -140,6 +145,8 @@ def _checked(r: Request) -> tuple[str, ...]:
                         ("--account", r.account), ("SCRIPT", r.command[0] if r.command else None)):
         if value is not None:
             check_text(value, what)
+    for number, arg in enumerate(r.command[1:], 1):     # written into the node's script too
+        check_text(arg, f"the script's argument {number}")
     return secrets
 
 

@@ -124,7 +124,7 @@ class Streams:
                         continue
                     for line in splitter.feed(piece):
                         self.events.put((name, line))
-            for line in splitter.flush():
+            for line in splitter.feed(demux.flush()) + splitter.flush():
                 self.events.put((name, line))
             code = ch.wait()
             self.results[name].code = code

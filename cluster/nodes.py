@@ -87,8 +87,12 @@ def outcome(rows: list[NodeStatus]) -> tuple[bool, str]:
 
 class Demux:
     """A node's stream: its output bytes with the supervisor's control records among them
-    (RS, a JSON object, US). feed() returns the pieces in order: bytes, or a dict per record;
-    a record split across two reads is held until it is whole."""
+    (RS, a JSON object, US). The supervisor doubles every RS byte of the output (its Out),
+    so an RS followed by RS is one output byte and only the supervisor can open a record:
+    whatever a job prints, `{"final": ...}` or a lone RS included, comes out as its output.
+    feed() returns the pieces in order: bytes, or a dict per record; a record, or an RS
+    whose next byte has not come yet, is held until it is whole; flush() gives what is held
+    at the end of the stream."""
 
     def __init__(self) -> None:
         self.pending = b""
@@ -96,24 +100,43 @@ class Demux:
     def feed(self, data: bytes) -> list[bytes | dict[str, Any]]:
         self.pending += data
         out: list[bytes | dict[str, Any]] = []
+        text = b""                       # output bytes not yet handed out
         while True:
             start = self.pending.find(RECORD_START)
-            if start < 0:
-                if self.pending:
-                    out.append(self.pending)
-                self.pending = b""
-                return out
+            if start < 0 or start + 1 == len(self.pending):     # none, or its next byte to come
+                cut = len(self.pending) if start < 0 else start
+                text += self.pending[:cut]
+                self.pending = self.pending[cut:]
+                break
+            text += self.pending[:start]
+            if self.pending[start + 1:start + 2] == RECORD_START:   # an output RS, doubled
+                text += RECORD_START
+                self.pending = self.pending[start + 2:]
+                continue
             end = self.pending.find(RECORD_END, start)
             if end < 0:
-                if start:
-                    out.append(self.pending[:start])
                 self.pending = self.pending[start:]
-                return out
-            if start:
-                out.append(self.pending[:start])
-            try:
-                record = json.loads(self.pending[start + 1:end])
-                out.append(record if isinstance(record, dict) else self.pending[start:end + 1])
-            except ValueError:          # not ours after all: it is output
-                out.append(self.pending[start:end + 1])
+                break
+            if text:
+                out.append(text)
+                text = b""
+            out.append(_record(self.pending[start + 1:end]))
             self.pending = self.pending[end + 1:]
+        if text:
+            out.append(text)
+        return out
+
+    def flush(self) -> bytes:
+        """What is held when the stream ends (a record cut short): output, as it came."""
+        held, self.pending = self.pending, b""
+        return held
+
+
+def _record(body: bytes) -> bytes | dict[str, Any]:
+    """A record's JSON object. The supervisor writes nothing else between RS and US; anything
+    else there is shown as output, never raised."""
+    try:
+        record = json.loads(body)
+    except ValueError:
+        record = None
+    return record if isinstance(record, dict) else RECORD_START + body + RECORD_END

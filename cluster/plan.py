@@ -219,21 +219,21 @@ class TemplateCache(jinja2.FileSystemBytecodeCache):
     launcher's CPU, loading them takes about 1.4 ms (docs/SCALE.md). Jinja keys each by
     the template's file and checks its source's hash, so an edited template compiles anew.
     Code is loaded only from a folder of this user's alone; a file that cannot be read or
-    written, or is not what Jinja wrote, only means compiling, as without the cache."""
+    written, or is not what Jinja wrote, only means compiling, as without the cache.
+    What compiles is held in memory and written by save(), which a launch calls: checking a
+    request (api.prepare, a dry run's render) creates nothing."""
+
+    def __init__(self, folder: Path) -> None:
+        # Jinja's own key holds the Python version, not Jinja's: an upgrade starts afresh.
+        super().__init__(str(folder), f"{jinja2.__version__}-%s.cache")
+        self.folder = folder
+        self.held: list[jinja2.bccache.Bucket] = []
 
     @classmethod
     def at(cls, folder: Path) -> TemplateCache | None:
-        """The cache in folder, made 0700 if missing; None where the folder is not this
-        user's alone (another owner, a link, group or others may write) or cannot be made."""
-        try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            st = os.lstat(folder)
-        except OSError:
-            return None
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            return None
-        # Jinja's own key holds the Python version, not Jinja's: an upgrade starts afresh.
-        return cls(str(folder), f"{jinja2.__version__}-%s.cache")
+        """The cache in folder (made 0700 by save() if missing); None where the folder is
+        not this user's alone (another owner, a link, group or others may write)."""
+        return cls(folder) if _own_folder(folder, missing_ok=True) else None
 
     def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
         try:
@@ -242,10 +242,34 @@ class TemplateCache(jinja2.FileSystemBytecodeCache):
             bucket.reset()
 
     def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        self.held.append(bucket)
+
+    def save(self) -> None:
+        """Write what compiled since the last save, making the folder if need be."""
+        held, self.held = self.held, []
         try:
-            super().dump_bytecode(bucket)
-        except OSError:         # a full disk, a folder made read-only since
-            pass
+            if held:
+                self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            return
+        if not _own_folder(self.folder, missing_ok=False):
+            return
+        for bucket in held:
+            try:
+                super().dump_bytecode(bucket)
+            except OSError:     # a full disk, a folder made read-only since
+                pass
+
+
+def _own_folder(folder: Path, *, missing_ok: bool) -> bool:
+    """Whether folder is a folder of this user's alone (or missing, when missing_ok)."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return missing_ok
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
 class Templates:
@@ -269,6 +293,11 @@ class Templates:
         self.env.filters["shquote"] = shquote
         self.env.filters["shpath"] = shpath
         self.env.globals["setup_block"] = setup_block
+
+    def save(self) -> None:
+        """Keep what compiled in the cache, if there is one (a launch's step, not a check's)."""
+        if isinstance(self.env.bytecode_cache, TemplateCache):
+            self.env.bytecode_cache.save()
 
     def overrides(self, name: str) -> bool:
         """Whether the user's --templates directory has its own `name`."""

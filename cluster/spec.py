@@ -67,6 +67,24 @@ def reserved_env(name: str) -> str | None:
     return None
 
 
+def env_problem(name: str, value: str) -> str | None:
+    """Why NAME=value may not be in a job's environment, or None: the one rule for the
+    inventory's env:, --env, --env-file and the API's env=, since each pair is written into
+    the node's script (quoted: a control character would still change its lines)."""
+    if not ENV_KEY.match(name):
+        return (f"environment variable name {name!r} is not a valid identifier (letters, "
+                f"digits and '_', not starting with a digit)")
+    why = reserved_env(name)
+    if why:
+        return why
+    bad = control_char(value)
+    if bad:
+        return (f"control character {bad} in the value of {name} (values reach the node's "
+                f"script; a multi-line value can travel as a secret, --secret-env / "
+                f"secret_env:, which reaches no script)")
+    return None
+
+
 def check_text(value: str, what: str) -> str:
     """Raise InputError for a control character in a field that reaches a script."""
     bad = control_char(value)

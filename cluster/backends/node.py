@@ -131,13 +131,15 @@ class SupervisedNode:
 
     def _json_lines(self, ch: Channel) -> Iterator[dict[str, Any]]:
         """The program's JSON lines as they come; what comes before them (a shell's greeting,
-        a setup line's output) is noise, and the end of the output raises, with it."""
+        a setup line's output, even one that starts with `{`) is noise, and the end of the
+        output raises, with it."""
         said, noise = b"", b""
         while True:
             while b"\n" in said:
                 line, said = said.split(b"\n", 1)
-                if line.lstrip().startswith(b"{"):
-                    yield json.loads(line)
+                said_obj = _json_object(line)
+                if said_obj is not None:
+                    yield said_obj
                 else:
                     noise += line + b"\n"
             data = ch.read()
@@ -260,6 +262,17 @@ def _run_id(node: NodePlan) -> str:
     return dict(node.env)["CLUSTER_RUN_ID"]
 
 
+def _json_object(line: bytes) -> dict[str, Any] | None:
+    """The JSON object a line is, or None (text, or a brace that starts no object)."""
+    if not line.lstrip().startswith(b"{"):
+        return None
+    try:
+        said = json.loads(line)
+    except ValueError:
+        return None
+    return said if isinstance(said, dict) else None
+
+
 def json_or_error(res: Result) -> dict[str, Any]:
     if res.code is None:
         return {"error": "connection lost"}
@@ -302,6 +315,8 @@ class SupervisedProcess:
         has ended; does not block when fileno() is readable."""
         data = self.channel.read()
         if not data:
+            if held := self._demux.flush():     # a record cut short by the end: output
+                return [held]
             self.closed.set()
             return None
         if self._first and data.startswith(PGID_HEADER):

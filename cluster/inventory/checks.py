@@ -11,7 +11,7 @@ from typing import Any
 from ..container_options import reserved_run_option
 from ..errors import InventoryError, Problems
 from ..sbatch_options import SBATCH_ALIASES, SBATCH_KEY, SBATCH_OWNED
-from ..spec import ENV_KEY, Mount, control_char, reserved_env, setup_block
+from ..spec import ENV_KEY, Mount, control_char, env_problem, reserved_env, setup_block
 from ..torchrun_options import owned_torchrun_option
 from .loader import List, Map
 
@@ -213,16 +213,13 @@ class Checks:
         return out
 
     def env_value(self, m: Map, key: str, value: Any) -> str:
-        if not ENV_KEY.match(key):
-            raise self.fail(m, key, f"environment variable name {key!r} is not a valid identifier",
-                            "letters, digits and '_', not starting with a digit")
-        why = reserved_env(key)
-        if why:
-            raise self.fail(m, key, why)
-        if value is None or isinstance(value, (Map, List)):
+        if not isinstance(key, str) or value is None or isinstance(value, (Map, List)):
             raise self.fail(m, key, "environment values must be strings or numbers")
         if isinstance(value, bool):
             value = "1" if value else "0"
+        why = env_problem(key, str(value))
+        if why:
+            raise self.fail(m, key, why)
         return str(value)
 
     # -- slurm --

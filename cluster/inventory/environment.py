@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import InputError, InventoryError
-from ..spec import ENV_KEY, Inventory, control_char, reserved_env
+from ..spec import Inventory, env_problem
 
 
 def forward_env(inventory: Inventory, environ: Mapping[str, str],
@@ -35,11 +35,14 @@ def forward_env(inventory: Inventory, environ: Mapping[str, str],
                     raise InputError(f"{where}: env_forward: {pattern} is not set in this shell "
                                      f"(host {host.name}); export it, or take it out of env_forward")
                 values[pattern] = environ[pattern]
+                why = env_problem(pattern, environ[pattern])
+                if why:
+                    raise InputError(f"{where}: env_forward: {why} (host {host.name})")
                 continue
             for name in sorted(environ):
-                if (fnmatch.fnmatchcase(name, pattern) and ENV_KEY.match(name)
-                        and name not in host.secret_env and not reserved_env(name)):
-                    values[name] = environ[name]
+                if (fnmatch.fnmatchcase(name, pattern) and name not in host.secret_env
+                        and not env_problem(name, environ[name])):
+                    values[name] = environ[name]     # a glob passes over what may not go
         hosts.append(host.replace(env=tuple({**dict(host.env), **values}.items())))
     return dataclasses.replace(inventory, hosts=tuple(hosts))
 
@@ -72,10 +75,11 @@ def load_env_file(path: str | Path) -> dict[str, str]:
             raise InventoryError(source, lineno, None, "expected KEY=VALUE (KEY letters, digits "
                                  "and '_', not starting with a digit)")
         key, raw = m.groups()
-        why = reserved_env(key)
+        value = _dotenv_value(raw, source, lineno, key)
+        why = env_problem(key, value)       # a quoted value's \n and \t included
         if why:
             raise InventoryError(source, lineno, key, why)
-        out[key] = _dotenv_value(raw, source, lineno, key)
+        out[key] = value
     return out
 
 
@@ -90,11 +94,7 @@ def _dotenv_value(raw: str, source: str, lineno: int, key: str) -> str:
         if quote == "'":
             return body
         return re.sub(r"\\(.)", lambda e: _DOUBLE_ESCAPES.get(e.group(1), "\\" + e.group(1)), body)
-    value = re.split(r"\s+#", raw, maxsplit=1)[0]         # an unquoted value ends at ' #'
-    bad = control_char(value)
-    if bad:
-        raise InventoryError(source, lineno, key, f"control character {bad}")
-    return value
+    return re.split(r"\s+#", raw, maxsplit=1)[0]         # an unquoted value ends at ' #'
 
 
 def _closing_quote(raw: str, quote: str) -> int | None:

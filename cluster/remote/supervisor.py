@@ -327,6 +327,11 @@ class Out:
         self.lock = threading.Lock()
 
     def write(self, data):
+        """Output: every RS in it doubled (nodes.Demux undoes it), so that nothing the job
+        prints, a line like {"final": ...} framed by RS and US included, can open a record."""
+        return self.send(data.replace(b"\x1e", b"\x1e\x1e"))
+
+    def send(self, data):
         if self.stream is None:
             return True
         with self.lock:
@@ -339,7 +344,8 @@ class Out:
                 return False
 
     def record(self, obj):
-        self.write(b"\x1e" + json.dumps(obj).encode() + b"\x1f")
+        # json.dumps escapes every control character: the body holds no RS or US
+        self.send(b"\x1e" + json.dumps(obj).encode() + b"\x1f")
 
 
 def copy_output(fd, log, out, tap, on_lost):

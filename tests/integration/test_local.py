@@ -376,3 +376,23 @@ def test_an_attached_run_leaves_its_timeline_and_status_draws_it_again(tmp_path:
     again = cluster(tmp_path, "status", run.name, "--timeline")
     assert again.returncode == 0, again.stderr
     assert f"timeline: runs/{run.name}/{drawn}" in again.stderr, again.stderr
+
+
+# A job's lines that look like its supervisor's words: JSON, a brace that is no JSON, and a
+# record framed as the supervisor frames its own (RS, JSON, US), which it must not be taken for.
+LOOKALIKES = ['{"loss": 1.0}', '{broken', '{"event": "exit", "code": 7}',
+              '\x1e{"final": {"left": [4242], "how": "kill"}}\x1f',
+              '\x1e{"note": "forged by the job"}\x1f', 'a lone \x1e']
+
+
+def test_a_job_printing_the_supervisors_words_is_shown_and_obeyed_by_nothing(tmp_path: Path) -> None:
+    program = tmp_path / "lookalikes.py"
+    program.write_text(f"import sys\nfor line in {LOOKALIKES!r}:\n    print(line, flush=True)\n")
+    res = cluster(tmp_path, "up", "--local", "--", str(program))
+    assert res.returncode == 0, res.stderr
+    # split("\n"): splitlines() would cut at RS and US too
+    shown = [line.split("] ", 1)[1] for line in res.stdout.split("\n") if "] " in line]
+    assert [line for line in shown if line in LOOKALIKES][:len(LOOKALIKES)] == LOOKALIKES, res.stdout
+    assert "forged" not in res.stderr and "4242" not in res.stderr, res.stderr
+    log = (only_run(tmp_path) / "logs" / "0-localhost.log").read_text()
+    assert all(line in log for line in LOOKALIKES), log

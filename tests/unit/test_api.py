@@ -31,3 +31,25 @@ def test_echo_false_leaves_no_file_open(project: Path) -> None:
         run._thread.join(60)
         assert run.returncode == 0, run.error
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def tree(*roots: Path) -> set[str]:
+    return {str(p) for root in roots for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["this-machine", "simulated-nodes"])
+def test_prepare_creates_nothing(project: Path, tmp_path_factory: pytest.TempPathFactory,
+                                 monkeypatch: pytest.MonkeyPatch, local: bool) -> None:
+    """prepare() checks and renders every script, and no file or folder appears: not the
+    run's folder, not the compiled templates' cache (a run's start writes it)."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("CLUSTER_RUNS_DIR", raising=False)
+    before = tree(project, home)
+    api.prepare(api.Request(command=("t.py",), nodes=2 if local else None, force_local=local))
+    assert tree(project, home) == before
+    run = api.up(None, "t.py", echo=False, dry_run=True)        # a run: the cache is written
+    run._thread.join(60)
+    assert run.returncode == 0, run.error
+    assert any("templates" in p for p in tree(home) - before), tree(home)

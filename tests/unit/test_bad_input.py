@@ -243,3 +243,76 @@ def test_a_name_with_a_trailing_newline_is_refused(tmp_path: Path, argv: list[st
     (tmp_path / "t.py").write_text("print(1)\n")
     code, err = run_quietly(["up", "--local", "--dry-run", *argv, "--", "t.py"], tmp_path)
     assert code == 2 and "Invalid value for --" in err, err
+
+
+# Control characters in an environment value (each pair is written into the node's script):
+# refused at every way in, each named where it was given.
+CONTROL_VALUES = ["a\nb", "a\rb", "a\x1bb", "a\tb", "a\x00b"]
+
+
+@pytest.mark.parametrize("value", CONTROL_VALUES)
+def test_an_env_value_with_a_control_character_is_refused_on_the_command_line(
+        tmp_path: Path, value: str) -> None:
+    (tmp_path / "t.py").write_text("print(1)\n")
+    code, err = run_quietly(["up", "--local", "--dry-run", "--env", f"FOO={value}", "--", "t.py"],
+                            tmp_path)
+    assert code == 2 and "Invalid value for --env" in err and "control character" in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("value", CONTROL_VALUES[:3])
+def test_an_env_value_with_a_control_character_is_refused_in_the_inventory(
+        tmp_path: Path, value: str) -> None:
+    (tmp_path / "t.py").write_text("print(1)\n")
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": [{"address": "127.0.0.1", "name": "a",
+                                              "env": {"OK": "1", "FOO": value}}]}))
+    code, err = run_quietly(["up", "-i", str(inv), "--dry-run", "--", "t.py"], tmp_path)
+    check_inventory_error(code, err, inv)
+    assert code == 2 and re.search(rf"{re.escape(str(inv))}:\d+: FOO: control character", err), err
+
+
+@pytest.mark.parametrize("escape", ["\\n", "\\r", "\\t"])
+def test_an_env_file_value_with_an_escaped_control_character_is_refused(
+        tmp_path: Path, escape: str) -> None:
+    (tmp_path / "t.py").write_text("print(1)\n")
+    (tmp_path / ".env").write_text(f'OK=1\nFOO="a{escape}b"\n')
+    code, err = run_quietly(["up", "--local", "--dry-run", "--env-file", ".env", "--", "t.py"],
+                            tmp_path)
+    assert code == 2 and re.search(r"\.env:2: FOO: control character", err), err
+
+
+@pytest.mark.parametrize("env,why", [({"FOO": "a\nb"}, "control character '\\\\n'"),
+                                     ({"BAD NAME": "x"}, "not a valid identifier"),
+                                     ({"CLUSTER_RUN_ID": "x"}, "set by cluster itself")])
+def test_the_python_apis_env_is_checked_as_the_command_lines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict, why: str) -> None:
+    from cluster import api
+    from cluster.errors import InputError
+    (tmp_path / "t.py").write_text("print(1)\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=rf"Invalid value for --env \(env=\): .*{why}"):
+        api.prepare(api.Request(command=("t.py",), env=env))
+
+
+def test_env_forward_refuses_a_named_value_with_a_control_character_and_a_glob_skips_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster import inventory
+    from cluster.errors import InputError
+    from cluster.inventory.environment import forward_env
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"hosts": [{"address": "127.0.0.1", "name": "a",
+                                              "env_forward": ["MYAPP_*"]}]}))
+    environ = {"MYAPP_OK": "1", "MYAPP_PEM": "line1\nline2"}
+    env = dict(forward_env(inventory.load(inv), environ).hosts[0].env)
+    assert env.get("MYAPP_OK") == "1" and "MYAPP_PEM" not in env
+    inv.write_text(yaml.safe_dump({"hosts": [{"address": "127.0.0.1", "name": "a",
+                                              "env_forward": ["MYAPP_PEM"]}]}))
+    with pytest.raises(InputError, match=r"inv.yaml:\d+: env_forward: control character '\\n' at position 5 in the value of MYAPP_PEM"):
+        forward_env(inventory.load(inv), environ)
+
+
+def test_a_script_argument_with_a_control_character_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text("print(1)\n")
+    code, err = run_quietly(["up", "--local", "--dry-run", "--", "t.py", "--name", "a\nb"], tmp_path)
+    assert code == 2 and "the script's argument 2: control character '\\n'" in err, err

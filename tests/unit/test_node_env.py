@@ -181,14 +181,15 @@ def test_forward_names_are_checked_at_load(name: str, why: str) -> None:
 def test_env_file_reads_dotenv_without_expanding(tmp_path: Path) -> None:
     f = tmp_path / ".env"
     f.write_text("# comment\n\nexport A=1\nB = two words # note\nC='$HOME \"x\"'\n"
-                 'D="line\\nnext \\"q\\" $HOME"\nE=\n')
+                 'D="next \\"q\\" \\\\ $HOME"\nE=\n')
     assert inventory.load_env_file(f) == {"A": "1", "B": "two words", "C": '$HOME "x"',
-                                          "D": 'line\nnext "q" $HOME', "E": ""}
+                                          "D": 'next "q" \\ $HOME', "E": ""}
 
 
 @pytest.mark.parametrize("line,problem", [("not a pair", "expected KEY=VALUE"),
                                           ("X='open", "unterminated"),
-                                          ("CLUSTER_RUN_ID=1", "set by cluster itself")])
+                                          ("CLUSTER_RUN_ID=1", "set by cluster itself"),
+                                          ('X="a\\nb"', "control character '\\n'")])
 def test_env_file_errors_name_file_and_line(tmp_path: Path, line: str, problem: str) -> None:
     f = tmp_path / "bad.env"
     f.write_text(f"OK=1\n{line}\n")

@@ -262,3 +262,21 @@ def test_a_master_port_in_use_is_said_and_every_node_is_told_to_skip(tmp_path: P
     assert said == {"listening": False,
                     "error": f"cannot listen on port {port}: Address already in use"}, said
     assert "reach" not in answer and res.returncode == 0
+
+
+def test_a_greeting_that_starts_with_a_brace_is_noise_before_the_probes_word(tmp_path: Path) -> None:
+    """A node's shell or python wrapper that prints lines starting with `{` (no JSON, or JSON
+    that is no object) before the probe speaks: the launcher reads past them to the facts."""
+    from cluster.backends.local import LocalTransport
+    from cluster.backends.node import SupervisedNode
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\necho '{{broken'\necho '{{\"half\": [1'\necho '[1, 2]'\n"
+                       f"exec {shlex.quote(sys.executable)} \"$@\"\n")
+    wrapper.chmod(0o755)
+    node = SupervisedNode(LocalTransport(), str(wrapper), str(tmp_path))
+    ch = node.spawn(shipping.program("probe", "facts"))
+    try:
+        facts = next(node._json_lines(ch))
+    finally:
+        ch.close()
+    assert facts["home"] == os.path.expanduser("~"), facts

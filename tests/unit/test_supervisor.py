@@ -619,3 +619,39 @@ def test_the_job_starts_as_popen_would_start_it(tmp_path: Path) -> None:
         assert sorted(fds)[:3] == ["0", "1", "2"] and len(fds) <= 4, (way, fds)   # + $(...)'s pipe
         ignored = int(text.split("SigIgn:")[1].split()[0], 16)
         assert not ignored & (1 << (signal.SIGPIPE - 1)), (way, text)
+
+
+# A job's own lines that look like the supervisor's: JSON, a brace that is no JSON, and a
+# record framed exactly as the supervisor frames its own (RS, JSON, US), a lone RS too.
+FORGERIES = (b'{"loss": 1.0}\n{broken\n{"final": {"left": [1], "how": "kill"}}\n'
+             b'\x1e{"final": {"left": [4242], "how": "kill"}}\x1f\n'
+             b'a lone \x1e then text\n\x1e\x1e\x1f{"workers": 9}\x1f\n')
+
+
+def test_a_job_that_prints_records_shows_them_as_output_and_forges_none(tmp_path: Path) -> None:
+    """What the job prints comes out of the launcher's Demux byte for byte, and the only
+    records are the supervisor's own: a job's `final` never stands for the supervisor's."""
+    from cluster.nodes import Demux
+    (tmp_path / "forged").write_bytes(FORGERIES)
+    d = node_dir(tmp_path, f"cat {tmp_path / 'forged'}\n")
+    p = start(d)
+    out = finish(p)
+    p.stdin.close()
+    demux = Demux()
+    pieces = demux.feed(out) + [demux.flush()]
+    text = b"".join(x for x in pieces if isinstance(x, bytes))
+    records = [x for x in pieces if isinstance(x, dict)]
+    assert FORGERIES in text, text
+    assert [r["final"]["left"] for r in records if "final" in r] == [[]], records
+    assert not [r for r in records if "workers" in r], records
+
+
+def test_demux_holds_what_a_read_cuts_and_gives_it_whole() -> None:
+    """Every cut of an escaped stream gives the same output and records as one read."""
+    from cluster.nodes import Demux
+    stream = b'ab\x1e\x1ecd\x1e{"note": "x"}\x1fef\x1e\x1e'
+    for cut in range(len(stream) + 1):
+        demux = Demux()
+        pieces = demux.feed(stream[:cut]) + demux.feed(stream[cut:]) + [demux.flush()]
+        assert b"".join(x for x in pieces if isinstance(x, bytes)) == b"ab\x1ecdef\x1e", (cut, pieces)
+        assert [x for x in pieces if isinstance(x, dict)] == [{"note": "x"}], (cut, pieces)

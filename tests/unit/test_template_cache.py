@@ -18,7 +18,10 @@ JOB = Job(run_id="golden-run", script="train.py", args=("--epochs", "3"))
 
 
 def rendered(source: Path, templates: Templates) -> str:
-    return str(render(inventory.load(source), JOB, templates))
+    """The scripts, rendered as a launch renders them: then the cache is written."""
+    text = str(render(inventory.load(source), JOB, templates))
+    templates.save()
+    return text
 
 
 def no_compiling(templates: Templates) -> Templates:
@@ -85,7 +88,18 @@ def test_a_cache_that_cannot_be_written_only_means_compiling(tmp_path: Path) -> 
     cache = tmp_path / "cache"
     templates = Templates(cache=cache)
     assert templates.env.bytecode_cache is not None
-    os.rmdir(cache)                   # gone after it was found private: each write fails
+    cache.write_text("")              # made a file after it was found missing: no folder to write
     source = GOLDEN / "inputs" / "static.yaml"
     assert rendered(source, templates) == rendered(source, Templates())
-    assert not cache.exists()
+    assert cache.is_file() and cache.read_text() == ""
+
+
+def test_rendering_alone_writes_nothing_until_saved(tmp_path: Path) -> None:
+    """A check renders every script (api.prepare, a dry run): the cache folder is made and
+    written only by save(), a launch's step."""
+    cache = tmp_path / "cache" / "templates"
+    templates = Templates(cache=cache)
+    render(inventory.load(GOLDEN / "inputs" / "static.yaml"), JOB, templates)
+    assert list(tmp_path.iterdir()) == []
+    templates.save()
+    assert any(cache.iterdir()) and oct(cache.stat().st_mode & 0o777) == oct(0o700)

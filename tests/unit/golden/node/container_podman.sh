@@ -19,8 +19,7 @@ export CLUSTER_RESTART_COUNT=0
 
 # Environment from the inventory (defaults, then this host's own values).
 export OMP_NUM_THREADS=4
-export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2)
-second line'
+export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2) second part'
 
 # Secret environment, passed by the launcher over its connection at start (never written to
 # a file or a command line): HF_TOKEN, WANDB_API_KEY
@@ -155,8 +154,7 @@ export CLUSTER_RESTART_COUNT=0
 
 # Environment from the inventory (defaults, then this host's own values).
 export OMP_NUM_THREADS=4
-export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2)
-second line'
+export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2) second part'
 
 # Secret environment, passed by the launcher over its connection at start (never written to
 # a file or a command line): HF_TOKEN, WANDB_API_KEY

@@ -18,8 +18,6 @@ export CLUSTER_RESTART_COUNT=0
 # Environment from the inventory (defaults, then this host's own values).
 export OMP_NUM_THREADS=8
 export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2) 100% ; rm -rf ~'
-export MULTI='line one
-line two'
 
 export NCCL_SOCKET_IFNAME='^docker0,lo'
 # Interface, chosen here at run time: the one that holds this node's address (the address the
@@ -88,8 +86,6 @@ export CLUSTER_RESTART_COUNT=0
 # Environment from the inventory (defaults, then this host's own values).
 export OMP_NUM_THREADS=4
 export NASTY='$(touch /tmp/pwned) `id` "dq" '"'"'s'"'"' 64(x2) 100% ; rm -rf ~'
-export MULTI='line one
-line two'
 export FOO=bar
 export NCCL_SOCKET_IFNAME=ib0
 
