@@ -67,7 +67,9 @@ def test_the_line_runs_as_written(tmp_path: Path, where: str, command: str) -> N
     secrets, forwarded = referenced_env(files)
     unset = secrets | forwarded | {"CLUSTER_RUNS_DIR"}
     env = {k: v for k, v in os.environ.items() if k not in unset and not k.startswith("WANDB_")}
-    env["PYTHONPATH"] = str(REPO)             # this checkout's cluster, as installed
+    # this checkout's cluster first, as installed; what else the path held (the packages of
+    # a machine that has them there) after it
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-m", "cluster", *argv[1:]], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{where}: {command}\n{proc.stderr[-2000:]}"
