@@ -103,7 +103,7 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
     run's outcome, and its exit code says it: 0 when every node exited 0, 4 when one did not
     (5 when one was lost), so `cluster logs -f && ...` goes on only after a success."""
     rd = RunDir.find(run)
-    names = [n["name"] for n in rd.launched().get("nodes") or []]
+    names = [n["name"] for n in rd.started().get("nodes") or []]
     if node and node not in names:
         raise InputError(f"Invalid value for --node: {node!r} is not in run {rd.run_id} ({', '.join(names)})")
     from ..console import LineSplitter
@@ -168,7 +168,7 @@ def _end(name: str, ended: dict[str, Any]) -> str:
 def down(run: str | None) -> None:
     """Stop every node of RUN (default: the newest) and verify nothing is left."""
     rd = RunDir.find(run)
-    rd.launched()
+    rd.started()
     backend = backends.recorded(rd)
     console = Console()
     try:

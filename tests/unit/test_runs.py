@@ -168,6 +168,23 @@ def test_a_run_whose_launcher_was_killed_says_so_with_its_nodes_one_outcome(tmp_
     assert killed.value.exit_code == 137
 
 
+def test_logs_and_down_of_a_run_whose_check_failed_say_so(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Its nodes were recorded, then its check failed (their run folders removed): logs and
+    down say the error, not a node's traceback for a folder that is gone."""
+    error = "2 check(s) failed on a, b (2 node(s) checked); nothing was started"
+    run = RunDir.create("20261201-100000-aaaa", tmp_path / "runs",
+                        meta={"backend": "local", "error": error, "exit_code": 3,
+                              "timings": {"check": 0.5}})
+    (run.path / "inventory.yaml").write_text("hosts: []\n")
+    monkeypatch.setenv("CLUSTER_RUNS_DIR", str(tmp_path / "runs"))
+    for verb in ("logs", "down"):
+        assert run_cli([verb]) == 2
+        assert capsys.readouterr().err.strip() == \
+            f"cluster: error: run {run.run_id} was refused before start: {error}"
+    run.update(timings={"check": 0.5, "start": 0.1})      # a restart's check: the run had started
+    assert run.started()["error"] == error
+
+
 def test_a_dry_run_is_never_the_newest_run(tmp_path: Path) -> None:
     real = RunDir.create("20261201-100000-aaaa", tmp_path, meta={"backend": "ssh", "dry_run": False})
     dry = RunDir.create("20261201-100100-bbbb", tmp_path, meta={"backend": "ssh", "dry_run": True})
