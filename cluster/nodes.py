@@ -62,6 +62,24 @@ def end_detail(info: dict[str, Any]) -> str:
     return "; ".join(x for x in (how, info.get("reason") or "") if x)
 
 
+# A stopped node's exit code, by how its stop went, as a shell says a process ended by a signal:
+# every process ended within the grace after SIGTERM, or SIGKILL ended what was left after it.
+STOP_CODES = {"term": 128 + _signal.SIGTERM, "kill": 128 + _signal.SIGKILL}
+
+
+def end_code(info: dict[str, Any]) -> int | None:
+    """A node's exit code, from its supervisor's status or exit record. A stop's code is that
+    of the stop, the same on every node of it: 143 when every process ended within the grace
+    after SIGTERM, 137 when SIGKILL ended what was left after it. The job's own code under a
+    stop is a race, no outcome: torchrun exits 1 when it unwinds before the stop kills it
+    (once its workers are gone), none when it does not, node by node. An end that was no stop
+    (or an older supervisor's record, without `how`) keeps the job's code."""
+    if info.get("state") == "stopped" and info.get("how") in STOP_CODES:
+        return STOP_CODES[info["how"]]
+    code = info.get("code")
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
 @dataclass
 class NodeStatus:
     rank: int
@@ -73,6 +91,20 @@ class NodeStatus:
     detail: str = ""
     ended: float | None = None       # when it ended, by the node's clock, when it says
 
+    def said(self) -> str:
+        """'stopped 143 (SIGTERM: ended within the 30 s grace; the launcher's connection
+        closed)': how every verb that tells a node's end puts it."""
+        return (f"{self.state}" + ("" if self.code is None else f" {self.code}")
+                + (f" ({self.detail})" if self.detail else ""))
+
+
+def node_row(rank: int, name: str, info: dict[str, Any]) -> NodeStatus:
+    """A row of `cluster status` from a node's supervisor's status (its exit record, once
+    the run has ended there), its code and words as every verb tells them."""
+    return NodeStatus(rank, name, info.get("state", "unknown"), code=end_code(info),
+                      pid=info.get("pgid"), uptime=info.get("uptime"), detail=end_detail(info),
+                      ended=info.get("ended"))
+
 
 def outcome(rows: list[NodeStatus]) -> tuple[bool, str]:
     """A finished run's outcome from its nodes' status: whether every node exited 0, and in
@@ -80,9 +112,10 @@ def outcome(rows: list[NodeStatus]) -> tuple[bool, str]:
     failed = [r for r in rows if not (r.state in ("exited", "completed") and r.code == 0)]
     if rows and not failed:
         return True, f"every node exited 0 ({len(rows)} node(s))"
-    return False, "; ".join(
-        f"{r.name}: {r.state}" + ("" if r.code is None else f" {r.code}")
-        + (f" ({r.detail})" if r.detail else "") for r in failed) or "no node reported"
+    ends = {r.said() for r in failed}
+    if len(rows) > 1 and len(failed) == len(rows) and len(ends) == 1:
+        return False, f"every node ({len(rows)}): {ends.pop()}"      # one stop, said once
+    return False, "; ".join(f"{r.name}: {r.said()}" for r in failed) or "no node reported"
 
 
 class Demux:

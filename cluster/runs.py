@@ -138,6 +138,15 @@ class RunDir:
                              f"file was removed")
         return meta
 
+    def started(self) -> dict[str, Any]:
+        """The record of a run whose nodes were started, for logs and down; as launched(), and
+        InputError for a launch that failed before its start (its check failed: the run
+        folders it made on the nodes are removed, nothing has output or is to stop)."""
+        meta = self.launched()
+        if meta.get("error") and "start" not in (meta.get("timings") or {}):
+            raise InputError(f"run {self.run_id} was refused before start: {meta['error']}")
+        return meta
+
     # -- writing --
 
     def record(self, plan: Any, inventory: spec.Inventory, backend: str,

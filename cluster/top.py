@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .nodes import NodeStatus
+from .nodes import NodeStatus, end_code
 from .runs import RunDir
 
 if TYPE_CHECKING:
@@ -202,8 +202,9 @@ def row_from(rec: dict[str, Any], answer: Any) -> Row:
     said = split_answer(answer.stdout.decode(errors="replace")) or {}
     status = said.get("status") or {"state": "unknown", "reason": answer.text()[-200:]}
     detail = status.get("reason") or ""
-    if status.get("code") is not None and status.get("state") in ("exited", "stopped"):
-        detail = f"exit code {status['code']}" + (f"; {detail}" if detail else "")
+    code = end_code(status)            # a stop's code, as `cluster status` says it
+    if code is not None and status.get("state") in ("exited", "stopped"):
+        detail = f"exit code {code}" + (f"; {detail}" if detail else "")
     return Row(rec["rank"], rec["name"], status.get("state", "unknown"), status.get("uptime"),
                parse_gpus(said.get("gpus")), parse_metrics(said.get("metrics")), detail,
                parse_steps(said.get("steps")))

@@ -18,7 +18,7 @@ from ..errors import BackendError, ClusterError, PreflightError
 from ..plan import LaunchPlan, NodePlan, render
 from ..runs import RunDir
 from ..spec import DEFAULT_STOP_GRACE, Host, Inventory
-from ..nodes import NodeStatus, end_detail
+from ..nodes import NodeStatus, node_row
 from . import shipping
 from .node import SupervisedNode, SupervisedProcess
 # The transport contract (transports, --sync and pull import it from .transport itself).
@@ -301,11 +301,7 @@ class SupervisedBackend:
             if "error" in info:
                 rows.append(NodeStatus(rec["rank"], rec["name"], "unreachable", detail=info["error"]))
                 continue
-            detail = end_detail(info)
-            rows.append(NodeStatus(rec["rank"], rec["name"], info.get("state", "unknown"),
-                                   code=info.get("code"), pid=info.get("pgid"),
-                                   uptime=info.get("uptime"), detail=detail,
-                                   ended=info.get("ended")))
+            rows.append(node_row(rec["rank"], rec["name"], info))
         return rows
 
     def logs(self, run: RunDir, *, node: str | None = None,

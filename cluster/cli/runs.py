@@ -1,6 +1,7 @@
 """The verbs of a recorded run: `cluster status`, `cluster logs`, `cluster down`."""
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any
 
@@ -9,8 +10,8 @@ import click
 from .. import backends
 from ..api import LogErrors, detached_error, first_failed
 from .main import CONTEXT, complete_run, main
-from ..errors import ClusterError, InputError, NodeLost, RunFailed
-from ..nodes import outcome
+from ..errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
+from ..nodes import NodeStatus, node_row, outcome
 from ..runs import RunDir
 from ..console import Console
 
@@ -45,7 +46,7 @@ def status(run: str | None, draw: bool) -> None:
         for a in attempts:
             out.print(f"attempt {a['attempt'] + 1} ({', '.join(a['nodes'])}): {a['ended']}",
                       markup=False, highlight=False)
-    for line in run_notes(meta, started=bool(rows)):
+    for line in run_notes(meta, started=bool(rows)) + launcher_gone(meta, rows):
         out.print(line, markup=False, highlight=False)
     if draw:
         from .. import timeline_png
@@ -71,6 +72,19 @@ def run_notes(meta: dict, started: bool) -> list[str]:
     return notes
 
 
+def launcher_gone(meta: dict, rows: list[NodeStatus]) -> list[str]:
+    """An attached run that every node has ended while its launcher recorded no end (no
+    attempt's exits, no error): the launcher was killed or its machine went down, and each
+    node's supervisor stopped its job when the launcher's connection closed. Said, with the
+    nodes' outcome (once, when they agree)."""
+    if (meta.get("detached") or meta.get("exits") or meta.get("error") or not rows
+            or any(r.state not in ("exited", "stopped") for r in rows)):
+        return []
+    _ok, words = outcome(rows)
+    return ["the launcher ended without recording how the run ended (it was killed, or its "
+            "machine went down); the nodes say: " + words]
+
+
 def slow_note(slow: dict) -> str:
     """'slow node [b 1]: ranks 2,3 at 1.52x the job's median (compute), named after 65 s'."""
     ranks = ",".join(str(r) for r in slow.get("ranks") or [])
@@ -89,7 +103,7 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
     run's outcome, and its exit code says it: 0 when every node exited 0, 4 when one did not
     (5 when one was lost), so `cluster logs -f && ...` goes on only after a success."""
     rd = RunDir.find(run)
-    names = [n["name"] for n in rd.launched().get("nodes") or []]
+    names = [n["name"] for n in rd.started().get("nodes") or []]
     if node and node not in names:
         raise InputError(f"Invalid value for --node: {node!r} is not in run {rd.run_id} ({', '.join(names)})")
     from ..console import LineSplitter
@@ -124,6 +138,13 @@ def report_outcome(rd: RunDir, rows: list, console: Console,
         return
     error = NodeLost if any(r.state == "lost" for r in rows) else RunFailed
     first = first_failed(rows)
+    if first is None and error is RunFailed and rows and all(r.state == "stopped" or r.code == 0
+                                                             for r in rows):
+        # A stop, no failure: exit as the stop's code on the nodes says (143, 137 after the
+        # grace), as the Python API's wait() of the run does.
+        codes = {r.code for r in rows if r.state == "stopped"}
+        signum = next(iter(codes)) - 128 if codes in ({137}, {143}) else signal.SIGTERM
+        raise Interrupted(f"run {rd.run_id} was stopped: {words}", signum=signum)
     if first is None:
         raise error(f"run {rd.run_id} did not succeed: {words}")
     said = detached_error(rows, rd.run_id, causes)
@@ -136,10 +157,10 @@ STOP_HOW = {"term": "; every one ended within the grace after SIGTERM",
             "kill": "; SIGKILL after the grace"}
 
 
-def _end(ended: dict[str, Any]) -> str:
-    if ended.get("signal"):
-        return f"killed by signal {ended['signal']}"
-    return "exit code ?" if ended.get("code") is None else f"exit code {ended['code']}"
+def _end(name: str, ended: dict[str, Any]) -> str:
+    """How a node that had ended by itself ended, as `cluster status` says it."""
+    state = "stopped" if ended.get("stopped") else "exited"
+    return node_row(0, name, {**ended, "state": state}).said()
 
 
 @main.command(context_settings=CONTEXT)
@@ -147,7 +168,7 @@ def _end(ended: dict[str, Any]) -> str:
 def down(run: str | None) -> None:
     """Stop every node of RUN (default: the newest) and verify nothing is left."""
     rd = RunDir.find(run)
-    rd.launched()
+    rd.started()
     backend = backends.recorded(rd)
     console = Console()
     try:
@@ -165,7 +186,7 @@ def down(run: str | None) -> None:
         elif "state" in rep:       # a scheduler job: its state after the cancel
             console.info(f"[{name}] {rep['state']}")
         elif rep.get("ended"):     # nothing of it was running: it had ended by itself
-            console.info(f"[{name}] had already ended ({_end(rep['ended'])}): nothing to stop")
+            console.info(f"[{name}] had already ended, {_end(name, rep['ended'])}: nothing to stop")
         else:
             console.info(f"[{name}] stopped ({len(rep.get('signalled', []))} process(es) signalled"
                          f"{STOP_HOW.get(str(rep.get('how')), '')})")

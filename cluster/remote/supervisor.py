@@ -402,7 +402,8 @@ def stop(d, grace):
                                             "leftovers": report["signalled"], "stopped": True,
                                             "reason": "stopped after its supervisor was lost"}))
     if ended is not None and not report["signalled"]:
-        report["ended"] = {"code": ended.get("code"), "signal": ended.get("signal")}
+        report["ended"] = {k: ended.get(k) for k in ("code", "signal", "stopped", "how",
+                                                     "reason", "grace")}
     return report
 
 

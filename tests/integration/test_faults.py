@@ -131,6 +131,48 @@ def test_kill_9(ssh_nodes4, cli, reliability, victim):
                 figures={"to exit": f"{detect:.1f} s", "to all clean": f"{detect + gone:.1f} s"})
 
 
+def status_rows(cli: Cli, run_id: str) -> tuple[dict[str, list[str]], list[str]]:
+    """`cluster status RUN`: each node's cells (state, exit code, pid, uptime, detail), and the
+    lines after the table."""
+    status = cli.run("status", run_id, timeout=60)
+    assert status.popen.returncode == 0, status.dump()
+    rows = {}
+    for line in status.out:
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) == 7 and cells[1].startswith("node"):
+            rows[cells[1]] = cells[2:]
+    return rows, [line for line in status.out if not line.startswith(("┏", "┃", "┡", "│", "└"))]
+
+
+def test_kill_9_of_the_launcher_every_verb_tells_one_outcome(ssh_nodes4, cli):
+    """The launcher SIGKILLed: each supervisor sees its channel close and stops its node. Every
+    node then reads as one stop with one code (143: every process ended within the grace after
+    SIGTERM), whatever its torchrun did under the stop (exit 1 when it unwound in time, killed
+    once its workers were gone when not): in status's rows, its note, logs -f's outcome and
+    exit, and down."""
+    proc = cli.start("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "3", *SYNC, "--sleep", "300")
+    asleep(proc, 3)
+    run_id = proc.run_id()
+    os.kill(proc.popen.pid, signal.SIGKILL)
+    proc.wait(10)
+    assert clean(ssh_nodes4, (1, 2, 3)) is not None, {i: run_processes_in(ssh_nodes4, i) for i in (1, 2, 3)}
+    rows, notes = status_rows(cli, run_id)
+    ends = {(state, code, detail) for state, code, _pid, _uptime, detail in rows.values()}
+    assert len(rows) == 3 and ends == {
+        ("stopped", "143", "SIGTERM: ended within the 30 s grace; the launcher's connection closed")}, rows
+    said = ("stopped 143 (SIGTERM: ended within the 30 s grace; the launcher's connection closed)")
+    note = " ".join(line.strip() for line in notes)           # one line, wrapped at 200 columns
+    assert ("the launcher ended without recording how the run ended (it was killed, or its machine "
+            f"went down); the nodes say: every node (3): {said}") in note, notes
+    logs = cli.run("logs", "-f", run_id, timeout=60)
+    assert logs.popen.returncode == 143, logs.dump()
+    assert f"cluster: error: run {run_id} was stopped: every node (3): {said}" in logs.err, logs.dump()
+    down = cli.run("down", run_id, timeout=60)
+    assert down.popen.returncode == 0, down.dump()
+    assert sorted(down.err) == [f"cluster: [node{i}] had already ended, {said}: nothing to stop"
+                                for i in (1, 2, 3)], down.dump()
+
+
 # --- the network -------------------------------------------------------------------------------
 
 

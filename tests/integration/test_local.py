@@ -139,6 +139,33 @@ def test_ctrl_c_leaves_no_process(tmp_path: Path) -> None:
     assert processes_under(tmp_path) == []
 
 
+def test_kill_9_of_the_launcher_leaves_one_stop_on_every_simulated_node(tmp_path: Path) -> None:
+    """The local launcher SIGKILLed: its supervisors (sessions of their own) see their input
+    close and stop their nodes; every row of status then says one stop, with one code."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1", COLUMNS="200")
+    env.pop("CLUSTER_RUNS_DIR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "cluster", "up", "--local", "--nodes", "2", "--",
+                             str(ALLREDUCE), "--sleep", "120"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    seen = ""
+    while seen.count('"sleeping"') < 2 and (line := proc.stdout.readline()):
+        seen += line
+    assert seen.count('"sleeping"') == 2, seen
+    run_id = only_run(tmp_path).name
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 30
+    while run_processes(run_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert run_processes(run_id) == []
+    status = cluster(tmp_path, "status", env={"COLUMNS": "200"})
+    rows = [[c.strip() for c in line.split("│")[3:4] + line.split("│")[4:5] + line.split("│")[7:8]]
+            for line in status.stdout.splitlines() if re.match(r"│ \d ", line)]
+    assert rows == [["stopped", "143", "SIGTERM: ended within the 30 s grace; the launcher's "
+                     "connection closed"]] * 2, status.stdout
+    assert "the launcher ended without recording how the run ended" in status.stdout
+
+
 def test_default_job_trains_for_real(tmp_path: Path) -> None:
     res = cluster(tmp_path, "up", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]

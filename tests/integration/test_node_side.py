@@ -86,7 +86,7 @@ def test_logs_follow_ends_with_the_runs_outcome(ssh_nodes4, cli):
     assert failing.popen.returncode == 0, failing.dump()
     logs = cli.run("logs", "-f", failing.run_id(), timeout=60)
     assert logs.popen.returncode == 4, logs.dump()
-    assert "did not succeed: node2: exited 3" in logs.stderr, logs.dump()
+    assert "did not succeed: node [node2 1] exited with code 3" in logs.stderr, logs.dump()
     assert "[node1 0] r0" in logs.out and "[node2 1] r1" in logs.out, logs.dump()
 
     fine = up(cli, ssh_nodes4, template(cli, "good", "echo r{{ rank }}; sleep 2\n"))

@@ -142,6 +142,49 @@ def test_a_run_stopped_by_its_owner_reads_as_that_not_as_someone_elses_signal() 
                       "exit_code": 4}, started=True)[1] == "ended with exit code 4: node [a 0] failed: exit code 1"
 
 
+def test_a_run_whose_launcher_was_killed_says_so_with_its_nodes_one_outcome(tmp_path: Path) -> None:
+    """An attached run every node has stopped while its launcher recorded no end (SIGKILLed):
+    status says so, and logs -f exits as the stop's code on the nodes says (as run.wait())."""
+    from cluster.cli.runs import launcher_gone, report_outcome
+    from cluster.console import Console
+    from cluster.errors import Interrupted
+    from cluster.nodes import NodeStatus
+    why = "SIGTERM: ended within the 30 s grace; the launcher's connection closed"
+    rows = [NodeStatus(i, f"n{i}", "stopped", code=143, detail=why) for i in range(2)]
+    assert launcher_gone({"detached": False}, rows) == [
+        "the launcher ended without recording how the run ended (it was killed, or its machine "
+        f"went down); the nodes say: every node (2): stopped 143 ({why})"]
+    assert launcher_gone({"exits": {"n0": {}}}, rows) == []           # it recorded the end
+    assert launcher_gone({"detached": True}, rows) == []              # no launcher by design
+    assert launcher_gone({}, rows[:1] + [NodeStatus(1, "n1", "running")]) == []
+    run = RunDir.create("20261201-100000-aaaa", tmp_path)
+    with pytest.raises(Interrupted) as stopped:
+        report_outcome(run, rows, Console())
+    assert stopped.value.exit_code == 143
+    assert str(stopped.value) == f"run {run.run_id} was stopped: every node (2): stopped 143 ({why})"
+    past_grace = [NodeStatus(0, "n0", "stopped", code=137), NodeStatus(1, "n1", "exited", code=0)]
+    with pytest.raises(Interrupted) as killed:
+        report_outcome(run, past_grace, Console())
+    assert killed.value.exit_code == 137
+
+
+def test_logs_and_down_of_a_run_whose_check_failed_say_so(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Its nodes were recorded, then its check failed (their run folders removed): logs and
+    down say the error, not a node's traceback for a folder that is gone."""
+    error = "2 check(s) failed on a, b (2 node(s) checked); nothing was started"
+    run = RunDir.create("20261201-100000-aaaa", tmp_path / "runs",
+                        meta={"backend": "local", "error": error, "exit_code": 3,
+                              "timings": {"check": 0.5}})
+    (run.path / "inventory.yaml").write_text("hosts: []\n")
+    monkeypatch.setenv("CLUSTER_RUNS_DIR", str(tmp_path / "runs"))
+    for verb in ("logs", "down"):
+        assert run_cli([verb]) == 2
+        assert capsys.readouterr().err.strip() == \
+            f"cluster: error: run {run.run_id} was refused before start: {error}"
+    run.update(timings={"check": 0.5, "start": 0.1})      # a restart's check: the run had started
+    assert run.started()["error"] == error
+
+
 def test_a_dry_run_is_never_the_newest_run(tmp_path: Path) -> None:
     real = RunDir.create("20261201-100000-aaaa", tmp_path, meta={"backend": "ssh", "dry_run": False})
     dry = RunDir.create("20261201-100100-bbbb", tmp_path, meta={"backend": "ssh", "dry_run": True})

@@ -561,11 +561,14 @@ def test_logs_follow_ends_when_its_reader_is_gone(tmp_path: Path) -> None:
 
 def test_a_stop_of_a_run_that_had_ended_says_how_it_ended(tmp_path: Path) -> None:
     """`cluster down` of a finished run: nothing is signalled, and the report carries the run's
-    own end, so the user reads "had already ended (exit code 3)", not "stopped"."""
+    own end, as `cluster status` tells it, so the user reads "had already ended, exited 3",
+    not "stopped"."""
     d = node_dir(tmp_path, "exit 3\n")
     finish(start(d))
     report = sup("stop", str(d), "--grace", "1")
-    assert report["signalled"] == [] and report["ended"] == {"code": 3, "signal": None}, report
+    assert report["signalled"] == [] and report["ended"] == {
+        "code": 3, "signal": None, "stopped": False, "how": None, "reason": None, "grace": 1.0
+    }, report
     running = tmp_path / "running"
     running.mkdir()
     (running / "launch.sh").write_text("sleep 300\n")
