@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import signal as _signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .errors import NodeLost
 
 RECORD_START, RECORD_END = b"\x1e", b"\x1f"     # ASCII record / unit separators
 
@@ -72,6 +75,21 @@ class NodeStatus:
     uptime: float | None = None
     detail: str = ""
     ended: float | None = None       # when it ended, by the node's clock, when it says
+
+
+# A node's state when it did not answer (backends' status rows): not an end, and not known.
+UNREACHABLE = frozenset({"unreachable", "unknown"})
+
+
+def unreachable_error(run_id: str, labels: Sequence[str], why: str) -> NodeLost:
+    """A detached run's nodes judged lost by whoever follows it (`cluster logs -f`, the API's
+    Run.wait()): said one way, with what to do. labels: "name rank" each."""
+    nodes = ", ".join(f"[{label}]" for label in labels)
+    names = ", ".join(label.rsplit(" ", 1)[0] for label in labels)
+    return NodeLost(f"run {run_id}: node {nodes} cannot be reached ({why}); whether its work "
+                    f"still runs there is unknown. `cluster status {run_id}` looks again; "
+                    f"`cluster down {run_id}` stops what it can reach (run it again once "
+                    f"{names} answers)")
 
 
 def outcome(rows: list[NodeStatus]) -> tuple[bool, str]:
