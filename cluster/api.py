@@ -29,15 +29,15 @@ from .backends.slurm_output import TERMINAL
 from .console import Console, LineSplitter, NodeProgress
 from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed, did_you_mean
 from .hang_timeout import valid as valid_hang_timeout
-from .nodes import NodeStatus
+from .nodes import UNREACHABLE, NodeStatus, unreachable_error
 from .plan import Job, Templates
 from .request import Request
 from .runs import RunDir, cache_root, new_run_id
 from .spec import Inventory, check_text, env_problem
 from .watch import WorkerErrors
 
-__all__ = ["Prepared", "Request", "Run", "detached_error", "first_failed", "prepare", "up",
-           "LogErrors"]
+__all__ = ["Prepared", "Request", "Run", "Unanswered", "detached_error", "first_failed",
+           "prepare", "up", "LogErrors"]
 
 
 @dataclass
@@ -271,24 +271,57 @@ class Run:
     def wait(self, timeout: float | None = None) -> int | None:
         """The exit code once the run has ended (0: every node finished; else self.error
         says why), or None if it is still going after timeout seconds. A detached run has
-        ended when every node has (read from the nodes every poll_interval seconds)."""
+        ended when every node has (read from the nodes every poll_interval seconds); a node
+        of it that has not answered for ssh.keepalive seconds raises NodeLost (naming it,
+        and what to do), with or without a timeout, as `cluster logs -f` does."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._thread.join(timeout)
         if not self.done:
             return None
         if not self._running_detached:
             return self.returncode
-        while (code := self._detached_outcome()) is None:
+        assert self._dir is not None
+        silent = Unanswered(self._dir.inventory().ssh.keepalive)
+        while True:
+            asked = time.monotonic()
+            rows = self._node_rows_within(None if deadline is None else deadline - asked)
+            if rows is None:
+                return None                     # the nodes did not answer in the time left
+            if (code := self._detached_outcome(rows)) is not None:
+                return code
+            lost = silent.lost(rows, asked)
+            if lost:
+                raise unreachable_error(self.run_id, [f"{r.name} {r.rank}" for r in lost],
+                                        silent.why(lost))
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return None
             time.sleep(self.poll_interval if left is None else min(self.poll_interval, left))
-        return code
 
-    def _detached_outcome(self) -> int | None:
+    def _node_rows_within(self, seconds: float | None) -> list[NodeStatus] | None:
+        """The nodes' status rows, or None when they have not all answered within seconds
+        (a node that cannot be reached takes ssh.connect_timeout to say so). The read goes on
+        in its thread then, and closes what it opened when it ends."""
+        if seconds is None:
+            return self._node_rows()
+        got: list[list[NodeStatus]] = []
+        failed: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                got.append(self._node_rows())
+            except BaseException as exc:        # noqa: BLE001 - raised again in the caller
+                failed.append(exc)
+        reader = threading.Thread(target=read, daemon=True, name=f"cluster-wait-{self.run_id}")
+        reader.start()
+        reader.join(max(0.0, seconds))
+        if failed:
+            raise failed[0]
+        return got[0] if got else None
+
+    def _detached_outcome(self, rows: list[NodeStatus]) -> int | None:
         """None while a node of the detached run has not ended; else its exit code, with
         self.error set as `cluster up` would have said it."""
-        rows = self._node_rows()
         if not rows or any(r.state not in _ENDED for r in rows):
             return None
         self.error = detached_error(rows, self.run_id, self._cause_of(first_failed(rows)))
@@ -359,6 +392,35 @@ class Run:
 
     def __repr__(self) -> str:
         return f"<cluster.Run {self.run_id} {'ended ' + str(self.returncode) if self.done else 'running'}>"
+
+
+class Unanswered:
+    """How long each node has not answered, over a detached run's status reads: a node that
+    has answered nothing for `grace` seconds (ssh.keepalive, the launcher's own rule for a
+    silent node) is judged lost. Counted from the start of the first read it did not answer."""
+
+    def __init__(self, grace: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.grace = grace
+        self.clock = clock
+        self.since: dict[str, float] = {}
+        self.detail: dict[str, str] = {}
+
+    def lost(self, rows: Sequence[NodeStatus], asked: float) -> list[NodeStatus]:
+        """The rows of one read (begun at `asked`) whose node is lost by now."""
+        for r in rows:
+            if r.state in UNREACHABLE:
+                self.since.setdefault(r.name, asked)
+                self.detail[r.name] = r.detail or r.state
+            else:
+                self.since.pop(r.name, None)
+        now = self.clock()
+        return [r for r in rows if r.name in self.since and now - self.since[r.name] >= self.grace]
+
+    def why(self, lost: Sequence[NodeStatus]) -> str:
+        now = self.clock()
+        longest = max(now - self.since[r.name] for r in lost)
+        return (f"no answer for {longest:.0f} s, ssh.keepalive is {self.grace:g} s: "
+                f"{self.detail[lost[0].name]}")
 
 
 def detached_error(rows: Sequence[NodeStatus], run_id: str,

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import signal as _signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .errors import NodeLost
 
 RECORD_START, RECORD_END = b"\x1e", b"\x1f"     # ASCII record / unit separators
 
@@ -104,6 +107,21 @@ def node_row(rank: int, name: str, info: dict[str, Any]) -> NodeStatus:
     return NodeStatus(rank, name, info.get("state", "unknown"), code=end_code(info),
                       pid=info.get("pgid"), uptime=info.get("uptime"), detail=end_detail(info),
                       ended=info.get("ended"))
+
+
+# A node's state when it did not answer (backends' status rows): not an end, and not known.
+UNREACHABLE = frozenset({"unreachable", "unknown"})
+
+
+def unreachable_error(run_id: str, labels: Sequence[str], why: str) -> NodeLost:
+    """A detached run's nodes judged lost by whoever follows it (`cluster logs -f`, the API's
+    Run.wait()): said one way, with what to do. labels: "name rank" each."""
+    nodes = ", ".join(f"[{label}]" for label in labels)
+    names = ", ".join(label.rsplit(" ", 1)[0] for label in labels)
+    return NodeLost(f"run {run_id}: node {nodes} cannot be reached ({why}); whether its work "
+                    f"still runs there is unknown. `cluster status {run_id}` looks again; "
+                    f"`cluster down {run_id}` stops what it can reach (run it again once "
+                    f"{names} answers)")
 
 
 def outcome(rows: list[NodeStatus]) -> tuple[bool, str]:

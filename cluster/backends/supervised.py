@@ -18,7 +18,7 @@ from ..errors import BackendError, ClusterError, PreflightError
 from ..plan import LaunchPlan, NodePlan, render
 from ..runs import RunDir
 from ..spec import DEFAULT_STOP_GRACE, Host, Inventory
-from ..nodes import NodeStatus, node_row
+from ..nodes import NodeStatus, node_row, unreachable_error
 from . import shipping
 from .node import SupervisedNode, SupervisedProcess
 # The transport contract (transports, --sync and pull import it from .transport itself).
@@ -322,26 +322,33 @@ class SupervisedBackend:
                     yield f"{rec['name']} {rec['rank']}", data
                 ch.wait()
             return
-        chunks: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
+        # (label, bytes): output; (label, None): that node's end; (label, str): it was lost
+        chunks: queue.Queue[tuple[str, bytes | str | None]] = queue.Queue()
 
         def read(rec: dict[str, Any], remote: SupervisedNode) -> None:
             label = f"{rec['name']} {rec['rank']}"
+            end: str | None = "the connection to it was lost"
             try:
                 ch = remote.logs(follow)
                 while data := ch.read():
                     chunks.put((label, data))
-                ch.wait()
+                if ch.wait() is not None:
+                    end = None
+            except ClusterError as exc:
+                end = exc.message
             finally:
-                chunks.put(None)
+                chunks.put((label, end))
         for rec, remote in chosen:
             threading.Thread(target=read, args=(rec, remote), daemon=True).start()
         running = len(chosen)
         while running:
-            item = chunks.get()
-            if item is None:
+            label, item = chunks.get()
+            if isinstance(item, bytes):
+                yield label, item
+            elif item is None:
                 running -= 1
-            else:
-                yield item
+            else:        # the run goes on there or not: nobody can say, so the follow ends
+                raise unreachable_error(run.run_id, [label], item)
 
     def pull(self, run: RunDir, paths: Sequence[str], into: Path,
              node: str | None = None) -> dict[str, Any]:

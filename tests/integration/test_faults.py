@@ -9,6 +9,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -256,6 +258,95 @@ def test_sshd_killed_mid_run(ssh_nodes4, cli, reliability):
                 outcome="node2's supervisor sees its channel close and stops its node; node2 is "
                         "reported and the others stopped; every node clean", exit=code,
                 figures={"to exit": f"{detect:.1f} s", "to all clean": f"{detect + gone:.1f} s"})
+
+
+# A detached run's wait() from the Python API while node2 cannot be reached: each answer comes
+# within a bound, whatever the node does. One line of JSON per step on stdout.
+WAIT_UNREACHABLE_API = """
+import json, sys, time
+import cluster
+from cluster.errors import ClusterError
+inv, programs = sys.argv[1:3]
+run = cluster.up(inv, "allreduce.py", ["--sleep", "300"], nodes=2, sync_dir=programs,
+                 echo=False, detach=True)
+while set(run.status().values()) != {"running"}:
+    time.sleep(0.5)
+print(json.dumps({"run_id": run.run_id}), flush=True)
+sys.stdin.readline()                       # node2's link is cut now
+
+def timed(step, timeout):
+    t0 = time.monotonic()
+    try:
+        said = {"code": run.wait(timeout)}
+    except ClusterError as exc:
+        said = {"raised": type(exc).__name__, "error": str(exc), "exit_code": exc.exit_code}
+    print(json.dumps({"step": step, "seconds": time.monotonic() - t0, **said}), flush=True)
+
+timed("short", 2.0)        # still running as far as anyone knows: None, on time
+timed("long", 120.0)       # node2 judged lost after ssh.keepalive: raised, long before 120 s
+timed("forever", None)     # the same without a timeout: raised, never blocked
+"""
+# ssh.keepalive (6 s) + ssh.connect_timeout (10 s, one connect attempt that gets no answer)
+# + a poll (2 s) and room for a loaded machine.
+LOST_BOUND = 30.0
+
+
+@pytest.mark.timeout(240)
+def test_a_detached_runs_wait_gives_up_on_an_unreachable_node(ssh_nodes4, cli):
+    inv = settings_inventory(ssh_nodes4, cli)
+    popen = subprocess.Popen([sys.executable, "-c", WAIT_UNREACHABLE_API, inv, str(PROGRAMS)],
+                             cwd=cli.cwd, env=cli.env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    api = Proc(popen)
+    cli.started.append(api)                # killed at the end whatever happens
+
+    def said(step: str) -> dict:
+        return next(json.loads(line) for line in api.out if f'"step": "{step}"' in line)
+    run_id = None
+    try:
+        api.wait_for(lambda p: any('"run_id"' in line for line in p.out), 180, "the run started")
+        run_id = json.loads(api.out[0])["run_id"]
+        follow = cli.start("logs", "-f", run_id)
+        follow.wait_for(lambda p: sum('"sleeping"' in line for line in p.out) >= 2, 60, "asleep")
+        ssh_nodes4.network.set_link(2, up=False)
+        cut = time.monotonic()
+        ended: list[tuple[int, float]] = []        # `logs -f`: its exit code, when after the cut
+        threading.Thread(target=lambda: ended.append((follow.popen.wait(), time.monotonic() - cut)),
+                         daemon=True).start()
+        popen.stdin.write("cut\n")
+        popen.stdin.flush()
+        api.wait_for(lambda p: any('"short"' in line for line in p.out), 2.0 + 3, "wait(2)")
+        short = said("short")
+        assert short["code"] is None and short["seconds"] < 2.0 + 2, short
+        api.wait_for(lambda p: any('"long"' in line for line in p.out), LOST_BOUND + 5, "wait(120)")
+        long = said("long")
+        assert long.get("raised") == "NodeLost" and long["exit_code"] == 5, long
+        assert long["seconds"] < LOST_BOUND, long
+        assert "node2" in long["error"] and "node1" not in long["error"], long
+        assert f"cluster status {run_id}" in long["error"], long
+        assert f"cluster down {run_id}" in long["error"], long
+        api.wait_for(lambda p: any('"forever"' in line for line in p.out), LOST_BOUND + 5, "wait()")
+        forever = said("forever")
+        assert forever.get("raised") == "NodeLost" and forever["seconds"] < LOST_BOUND, forever
+        assert api.wait(30) == 0, api.dump()
+        # `cluster logs -f` says the same of node2, within the same bound
+        assert wait_until(lambda: bool(ended), max(1.0, cut + LOST_BOUND - time.monotonic())) \
+            is not None, f"`cluster logs -f` still following {LOST_BOUND:g} s after the cut\n" \
+                         f"{follow.dump()}"
+        code, seconds = ended[0]
+        assert code == 5 and seconds < LOST_BOUND, (seconds, follow.dump())
+        assert f"cluster: error: run {run_id}: node [node2 1] cannot be reached" in follow.stderr, \
+            follow.dump()
+        sys.stderr.write(f"\n[wait timings] wait(2): {short['seconds']:.1f} s; wait(120): "
+                         f"{long['seconds']:.1f} s; wait(): {forever['seconds']:.1f} s; "
+                         f"logs -f: {seconds:.1f} s after the cut\n{long['error']}\n")
+    finally:
+        ssh_nodes4.network.set_link(2, up=True)
+        if run_id is not None:
+            down = cli.run("down", run_id, timeout=120)
+            assert down.popen.returncode == 0, down.dump()
+    assert clean(ssh_nodes4, (1, 2)) is not None, {i: run_processes_in(ssh_nodes4, i) for i in (1, 2)}
 
 
 # --- before the start ----------------------------------------------------------------------------

@@ -53,3 +53,34 @@ def test_prepare_creates_nothing(project: Path, tmp_path_factory: pytest.TempPat
     run._thread.join(60)
     assert run.returncode == 0, run.error
     assert any("templates" in p for p in tree(home) - before), tree(home)
+
+
+# --- a detached run's nodes that do not answer -----------------------------------------------
+
+
+def test_a_node_unanswered_for_the_keepalive_is_lost_and_an_answer_starts_it_over():
+    from cluster.api import Unanswered
+    from cluster.nodes import NodeStatus
+    now = [100.0]
+    silent = Unanswered(6.0, clock=lambda: now[0])
+    gone = [NodeStatus(0, "a", "running"), NodeStatus(1, "b", "unreachable", detail="timed out")]
+    now[0] = 105.0
+    assert silent.lost(gone, asked=100.0) == []             # 5 s without an answer
+    now[0] = 106.5
+    assert [r.name for r in silent.lost(gone, asked=104.0)] == ["b"]   # counted from 100
+    assert silent.why(silent.lost(gone, asked=106.0)) == \
+        "no answer for 6 s, ssh.keepalive is 6 s: timed out"
+    back = [NodeStatus(0, "a", "running"), NodeStatus(1, "b", "running")]
+    assert silent.lost(back, asked=107.0) == []
+    now[0] = 110.0
+    assert silent.lost(gone, asked=109.0) == []             # silent again: from 109
+
+
+def test_the_unreachable_error_names_the_node_and_what_to_do():
+    from cluster.errors import NodeLost
+    from cluster.nodes import unreachable_error
+    err = unreachable_error("R1", ["node2 1"], "the connection to it was lost")
+    assert isinstance(err, NodeLost) and err.exit_code == 5
+    assert err.message.startswith("run R1: node [node2 1] cannot be reached (the connection "
+                                  "to it was lost)")
+    assert "`cluster status R1`" in err.message and "`cluster down R1`" in err.message
