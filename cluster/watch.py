@@ -328,6 +328,8 @@ class Watcher:
             self.on_slow(list(self.result.slow))
         if "info" in record:
             self.console.info(record["info"])
+        if "said" in record:                    # a node's supervisor about itself
+            self.console.info(f"[{label}] {record['said']}")
 
     def _step_times(self, label: str, steps: Any) -> list[str]:
         """A node's ranks' own step times ({rank: [compute, data]}, from its supervisor): to

@@ -223,7 +223,11 @@ def run(args, user_umask=0o022):
               "ended": time.time(), "leftovers": leftovers["signalled"], "stopped": stopped,
               "reason": (why[0] if why else ("stop requested" if requested else None)),
               "how": final["how"], "grace": grace, "stop": final}
-    write_atomic(d, "exit", json.dumps(result))
+    try:
+        write_atomic(d, "exit", json.dumps(result))
+    except OSError as exc:        # a full disk: the launcher still gets the end, and the code
+        out.record({"said": "the node's exit record could not be written: %s"
+                            % (exc.strerror or exc)})
     out.record({"final": final})
     return code if code >= 0 else 128 - code
 
@@ -312,6 +316,9 @@ class Out:
 
 
 def copy_output(fd, log, out, tap, on_lost):
+    """The job's output to the node's log and to the launcher, until the job's pipe ends. The
+    only reader of that pipe: whatever fails on the way out, it keeps reading, or the job
+    would block on a full pipe and hang."""
     attached = out.stream is not None
     while True:
         try:
@@ -320,11 +327,26 @@ def copy_output(fd, log, out, tap, on_lost):
             break
         if not data:
             break
-        log.write(data)
+        log = to_log(log, data, out)
         tap.feed(data)
         if attached and not out.write(data):
             attached = False
             on_lost("the launcher's connection closed")
+
+
+def to_log(log, data, out):
+    """Append data to the node's log; the log, or None once a write of it failed (a full
+    disk, EIO): said once to the launcher, and the log is left as it was (whole up to
+    there) while the output still streams."""
+    if log is None:
+        return None
+    try:
+        log.write(data)
+        return log
+    except OSError as exc:
+        out.record({"said": "the node's log could not be written: %s, output still streamed"
+                            % (exc.strerror or exc)})
+        return None
 
 
 def dump(d, tap, out):

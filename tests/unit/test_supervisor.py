@@ -71,6 +71,21 @@ def finish(p: subprocess.Popen) -> bytes:
     return out
 
 
+def finish_within(p: subprocess.Popen, seconds: float) -> bytes:
+    """finish(p), or, when its output has not ended within `seconds` (a hung job), its
+    launcher gone (stdin closed: the supervisor stops the run) and then what it said."""
+    import threading
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(p.stdout.read()), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    if reader.is_alive():
+        p.stdin.close()
+        reader.join(30)
+    p.wait(timeout=30)
+    return got[0] if got else b""
+
+
 def sup(*args: str) -> dict:
     out = subprocess.run([sys.executable, str(SUPERVISOR), *args], capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -603,3 +618,24 @@ def test_the_job_starts_as_popen_would_start_it(tmp_path: Path) -> None:
         assert sorted(fds)[:3] == ["0", "1", "2"] and len(fds) <= 4, (way, fds)   # + $(...)'s pipe
         ignored = int(text.split("SigIgn:")[1].split()[0], 16)
         assert not ignored & (1 << (signal.SIGPIPE - 1)), (way, text)
+
+
+def test_a_log_that_cannot_be_written_leaves_the_job_and_its_stream_alive(tmp_path: Path) -> None:
+    """The node's log on a device that refuses every write (/dev/full: ENOSPC): the job still
+    runs to its end, every byte it printed (ten times a pipe's buffer) reaches the launcher,
+    and the supervisor says once that its log could not be written."""
+    from cluster.nodes import Demux
+    d = node_dir(tmp_path, "for i in $(seq 1 8000); do echo \"line $i of the job's output\"; done\n"
+                           "echo done\n")
+    (d / "output.log").symlink_to("/dev/full")
+    p = start(d)
+    out = finish_within(p, 20)
+    assert p.returncode == 0, out[-500:]
+    pieces = Demux().feed(out.split(b"\n", 1)[1])        # after the pgid line
+    text = b"".join(x for x in pieces if isinstance(x, bytes))
+    expected = "".join(f"line {i} of the job's output\n" for i in range(1, 8001)) + "done\n"
+    assert text.decode() == expected
+    said = [r["said"] for r in pieces if isinstance(r, dict) and "said" in r]
+    assert said == ["the node's log could not be written: No space left on device, "
+                    "output still streamed"], said
+    p.stdin.close()
