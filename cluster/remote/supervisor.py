@@ -154,20 +154,10 @@ def run(args, user_umask=0o022):
     write_atomic(d, "supervisor.pid", str(os.getpid()))
     write_atomic(d, "started", repr(time.time()))
 
-    stopping = threading.Event()
-    why = []
-    stoppers, done = [], []                # the stop's threads, and what each of them did
-    graces = []                            # the grace the stop was given
-
-    def stop_async(reason, grace=args.grace):
-        if not stopping.is_set():
-            why.append(reason)
-            graces.append(grace)
-            stopping.set()
-            t = threading.Thread(target=lambda: done.append(terminate(d, grace, True)),
-                                 daemon=True)
-            t.start()              # before the main thread can see it: it joins what it finds
-            stoppers.append(t)
+    stopper = StopOnce(d, args.grace)
+    stop_async = stopper.begin
+    stopping, why, stoppers, done, graces = (stopper.stopping, stopper.why, stopper.threads,
+                                             stopper.done, stopper.graces)
 
     def stop_requested():
         # The launcher's `stop` line: no process of its own on this node, one packet.
@@ -230,6 +220,35 @@ def run(args, user_umask=0o022):
                             % (exc.strerror or exc)})
     out.record({"final": final})
     return code if code >= 0 else 128 - code
+
+
+class StopOnce:
+    """The run's stop on this node, begun once whoever asks first: the launcher's `stop`, its
+    connection closing, its stream failing, the keepalive, a signal (several of them come
+    together when the launcher disappears). A second begin would TERM torchrun a second
+    time, which interrupts its own shutdown of its workers."""
+
+    def __init__(self, d, grace, terminate=terminate):
+        self.d, self.grace, self.terminate = d, grace, terminate
+        self.once = threading.Lock()       # taken by the first begin, never given back
+        self.stopping = threading.Event()  # a stop has begun
+        self.why, self.graces = [], []     # its reason and its grace
+        self.threads, self.done = [], []   # its thread, and what it did
+
+    def begin(self, reason, grace=None):
+        # Not blocking: a signal handler that runs inside a begin of the main thread (two
+        # signals in a row) must not wait for it, only see that it is taken.
+        if not self.once.acquire(False):
+            return False
+        grace = self.grace if grace is None else grace
+        self.why.append(reason)
+        self.graces.append(grace)
+        self.stopping.set()
+        t = threading.Thread(target=lambda: self.done.append(self.terminate(self.d, grace, True)),
+                             daemon=True)
+        t.start()                  # before the main thread can see it: it joins what it finds
+        self.threads.append(t)
+        return True
 
 
 def reap_orphans(child, ended, every=1.0):
