@@ -171,8 +171,10 @@ class Watcher:
         self.clock = clock
         self.stop = stop                       # set by another thread: stop all, as Ctrl-C does
         self.poll = poll                       # how often a quiet watch looks at stop and silence
-        # (node, its exit); (node, None) when its torchrun reported a failed worker
-        self.events: queue.Queue[tuple[NodeProcess, NodeExit | None]] = queue.Queue()
+        # (node, its exit); (node, None) when its torchrun reported a failed worker; (node,
+        # words) when its supervisor saw a worker die ("rank 1 (pid 123) died: signal 9")
+        self.events: queue.Queue[tuple[NodeProcess, NodeExit | str | None]] = queue.Queue()
+        self.died: set[str] = set()            # nodes that failed first by a worker's death
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
         self.errors: dict[str, WorkerErrors] = {p.node.label: WorkerErrors() for p in procs}
         # Nodes we are stopping print their shutdown tracebacks; those go to the log files only.
@@ -196,6 +198,10 @@ class Watcher:
                     result.stops = self.stop_all(pending)
                     break
                 proc, ex = event
+                if isinstance(ex, str):                 # its supervisor saw a worker die
+                    if self._worker_died(proc.node.label, ex, pending, result):
+                        break
+                    continue
                 if ex is None:                          # its torchrun said a worker failed
                     if self._fail_early(proc.node.label, pending, result):
                         break
@@ -216,8 +222,25 @@ class Watcher:
             result.stops = self.stop_all(pending)
         self._collect(pending, result)
         result.tails = {k: list(v) for k, v in self.tails.items()}
-        result.causes = {k: c for k, e in self.errors.items() if (c := e.cause())}
+        # A node whose worker's death was its failure: only what a worker printed leads, not
+        # torchrun's own report of that death, which the stop may or may not have let come.
+        result.causes = {k: c for k, e in self.errors.items()
+                         if (c := e.cause(printed_only=k in self.died))}
         return result
+
+    def _worker_died(self, label: str, what: str, pending: set[str], result: WatchResult) -> bool:
+        """A node's supervisor saw one of its workers die (killed, or exited non-zero): that
+        node's failure, the first, on which every node is stopped at once, that one too (its
+        torchrun has yet to notice)."""
+        if result.first_failure is not None or label not in pending:
+            return False
+        self.died.add(label)
+        result.had_workers.add(label)
+        result.first_failure = (label, NodeExit(detail=what))
+        result.exits[label] = result.first_failure[1]
+        self._report_failure(label, what, len(pending) - 1, early=True)
+        result.stops = self.stop_all(pending)
+        return True
 
     def _fail_early(self, label: str, pending: set[str], result: WatchResult) -> bool:
         """Stop every other node now; then wait for this node's own exit (its torchrun is
@@ -258,11 +281,11 @@ class Watcher:
                 return None
             except KeyboardInterrupt:
                 continue
-            if ex is not None:
+            if isinstance(ex, NodeExit):
                 return proc, ex
         return None
 
-    def _next_event(self) -> tuple[NodeProcess, NodeExit | None] | None:
+    def _next_event(self) -> tuple[NodeProcess, NodeExit | str | None] | None:
         """The next node to end, or None when no node has made progress for hang_timeout.
         A timeout keeps the main thread responsive to Ctrl-C while it waits."""
         while True:
@@ -456,6 +479,8 @@ class Pump:
 
     def feed(self, chunk: Any) -> None:
         if isinstance(chunk, dict):
+            if isinstance(chunk.get("died"), str):     # a worker's death: this node's failure
+                self.watcher.events.put((self.proc, chunk["died"]))
             self.watcher._control(self.label, chunk)
             return
         sub, data = chunk if isinstance(chunk, tuple) else (self.label, chunk)

@@ -175,20 +175,24 @@ def run(args, user_umask=0o022):
         signal.signal(sig, on_signal)
     out = Out(None if args.detach else sys.stdout.buffer)
     tap = workers.Tap()
-    ended = threading.Event()
+    ended, dumping = threading.Event(), threading.Event()
+    deaths = None
     if not args.detach:
         out.write(("@@cluster pgid=%d\n" % child).encode())
-        commands = {"dump": lambda: dump(d, tap, out), "stop": stop_requested}
+        commands = {"dump": lambda: dump(d, tap, out, dumping), "stop": stop_requested}
         threading.Thread(target=watch_launcher, args=(0, args.keepalive, stop_async, commands),
                          daemon=True).start()
+        deaths = watch_deaths(out, lambda: stopping.is_set() or ended.is_set() or dumping.is_set())
         workers.Progress(lambda: identity(d, True, os.getpid()), path(d, "heartbeat"),
-                         out.record, ended).start()
+                         out.record, ended, deaths.watch if deaths else None).start()
     pump = threading.Thread(target=copy_output, args=(output, log, out, tap, stop_async),
                             daemon=True)
     pump.start()
     threading.Thread(target=reap_orphans, args=(child, ended), daemon=True).start()
     code = spawning.wait_job(child)
     ended.set()
+    if deaths is not None:
+        deaths.close()
     grace = graces[0] if graces else args.grace
     for t in stoppers:                 # a stop in progress finishes its grace and its KILL first
         t.join(timeout=grace + 5)
@@ -249,6 +253,21 @@ class StopOnce:
         t.start()                  # before the main thread can see it: it joins what it finds
         self.threads.append(t)
         return True
+
+
+def watch_deaths(out, quiet):
+    """The watch on torchrun's workers (workers.Deaths), started; None where the node has no
+    pidfds. A worker's death that is a failure goes to the launcher at once, as a record:
+    {"died": "rank R (pid P) died: signal 9", "rank": R, "pid": P}."""
+    if not workers.Deaths.available():
+        return None
+
+    def report(rank, pid, cause):
+        out.record({"died": "rank %d (pid %d) died: %s" % (rank, pid, cause),
+                    "rank": rank, "pid": pid})
+    deaths = workers.Deaths(report, quiet)
+    deaths.start()
+    return deaths
 
 
 def reap_orphans(child, ended, every=1.0):
@@ -368,9 +387,11 @@ def to_log(log, data, out):
         return None
 
 
-def dump(d, tap, out):
+def dump(d, tap, out, dumping):
     """Every worker's stack, for the launcher's hang watchdog: files under hang/, and one
-    control record each."""
+    control record each. A worker's death from here on (faulthandler's SIGABRT) is no
+    failure: the launcher stops the run after the dump."""
+    dumping.set()
     ident = identity(d, True)
     found = workers.dump_stacks(ident, tap) if ident else []
     os.makedirs(path(d, "hang"), exist_ok=True)
