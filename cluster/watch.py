@@ -174,7 +174,8 @@ class Watcher:
         # (node, its exit); (node, None) when its torchrun reported a failed worker; (node,
         # words) when its supervisor saw a worker die ("rank 1 (pid 123) died: signal 9")
         self.events: queue.Queue[tuple[NodeProcess, NodeExit | str | None]] = queue.Queue()
-        self.died: set[str] = set()            # nodes that failed first by a worker's death
+        # A node that failed first by a worker's death -> what its workers had printed then
+        self.died: dict[str, str | None] = {}
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
         self.errors: dict[str, WorkerErrors] = {p.node.label: WorkerErrors() for p in procs}
         # Nodes we are stopping print their shutdown tracebacks; those go to the log files only.
@@ -222,10 +223,10 @@ class Watcher:
             result.stops = self.stop_all(pending)
         self._collect(pending, result)
         result.tails = {k: list(v) for k, v in self.tails.items()}
-        # A node whose worker's death was its failure: only what a worker printed leads, not
-        # torchrun's own report of that death, which the stop may or may not have let come.
+        # A node whose worker's death was its failure: only what was printed before it leads
+        # (the dying worker's own traceback), not what the stop made torchrun say after it.
         result.causes = {k: c for k, e in self.errors.items()
-                         if (c := e.cause(printed_only=k in self.died))}
+                         if (c := self.died[k] if k in self.died else e.cause())}
         return result
 
     def _worker_died(self, label: str, what: str, pending: set[str], result: WatchResult) -> bool:
@@ -234,7 +235,8 @@ class Watcher:
         torchrun has yet to notice)."""
         if result.first_failure is not None or label not in pending:
             return False
-        self.died.add(label)
+        errors = self.errors.get(label)
+        self.died[label] = errors.cause(printed_only=True) if errors else None
         result.had_workers.add(label)
         result.first_failure = (label, NodeExit(detail=what))
         result.exits[label] = result.first_failure[1]

@@ -176,16 +176,18 @@ def run(args, user_umask=0o022):
     out = Out(None if args.detach else sys.stdout.buffer)
     tap = workers.Tap()
     ended, dumping = threading.Event(), threading.Event()
+    pumping = threading.Lock()         # held while a chunk the pump read is on its way out
     deaths = None
     if not args.detach:
         out.write(("@@cluster pgid=%d\n" % child).encode())
         commands = {"dump": lambda: dump(d, tap, out, dumping), "stop": stop_requested}
         threading.Thread(target=watch_launcher, args=(0, args.keepalive, stop_async, commands),
                          daemon=True).start()
-        deaths = watch_deaths(out, lambda: stopping.is_set() or ended.is_set() or dumping.is_set())
+        deaths = watch_deaths(out, output, pumping,
+                              lambda: stopping.is_set() or ended.is_set() or dumping.is_set())
         workers.Progress(lambda: identity(d, True, os.getpid()), path(d, "heartbeat"),
                          out.record, ended, deaths.watch if deaths else None).start()
-    pump = threading.Thread(target=copy_output, args=(output, log, out, tap, stop_async),
+    pump = threading.Thread(target=copy_output, args=(output, log, out, tap, stop_async, pumping),
                             daemon=True)
     pump.start()
     threading.Thread(target=reap_orphans, args=(child, ended), daemon=True).start()
@@ -255,19 +257,39 @@ class StopOnce:
         return True
 
 
-def watch_deaths(out, quiet):
+def watch_deaths(out, output, pumping, quiet):
     """The watch on torchrun's workers (workers.Deaths), started; None where the node has no
     pidfds. A worker's death that is a failure goes to the launcher at once, as a record:
-    {"died": "rank R (pid P) died: signal 9", "rank": R, "pid": P}."""
+    {"died": "rank R (pid P) died: signal 9", "rank": R, "pid": P}, after what the job wrote
+    before it (output: the job's pipe; pumping: the pump's lock), where a dying worker's
+    traceback is: the launcher names the error with the death."""
     if not workers.Deaths.available():
         return None
 
     def report(rank, pid, cause):
-        out.record({"died": "rank %d (pid %d) died: %s" % (rank, pid, cause),
-                    "rank": rank, "pid": pid})
+        drained(output, 0.05)
+        with pumping:
+            out.record({"died": "rank %d (pid %d) died: %s" % (rank, pid, cause),
+                        "rank": rank, "pid": pid})
     deaths = workers.Deaths(report, quiet)
     deaths.start()
     return deaths
+
+
+def drained(fd, seconds):
+    """Wait up to `seconds` until the pipe fd holds no unread byte (the pump took them all)."""
+    import fcntl                    # here, not above: a worker's death only
+    import termios
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            raw = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
+            left = int.from_bytes(raw, sys.byteorder, signed=True)
+        except OSError:
+            return
+        if not left:
+            return
+        time.sleep(0.001)
 
 
 def reap_orphans(child, ended, every=1.0):
@@ -353,7 +375,7 @@ class Out:
         self.write(b"\x1e" + json.dumps(obj).encode() + b"\x1f")
 
 
-def copy_output(fd, log, out, tap, on_lost):
+def copy_output(fd, log, out, tap, on_lost, pumping):
     """The job's output to the node's log and to the launcher, until the job's pipe ends. The
     only reader of that pipe: whatever fails on the way out, it keeps reading, or the job
     would block on a full pipe and hang."""
@@ -365,9 +387,11 @@ def copy_output(fd, log, out, tap, on_lost):
             break
         if not data:
             break
-        log = to_log(log, data, out)
-        tap.feed(data)
-        if attached and not out.write(data):
+        with pumping:
+            log = to_log(log, data, out)
+            tap.feed(data)
+            sent = not attached or out.write(data)
+        if not sent:
             attached = False
             on_lost("the launcher's connection closed")
 
