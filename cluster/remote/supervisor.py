@@ -154,7 +154,14 @@ def run(args, user_umask=0o022):
     write_atomic(d, "supervisor.pid", str(os.getpid()))
     write_atomic(d, "started", repr(time.time()))
 
-    stopper = StopOnce(d, args.grace)
+    watching = []                      # the watch on the workers' deaths, once started
+
+    def stop_all(d, grace, we_supervise):
+        # A stop after a worker's death finds torchrun without its worker: still a torchrun
+        # after its workers (its short grace), since the watch saw them.
+        seen = bool(watching and watching[0].seen)
+        return terminate(d, grace, we_supervise, workers_seen=seen)
+    stopper = StopOnce(d, args.grace, stop_all)
     stop_async = stopper.begin
     stopping, why, stoppers, done, graces = (stopper.stopping, stopper.why, stopper.threads,
                                              stopper.done, stopper.graces)
@@ -185,6 +192,7 @@ def run(args, user_umask=0o022):
                          daemon=True).start()
         deaths = watch_deaths(out, output, pumping,
                               lambda: stopping.is_set() or ended.is_set() or dumping.is_set())
+        watching[:] = [deaths] if deaths else []
         workers.Progress(lambda: identity(d, True, os.getpid()), path(d, "heartbeat"),
                          out.record, ended, deaths.watch if deaths else None).start()
     pump = threading.Thread(target=copy_output, args=(output, log, out, tap, stop_async, pumping),

@@ -279,3 +279,37 @@ def test_the_supervisor_reports_a_dead_worker_at_once(tmp_path: Path) -> None:
                          "pid": worker}], died
     finally:
         p.stdin.close()
+
+
+# The stand-in again, slow to end on TERM as torchrun is (its traceback, its garbage collection).
+SLOW_AGENT = AGENT.replace("exec python3 -c 'import os, subprocess, time\n",
+                           "exec python3 -c 'import os, signal, subprocess, time\n"
+                           "signal.signal(signal.SIGTERM, lambda *_: time.sleep(30))\n")
+
+
+@needs_pidfd
+def test_a_stop_after_a_workers_death_gives_torchrun_only_its_short_grace(tmp_path: Path) -> None:
+    """Its worker dead, torchrun is alone at the stop's first look: still a torchrun after its
+    workers (the watch saw them), so a moment and KILL, not the stop's whole grace (5 s); and
+    the stop reads as ended on TERM, as any such stop."""
+    import signal
+    from tests.unit.test_supervisor import RUN_ID, finish, node_dir, start, tagged_pids, wait_for
+    d = node_dir(tmp_path, SLOW_AGENT)
+    p = start(d, grace=5)
+    try:
+        def rank3() -> list[int]:
+            return [pid for pid, rank in workers.workers_among(tagged_pids(RUN_ID, "n1"))
+                    if rank == 3]
+        assert wait_for(rank3)
+        time.sleep(2.5)                 # the supervisor's look for workers has found it
+        os.kill(rank3()[0], signal.SIGKILL)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        p.stdin.write(b"stop\n")
+        p.stdin.flush()
+        final = [r["final"] for r in records_of(finish(p)) if "final" in r]
+        took = time.monotonic() - t0
+        assert final and final[0]["how"] == "term" and final[0]["left"] == [], final
+        assert took < 2.0, took
+    finally:
+        p.stdin.close()
