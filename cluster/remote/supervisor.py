@@ -154,7 +154,7 @@ def run(args, user_umask=0o022):
     write_atomic(d, "supervisor.pid", str(os.getpid()))
     write_atomic(d, "started", repr(time.time()))
 
-    watching = []                      # the watch on the workers' deaths, once started
+    watching = []  # type: list  # the watch on the workers' deaths, once started
 
     def stop_all(d, grace, we_supervise):
         # A stop after a worker's death finds torchrun without its worker: still a torchrun
