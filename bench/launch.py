@@ -296,10 +296,13 @@ class Bench:
         return took
 
     def worker_pid(self, n: int, real_torchrun: bool) -> int:
-        """A worker on the last node (not torchrun, not the supervisor)."""
+        """A worker on the last node (not torchrun, not the supervisor): with torchrun, the
+        process that carries its rank variables. Not by the script's name: the node's
+        supervisor has it on its command line too (the check's --script), and until
+        2026-12-06 this took the supervisor, the lowest pid, for the worker."""
         for pid_cmd in self.left(n):
             pid, cmd = pid_cmd.split(" ", 1)
-            if ("allreduce.py" in cmd and "torch.distributed.run" not in cmd) or \
+            if (real_torchrun and "allreduce.py" in cmd and rank_of(int(pid))) or \
                     (not real_torchrun and "time.sleep(600)" in cmd):
                 return int(pid)
         raise SystemExit(f"no worker found on node{n}: {self.left(n)}")
@@ -319,6 +322,15 @@ class Bench:
             except OSError:
                 continue
         return out
+
+
+def rank_of(pid: int) -> bool:
+    """pid carries torchrun's worker variables (GROUP_RANK and RANK)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(v.startswith(b"GROUP_RANK=") for v in env) and any(v.startswith(b"RANK=") for v in env)
 
 
 class Peak(threading.Thread):
@@ -504,7 +516,7 @@ def launch(sizes: list[int], repeats: int, results: dict) -> None:
             results["launch"][n] = {"c10d": c10d, "static": static, "bare": bare, "timings": timings}
 
 
-def teardown(sizes: list[int], repeats: int, results: dict) -> None:
+def teardown(sizes: list[int], repeats: int, results: dict, kinds: set[str] | None = None) -> None:
     from tests.integration.fixtures import SshNodes
     programs = ROOT / "tests" / "integration" / "programs"
     for n in sizes:
@@ -522,7 +534,7 @@ def teardown(sizes: list[int], repeats: int, results: dict) -> None:
                                      ("Ctrl-C, torchrun", "ctrl-c", True),
                                      ("kill -9, stand-in agent", "kill", False),
                                      ("Ctrl-C, stand-in agent", "ctrl-c", False)):
-                if real and n > 16:
+                if (real and n > 16) or (kinds and f"{how}-{'torchrun' if real else 'agent'}" not in kinds):
                     continue
                 times: dict[str, list[float]] = {c: [] for c in ROOTS}
                 for _ in range(repeats):
@@ -578,6 +590,8 @@ def main() -> int:
     ap.add_argument("--teardown", default="8,64")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma-separated: fanout,launch,teardown")
+    ap.add_argument("--teardown-kinds", default="", help="comma-separated, of kill-torchrun, "
+                    "ctrl-c-torchrun, kill-agent, ctrl-c-agent (default: all)")
     ap.add_argument("--plot", default="bench/results/launch-fanout.png")
     ap.add_argument("--json", default="", help="write the raw results here")
     ap.add_argument("--scale", default="", help="node counts for one launch and one stop "
@@ -605,7 +619,8 @@ def main() -> int:
     if "launch" not in skip:
         launch(sizes(args.launch), args.repeats, results)
     if "teardown" not in skip:
-        teardown(sizes(args.teardown), args.repeats, results)
+        teardown(sizes(args.teardown), args.repeats, results,
+                 set(filter(None, args.teardown_kinds.split(","))))
     for n in sizes(args.scale):
         scale(n, results)
     if args.json:

@@ -322,7 +322,7 @@ def _outcome(result: WatchResult, plan: Plan, console: Console) -> int:
                         f"runs/{plan.run_id}/hang/){why_not}")
     if result.first_failure:
         label, ex = result.first_failure
-        stopped = len(result.stops)
+        stopped = len(set(result.stops) - {label})     # the others (it may be stopped too)
         cause = result.causes.get(label)          # the worker's own error leads
         msg = (f"node [{label}] failed: {f'{cause} ({ex.describe()})' if cause else ex.describe()}; "
                f"{'stopped the other ' + str(stopped) + ' node(s)' if stopped else 'no other node was running'}"

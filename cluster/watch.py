@@ -212,8 +212,11 @@ class Watcher:
         self.clock = clock
         self.stop = stop                       # set by another thread: stop all, as Ctrl-C does
         self.poll = poll                       # how often a quiet watch looks at stop and silence
-        # (node, its exit); (node, None) when its torchrun reported a failed worker
-        self.events: queue.Queue[tuple[NodeProcess, NodeExit | None]] = queue.Queue()
+        # (node, its exit); (node, None) when its torchrun reported a failed worker; (node,
+        # words) when its supervisor saw a worker die ("rank 1 (pid 123) died: signal 9")
+        self.events: queue.Queue[tuple[NodeProcess, NodeExit | str | None]] = queue.Queue()
+        # A node that failed first by a worker's death -> what its workers had printed then
+        self.died: dict[str, str | None] = {}
         self.tails: dict[str, deque[str]] = {p.node.label: deque(maxlen=TAIL_LINES) for p in procs}
         said = itertools.count().__next__         # one order for every node's errors
         self.errors: dict[str, WorkerErrors] = {p.node.label: WorkerErrors(said) for p in procs}
@@ -238,6 +241,10 @@ class Watcher:
                     result.stops = self.stop_all(pending)
                     break
                 proc, ex = event
+                if isinstance(ex, str):                 # its supervisor saw a worker die
+                    if self._worker_died(proc.node.label, ex, pending, result):
+                        break
+                    continue
                 if ex is None:                          # its torchrun said a worker failed
                     if self._fail_early(proc.node.label, pending, result):
                         break
@@ -258,7 +265,10 @@ class Watcher:
             result.stops = self.stop_all(pending)
         self._collect(pending, result)
         result.tails = {k: list(v) for k, v in self.tails.items()}
-        result.causes = {k: c for k, e in self.errors.items() if (c := e.cause())}
+        # A node whose worker's death was its failure: only what was printed before it leads
+        # (the dying worker's own traceback), not what the stop made torchrun say after it.
+        result.causes = {k: c for k, e in self.errors.items()
+                         if (c := self.died[k] if k in self.died else e.cause())}
         result.tracebacks = {k: (e.cause_rank(), t) for k, e in self.errors.items()
                              if (t := e.traceback())}
         result.then = self._other_errors(result)
@@ -273,6 +283,21 @@ class Watcher:
             but = errors.cause_rank() if label == first else None
             said += [(at, f"[{label}] rank {r}: {text}") for at, r, text in errors.others(but)]
         return [line for _, line in sorted(said)]
+
+    def _worker_died(self, label: str, what: str, pending: set[str], result: WatchResult) -> bool:
+        """A node's supervisor saw one of its workers die (killed, or exited non-zero): that
+        node's failure, the first, on which every node is stopped at once, that one too (its
+        torchrun has yet to notice)."""
+        if result.first_failure is not None or label not in pending:
+            return False
+        errors = self.errors.get(label)
+        self.died[label] = errors.cause(printed_only=True) if errors else None
+        result.had_workers.add(label)
+        result.first_failure = (label, NodeExit(detail=what))
+        result.exits[label] = result.first_failure[1]
+        self._report_failure(label, what, len(pending) - 1, early=True)
+        result.stops = self.stop_all(pending)
+        return True
 
     def _fail_early(self, label: str, pending: set[str], result: WatchResult) -> bool:
         """Stop every other node now; then wait for this node's own exit (its torchrun is
@@ -313,11 +338,11 @@ class Watcher:
                 return None
             except KeyboardInterrupt:
                 continue
-            if ex is not None:
+            if isinstance(ex, NodeExit):
                 return proc, ex
         return None
 
-    def _next_event(self) -> tuple[NodeProcess, NodeExit | None] | None:
+    def _next_event(self) -> tuple[NodeProcess, NodeExit | str | None] | None:
         """The next node to end, or None when no node has made progress for hang_timeout.
         A timeout keeps the main thread responsive to Ctrl-C while it waits."""
         while True:
@@ -384,6 +409,8 @@ class Watcher:
             self.on_slow(list(self.result.slow))
         if "info" in record:
             self.console.info(record["info"])
+        if "said" in record:                    # a node's supervisor about itself
+            self.console.info(f"[{label}] {record['said']}")
 
     def _step_times(self, label: str, steps: Any) -> list[str]:
         """A node's ranks' own step times ({rank: [compute, data]}, from its supervisor): to
@@ -510,6 +537,8 @@ class Pump:
 
     def feed(self, chunk: Any) -> None:
         if isinstance(chunk, dict):
+            if isinstance(chunk.get("died"), str):     # a worker's death: this node's failure
+                self.watcher.events.put((self.proc, chunk["died"]))
             self.watcher._control(self.label, chunk)
             return
         sub, data = chunk if isinstance(chunk, tuple) else (self.label, chunk)

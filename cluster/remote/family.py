@@ -140,6 +140,21 @@ def start_time(pid):
     return int(data[data.rfind(")") + 2:].split()[19])
 
 
+def exit_status(pid):
+    """How pid ended, as waitpid(2) puts it, read while it is a zombie (its parent has not
+    collected it yet): /proc/PID/stat's exit_code (Linux 3.5+). None while it runs, once it
+    was collected, or where the kernel does not say."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            data = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = data[data.rfind(")") + 2:].split()
+    if len(fields) < 50 or fields[0] not in ("Z", "X"):
+        return None
+    return int(fields[49])                  # field 52 of stat(5); fields[0] is field 3
+
+
 def cmdline(pid):
     """A process's arguments, or [] when it is gone."""
     try:

@@ -18,7 +18,7 @@ import family  # noqa: E402
 import workers  # noqa: E402
 from rundir import path, read_json, read_number  # noqa: E402
 
-LAUNCHER_GRACE = 0.25
+LAUNCHER_GRACE = 0.05
 
 alive, owner = family.alive, family.owner      # /proc, read plainly
 
@@ -109,18 +109,19 @@ def supervisor_alive(d):
     return family.start_time(pid) == born
 
 
-def terminate(d, grace, we_supervise=False):
-    """TERM every process of the run on this node, wait up to `grace`, KILL, verify."""
+def terminate(d, grace, we_supervise=False, workers_seen=False):
+    """TERM every process of the run on this node, wait up to `grace`, KILL, verify.
+    workers_seen: the live supervisor saw torchrun's workers (one may have died since)."""
     ident = identity(d, we_supervise or supervisor_alive(d), os.getpid() if we_supervise else None)
     if ident is None:
         return {"signalled": [], "killed": [], "left": []}
     container = container_record(d)
     if container is not None:
         return terminate_container(ident, container, grace)
-    return sweep(ident, grace)
+    return sweep(ident, grace, workers_seen)
 
 
-def sweep(ident, grace):
+def sweep(ident, grace, workers_seen=False):
     """TERM each process of the run once, wait up to `grace`, KILL the rest, verify. The
     report counts torchrun's workers among them: proof that the rendezvous had completed."""
     first = ident.members(thorough=False)      # thorough unless the live supervisor asks
@@ -135,10 +136,11 @@ def sweep(ident, grace):
         left = still(ident, first)
         # Only when workers were there at the first look: a group leader alone between its own
         # steps (a shell trapping TERM between two sleeps) is not a torchrun after its workers.
-        launcher_only = had > 0 and bool(ident.pgid) and left == [ident.pgid]
+        launcher_only = (had > 0 or workers_seen) and bool(ident.pgid) and left == [ident.pgid]
         if launcher_only:
             # Only the launcher (torchrun) is left, its workers are gone: it has nothing more to
-            # save, and its interpreter takes over a second to exit. A short grace, then KILL.
+            # save, and its interpreter takes 0.2-0.7 s to exit (its traceback, its final
+            # garbage collection), the longest part of a stop. A moment, then KILL.
             deadline = min(deadline, time.time() + LAUNCHER_GRACE)
     # The grace ran out on work that was still going (not on torchrun after its workers).
     expired = bool(left) and not launcher_only

@@ -158,20 +158,17 @@ def run(args, user_umask=0o022):
     write_atomic(d, "supervisor.pid", str(os.getpid()))
     write_atomic(d, "started", repr(time.time()))
 
-    stopping = threading.Event()
-    why = []
-    stoppers, done = [], []                # the stop's threads, and what each of them did
-    graces = []                            # the grace the stop was given
+    watching = []  # type: list  # the watch on the workers' deaths, once started
 
-    def stop_async(reason, grace=args.grace):
-        if not stopping.is_set():
-            why.append(reason)
-            graces.append(grace)
-            stopping.set()
-            t = threading.Thread(target=lambda: done.append(terminate(d, grace, True)),
-                                 daemon=True)
-            t.start()              # before the main thread can see it: it joins what it finds
-            stoppers.append(t)
+    def stop_all(d, grace, we_supervise):
+        # A stop after a worker's death finds torchrun without its worker: still a torchrun
+        # after its workers (its short grace), since the watch saw them.
+        seen = bool(watching and watching[0].seen)
+        return terminate(d, grace, we_supervise, workers_seen=seen)
+    stopper = StopOnce(d, args.grace, stop_all)
+    stop_async = stopper.begin
+    stopping, why, stoppers, done, graces = (stopper.stopping, stopper.why, stopper.threads,
+                                             stopper.done, stopper.graces)
 
     def stop_requested():
         # The launcher's `stop` line: no process of its own on this node, one packet.
@@ -189,20 +186,27 @@ def run(args, user_umask=0o022):
         signal.signal(sig, on_signal)
     out = Out(None if args.detach else sys.stdout.buffer)
     tap = workers.Tap()
-    ended = threading.Event()
+    ended, dumping = threading.Event(), threading.Event()
+    pumping = threading.Lock()         # held while a chunk the pump read is on its way out
+    deaths = None
     if not args.detach:
         out.write(("@@cluster pgid=%d\n" % child).encode())
-        commands = {"dump": lambda: dump(d, tap, out), "stop": stop_requested}
+        commands = {"dump": lambda: dump(d, tap, out, dumping), "stop": stop_requested}
         threading.Thread(target=watch_launcher, args=(0, args.keepalive, stop_async, commands),
                          daemon=True).start()
+        deaths = watch_deaths(out, output, pumping,
+                              lambda: stopping.is_set() or ended.is_set() or dumping.is_set())
+        watching[:] = [deaths] if deaths else []
         workers.Progress(lambda: identity(d, True, os.getpid()), path(d, "heartbeat"),
-                         out.record, ended).start()
-    pump = threading.Thread(target=copy_output, args=(output, log, out, tap, stop_async),
+                         out.record, ended, deaths.watch if deaths else None).start()
+    pump = threading.Thread(target=copy_output, args=(output, log, out, tap, stop_async, pumping),
                             daemon=True)
     pump.start()
     threading.Thread(target=reap_orphans, args=(child, ended), daemon=True).start()
     code = spawning.wait_job(child)
     ended.set()
+    if deaths is not None:
+        deaths.close()
     grace = graces[0] if graces else args.grace
     for t in stoppers:                 # a stop in progress finishes its grace and its KILL first
         t.join(timeout=grace + 5)
@@ -227,9 +231,77 @@ def run(args, user_umask=0o022):
               "ended": time.time(), "leftovers": leftovers["signalled"], "stopped": stopped,
               "reason": (why[0] if why else ("stop requested" if requested else None)),
               "how": final["how"], "grace": grace, "stop": final}
-    write_atomic(d, "exit", json.dumps(result))
+    try:
+        write_atomic(d, "exit", json.dumps(result))
+    except OSError as exc:        # a full disk: the launcher still gets the end, and the code
+        out.record({"said": "the node's exit record could not be written: %s"
+                            % (exc.strerror or exc)})
     out.record({"final": final})
     return code if code >= 0 else 128 - code
+
+
+class StopOnce:
+    """The run's stop on this node, begun once whoever asks first: the launcher's `stop`, its
+    connection closing, its stream failing, the keepalive, a signal (several of them come
+    together when the launcher disappears). A second begin would TERM torchrun a second
+    time, which interrupts its own shutdown of its workers."""
+
+    def __init__(self, d, grace, terminate=terminate):
+        self.d, self.grace, self.terminate = d, grace, terminate
+        self.once = threading.Lock()       # taken by the first begin, never given back
+        self.stopping = threading.Event()  # a stop has begun
+        self.why, self.graces = [], []     # its reason and its grace
+        self.threads, self.done = [], []   # its thread, and what it did
+
+    def begin(self, reason, grace=None):
+        # Not blocking: a signal handler that runs inside a begin of the main thread (two
+        # signals in a row) must not wait for it, only see that it is taken.
+        if not self.once.acquire(False):
+            return False
+        grace = self.grace if grace is None else grace
+        self.why.append(reason)
+        self.graces.append(grace)
+        self.stopping.set()
+        t = threading.Thread(target=lambda: self.done.append(self.terminate(self.d, grace, True)),
+                             daemon=True)
+        t.start()                  # before the main thread can see it: it joins what it finds
+        self.threads.append(t)
+        return True
+
+
+def watch_deaths(out, output, pumping, quiet):
+    """The watch on torchrun's workers (workers.Deaths), started; None where the node has no
+    pidfds. A worker's death that is a failure goes to the launcher at once, as a record:
+    {"died": "rank R (pid P) died: signal 9", "rank": R, "pid": P}, after what the job wrote
+    before it (output: the job's pipe; pumping: the pump's lock), where a dying worker's
+    traceback is: the launcher names the error with the death."""
+    if not workers.Deaths.available():
+        return None
+
+    def report(rank, pid, cause):
+        drained(output, 0.05)
+        with pumping:
+            out.record({"died": "rank %d (pid %d) died: %s" % (rank, pid, cause),
+                        "rank": rank, "pid": pid})
+    deaths = workers.Deaths(report, quiet)
+    deaths.start()
+    return deaths
+
+
+def drained(fd, seconds):
+    """Wait up to `seconds` until the pipe fd holds no unread byte (the pump took them all)."""
+    import fcntl                    # here, not above: a worker's death only
+    import termios
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            raw = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
+            left = int.from_bytes(raw, sys.byteorder, signed=True)
+        except OSError:
+            return
+        if not left:
+            return
+        time.sleep(0.001)
 
 
 def reap_orphans(child, ended, every=1.0):
@@ -348,7 +420,10 @@ class Out:
         self.send(b"\x1e" + json.dumps(obj).encode() + b"\x1f")
 
 
-def copy_output(fd, log, out, tap, on_lost):
+def copy_output(fd, log, out, tap, on_lost, pumping):
+    """The job's output to the node's log and to the launcher, until the job's pipe ends. The
+    only reader of that pipe: whatever fails on the way out, it keeps reading, or the job
+    would block on a full pipe and hang."""
     attached = out.stream is not None
     while True:
         try:
@@ -357,16 +432,35 @@ def copy_output(fd, log, out, tap, on_lost):
             break
         if not data:
             break
-        log.write(data)
-        tap.feed(data)
-        if attached and not out.write(data):
+        with pumping:
+            log = to_log(log, data, out)
+            tap.feed(data)
+            sent = not attached or out.write(data)
+        if not sent:
             attached = False
             on_lost("the launcher's connection closed")
 
 
-def dump(d, tap, out):
+def to_log(log, data, out):
+    """Append data to the node's log; the log, or None once a write of it failed (a full
+    disk, EIO): said once to the launcher, and the log is left as it was (whole up to
+    there) while the output still streams."""
+    if log is None:
+        return None
+    try:
+        log.write(data)
+        return log
+    except OSError as exc:
+        out.record({"said": "the node's log could not be written: %s, output still streamed"
+                            % (exc.strerror or exc)})
+        return None
+
+
+def dump(d, tap, out, dumping):
     """Every worker's stack, for the launcher's hang watchdog: files under hang/, and one
-    control record each."""
+    control record each. A worker's death from here on (faulthandler's SIGABRT) is no
+    failure: the launcher stops the run after the dump."""
+    dumping.set()
     ident = identity(d, True)
     found = workers.dump_stacks(ident, tap) if ident else []
     os.makedirs(path(d, "hang"), exist_ok=True)

@@ -10,6 +10,9 @@ Imported by supervisor.py, which sits beside it in the node's run directory, wit
 - Progress: reports once when every worker has joined the job (it holds a connection to the
   rendezvous store: init_process_group got that far), with the node's group rank, for the
   hang watchdog; then a beat whenever the reference trainer's heartbeat file moves.
+- Deaths: the moment a worker dies (killed by a signal, or exited non-zero), which rank and
+  how, for the launcher to stop every node at once instead of waiting for torchrun's own
+  look at its workers: watched through pidfds, events and no timer.
 - Stacks: for the launcher's hang watchdog, every worker's Python stack, each alone: py-spy
   where the node has it and may use it, else Python's own faulthandler (the node script sets
   PYTHONFAULTHANDLER) through SIGABRT, one worker at a time while torchrun is paused, so
@@ -18,6 +21,7 @@ Imported by supervisor.py, which sits beside it in the node's run directory, wit
 import json
 import os
 import re
+import select
 import signal
 import threading
 import time
@@ -112,11 +116,13 @@ def joined(found, proc=PROC):
 class Progress(threading.Thread):
     """Tells the launcher (through emit) when every worker has joined the job (reached the
     rendezvous store) and when the heartbeat moves: progress, for the hang watchdog. A sample,
-    so it decides nothing else."""
+    so it decides nothing else. found: told the workers of each look that finds some, until
+    they have joined (the Deaths watch takes them from there)."""
 
-    def __init__(self, ident_of, heartbeat_file, emit, done):
+    def __init__(self, ident_of, heartbeat_file, emit, done, found=None):
         super().__init__(daemon=True)
         self.ident_of, self.heartbeat_file, self.emit, self.done = ident_of, heartbeat_file, emit, done
+        self.found = found
 
     def run(self):
         """Looks for the joined workers (a scan of /proc) every 0.25 s at first, less often
@@ -130,6 +136,8 @@ class Progress(threading.Thread):
             if not done_joining and time.time() >= next_scan:
                 ident = self.ident_of()
                 found = workers(ident) if ident else []
+                if found and self.found is not None:
+                    self.found(found)
                 if found and joined(found):
                     done_joining = True
                     self.emit({"joined": True, "group_rank": group_rank(found[0][0]),
@@ -175,6 +183,107 @@ class Pace:
             every = (mtime - self.since) / self.changes
         self.since, self.changes = mtime, 0
         return every
+
+
+class Deaths(threading.Thread):
+    """Tells report(rank, pid, cause) the moment one of torchrun's workers on this node dies:
+    killed by a signal ("signal 9") or exited non-zero ("exit code 1"); one that exits 0 is let
+    go (the job may be finishing). Once: the first death is the node's failure, on which the
+    launcher stops every node, without waiting for torchrun to look at its workers and end.
+
+    Each worker is held by a pidfd (Linux 5.3+, Python 3.9+), which the kernel makes readable
+    the moment it ends: one poll() over them all, events and no timer. How it ended is read
+    from /proc while it is a zombie, before torchrun collects it (torchrun looks every 0.1 s);
+    one collected first says nothing. Where pidfds are not (available() is False) nothing is
+    watched, and torchrun's own report stands, as before. quiet(): a death is no failure
+    while it holds (the run is being stopped, or its stacks dumped)."""
+
+    def __init__(self, report, quiet):
+        super().__init__(daemon=True)
+        self.report, self.quiet = report, quiet
+        self.lock = threading.Lock()
+        self.pending = []             # [(pid, rank)] told by watch(), for the thread to take
+        self.seen = set()             # every pid ever watched
+        self.closed = False
+        self.wake_r, self.wake_w = os.pipe()
+
+    @staticmethod
+    def available():
+        return hasattr(os, "pidfd_open") and hasattr(select, "poll")
+
+    def watch(self, found):
+        """Watch these workers [(pid, rank)] too; those watched already are passed over."""
+        with self.lock:
+            new = [(pid, rank) for pid, rank in found if pid not in self.seen]
+            if self.closed or not new:
+                return
+            self.seen.update(pid for pid, _ in new)
+            self.pending += new
+        self._wake()
+
+    def close(self):
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self._wake()
+
+    def _wake(self):
+        try:
+            os.write(self.wake_w, b"!")
+        except OSError:               # its thread has ended (it reported): nothing to wake
+            pass
+
+    def run(self):
+        poller = select.poll()
+        held = {}  # type: dict[int, tuple[int, int]]  # pidfd -> (pid, rank)
+        poller.register(self.wake_r, select.POLLIN)
+        try:
+            while True:
+                for fd, _ in poller.poll():
+                    if fd == self.wake_r:
+                        os.read(self.wake_r, 4096)
+                        if not self._take(poller, held):
+                            return
+                        continue
+                    pid, rank = held.pop(fd)
+                    poller.unregister(fd)
+                    cause = failure(family.exit_status(pid))
+                    os.close(fd)
+                    if cause and not self.quiet():
+                        self.report(rank, pid, cause)
+                        return
+        finally:
+            for fd in held:
+                os.close(fd)
+            os.close(self.wake_r)
+
+    def _take(self, poller, held):
+        """Hold the workers told since the last look; False once closed."""
+        with self.lock:
+            if self.closed:
+                return False
+            new, self.pending = self.pending, []
+        for pid, rank in new:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:                 # ended already (torchrun says then), or no pidfds
+                continue
+            held[fd] = (pid, rank)
+            poller.register(fd, select.POLLIN)
+        return True
+
+
+def failure(status):
+    """A worker's wait status in words when it is a failure ("signal 9", "exit code 1");
+    None for an exit 0 or an unknown status."""
+    if status is None:
+        return None
+    if os.WIFSIGNALED(status):
+        return "signal %d" % os.WTERMSIG(status)
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) != 0:
+        return "exit code %d" % os.WEXITSTATUS(status)
+    return None
 
 
 SECTION = re.compile(r"section ([A-Za-z0-9_.-]{1,40})\s*")

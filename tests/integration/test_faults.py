@@ -92,11 +92,10 @@ def agent_pid(ssh_nodes, node: int, run_id: str) -> int:
 # What the launcher says, word for word, when each victim is killed: the node's first word, then
 # the final message's head.
 KILL_9_REPORTS = {
-    # torchrun's banner for a dead worker (its report of which rank and how may come after the
-    # first word, so only the final error has it), then its exit
-    "worker": ["cluster: node [node2 1] failed first: its torchrun reported a failed worker",
-               "cluster: error: node [node2 1] failed: worker rank 1 was killed by SIGKILL "
-               "(exit code 1)"],
+    # the node's supervisor saw the worker die (before torchrun looked): the dead rank, its
+    # pid and how it died, at once and in the final error
+    "worker": ["cluster: node [node2 1] failed first: rank 1 (pid {pid}) died: signal 9",
+               "cluster: error: node [node2 1] failed: rank 1 (pid {pid}) died: signal 9"],
     "agent": ["cluster: node [node2 1] failed first: killed by SIGKILL",
               "cluster: error: node [node2 1] failed: killed by SIGKILL"],
     # the supervisor killed too: its ssh session ends without an exit status of its own
@@ -124,7 +123,8 @@ def test_kill_9(ssh_nodes4, cli, reliability, victim):
     gone = clean(ssh_nodes4, (1, 2, 3), timeout=STOP_BOUND - detect)
     assert gone is not None, {i: run_processes_in(ssh_nodes4, i) for i in (1, 2, 3)}
     assert code == 4, proc.dump()       # RunFailed
-    assert failure_lines(proc) == KILL_9_REPORTS[victim], proc.dump()
+    assert failure_lines(proc) == [line.format(pid=pids[0]) for line in KILL_9_REPORTS[victim]], \
+        proc.dump()
     what = {"worker": "one worker on node2", "agent": "node2's torchrun agent",
             "master": "every process of the run on the master node"}[victim]
     reliability(order=1, fault=f"kill -9 of {what}", does="3-node all_reduce asleep; SIGKILL",

@@ -104,10 +104,11 @@ def test_failing_rank_stops_the_other_node(tmp_path: Path) -> None:
                   "--fail-rank", "1", "--sleep", "120")
     assert time.monotonic() - t0 < 60, "the healthy node must not wait out its sleep"
     assert res.returncode == 4, res.stderr
-    # stopped from torchrun's own report, before its exit; the exit is the failure named
-    assert "node [local1 1] failed first: its torchrun reported a failed worker" in res.stderr, res.stderr
-    # the rank's own exit (3, from torchrun's report) leads; torchrun's exit 1 follows
-    assert "node [local1 1] failed: worker rank 1 exited with code 3 (exit code 1)" in res.stderr
+    # stopped from its supervisor's report of the rank's death (exit 3), before torchrun looked
+    assert re.search(r"node \[local1 1\] failed first: rank 1 \(pid \d+\) died: exit code 3\n",
+                     res.stderr), res.stderr
+    assert re.search(r"node \[local1 1\] failed: rank 1 \(pid \d+\) died: exit code 3; "
+                     r"stopped the other 1 node\(s\)", res.stderr), res.stderr
     assert "stopping the other 1 node(s)" in res.stderr
     run_id = only_run(tmp_path).name
     assert run_processes(run_id) == []

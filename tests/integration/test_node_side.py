@@ -175,3 +175,41 @@ def test_the_job_gets_the_node_logins_umask(ssh_nodes4, cli):
         assert stat.S_IMODE(f.stat().st_mode) & 0o077 == 0, f
     record = cli.cwd / "runs" / run.run_id()
     assert stat.S_IMODE(record.stat().st_mode) == 0o700
+
+
+# --- a node's disk full under its run folder ----------------------------------------------------
+
+def test_a_full_disk_under_the_run_folder_leaves_the_job_and_its_stream_alive(tmp_path: Path):
+    """The node's run folder on a tiny tmpfs (256 KiB) that the job's own output fills: the
+    job runs to its end, all it printed (2 MB) reaches the launcher's stream, the supervisor
+    says once that the log could not be written, and it still reports its end."""
+    import os
+    import subprocess
+    from cluster.nodes import Demux
+    from tests.unit.test_supervisor import finish_within, start
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    d = tmp_path / "node"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(d)], check=True)
+    try:
+        (d / "launch.sh").write_text(
+            "for i in $(seq 1 40000); do echo \"line $i of a job that prints a lot\"; done\n"
+            "echo done\n")
+        p = start(d)
+        out = finish_within(p, 60)
+        log_size = (d / "output.log").stat().st_size
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=True)
+    assert p.returncode == 0, out[-500:]
+    pieces = Demux().feed(out.split(b"\n", 1)[1])           # after the pgid line
+    text = b"".join(x for x in pieces if isinstance(x, bytes)).decode()
+    assert text == "".join(f"line {i} of a job that prints a lot\n"
+                           for i in range(1, 40001)) + "done\n"
+    assert 0 < log_size < len(text)                        # the disk took what it could
+    said = [r["said"] for r in pieces if isinstance(r, dict) and "said" in r]
+    # once each: the log, and the exit record (the launcher has the end all the same)
+    assert said == ["the node's log could not be written: No space left on device, "
+                    "output still streamed",
+                    "the node's exit record could not be written: No space left on device"], said
+    assert [r for r in pieces if isinstance(r, dict) and "final" in r], pieces[-3:]

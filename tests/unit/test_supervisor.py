@@ -71,6 +71,21 @@ def finish(p: subprocess.Popen) -> bytes:
     return out
 
 
+def finish_within(p: subprocess.Popen, seconds: float) -> bytes:
+    """finish(p), or, when its output has not ended within `seconds` (a hung job), its
+    launcher gone (stdin closed: the supervisor stops the run) and then what it said."""
+    import threading
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(p.stdout.read()), daemon=True)
+    reader.start()
+    reader.join(seconds)
+    if reader.is_alive():
+        p.stdin.close()
+        reader.join(30)
+    p.wait(timeout=30)
+    return got[0] if got else b""
+
+
 def sup(*args: str) -> dict:
     out = subprocess.run([sys.executable, str(SUPERVISOR), *args], capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -658,3 +673,97 @@ def test_demux_holds_what_a_read_cuts_and_gives_it_whole() -> None:
         pieces = demux.feed(stream[:cut]) + demux.feed(stream[cut:]) + [demux.flush()]
         assert b"".join(x for x in pieces if isinstance(x, bytes)) == b"ab\x1ecdef\x1e", (cut, pieces)
         assert [x for x in pieces if isinstance(x, dict)] == [{"note": "x"}], (cut, pieces)
+
+
+def test_a_log_that_cannot_be_written_leaves_the_job_and_its_stream_alive(tmp_path: Path) -> None:
+    """The node's log on a device that refuses every write (/dev/full: ENOSPC): the job still
+    runs to its end, every byte it printed (ten times a pipe's buffer) reaches the launcher,
+    and the supervisor says once that its log could not be written."""
+    from cluster.nodes import Demux
+    d = node_dir(tmp_path, "for i in $(seq 1 8000); do echo \"line $i of the job's output\"; done\n"
+                           "echo done\n")
+    (d / "output.log").symlink_to("/dev/full")
+    p = start(d)
+    out = finish_within(p, 20)
+    assert p.returncode == 0, out[-500:]
+    pieces = Demux().feed(out.split(b"\n", 1)[1])        # after the pgid line
+    text = b"".join(x for x in pieces if isinstance(x, bytes))
+    expected = "".join(f"line {i} of the job's output\n" for i in range(1, 8001)) + "done\n"
+    assert text.decode() == expected
+    said = [r["said"] for r in pieces if isinstance(r, dict) and "said" in r]
+    assert said == ["the node's log could not be written: No space left on device, "
+                    "output still streamed"], said
+    p.stdin.close()
+
+
+# A job that counts the TERMs it gets (one line each, in the file named by its argument) and
+# goes on, as torchrun does while it shuts its workers down.
+COUNTS_TERMS = """
+import signal, sys, time
+def count(*_):
+    with open(sys.argv[1], "a") as f:
+        f.write("TERM\\n")
+signal.signal(signal.SIGTERM, count)
+print("ready", flush=True)
+while True:
+    time.sleep(0.01)
+"""
+
+
+class Preempted:
+    """A stop's flag whose every look is followed by a pause (a longer one each time): the
+    thread that looked is preempted there, and the next trigger looks meanwhile."""
+
+    def __init__(self, event) -> None:
+        self.event, self.looks = event, 0
+
+    def is_set(self) -> bool:
+        seen = self.event.is_set()
+        self.looks += 1
+        time.sleep(0.15 * self.looks)
+        return seen
+
+    def __getattr__(self, name: str):
+        return getattr(self.event, name)
+
+
+def test_two_stops_at_once_send_one_term(tmp_path: Path) -> None:
+    """Two triggers of the stop at once (the launcher's connection closing while its stream
+    fails, or a signal besides): the job gets one TERM, never two, even when the first is
+    preempted between its look and its start."""
+    import threading
+    sys.path.insert(0, str(SUPERVISOR.parent))
+    umask = os.umask(0o022)
+    try:
+        import supervisor
+        import stopping
+    finally:
+        os.umask(umask)                  # the supervisor's import makes its own private
+    counts = tmp_path / "terms"
+    job = subprocess.Popen([sys.executable, "-c", COUNTS_TERMS, str(counts)],
+                           env=dict(os.environ, CLUSTER_RUN_ID=RUN_ID, CLUSTER_NODE="n1"),
+                           stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert job.stdout.readline() == b"ready\n"
+        d = tmp_path / "run"
+        d.mkdir()
+        (d / "tag").write_text(json.dumps({"run_id": RUN_ID, "node": "n1"}))
+        # By the run's identity alone (this test is not the job's supervisor).
+        stop = supervisor.StopOnce(str(d), 1.0, lambda d, grace, _: stopping.terminate(d, grace))
+        stop.stopping = Preempted(stop.stopping)
+        go = threading.Barrier(2)
+        triggers = [threading.Thread(target=lambda why=why: (go.wait(), stop.begin(why)))
+                    for why in ("the launcher's connection closed", "supervisor got SIGHUP")]
+        for t in triggers:
+            t.start()
+        for t in triggers:
+            t.join(10)
+        for t in stop.threads:
+            t.join(10)
+        job.wait(timeout=10)               # KILLed after the grace: it ignores TERM
+        assert counts.read_text() == "TERM\n"
+        assert len(stop.why) == 1 and len(stop.done) == 1, (stop.why, stop.done)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()

@@ -87,6 +87,43 @@ def test_torchruns_own_failure_line_stops_the_others_before_its_exit() -> None:
     assert "node [b 1] failed first: its torchrun reported a failed worker" in err.getvalue()
 
 
+def test_a_workers_death_reported_by_its_node_stops_every_node_that_one_too() -> None:
+    """Its supervisor saw a worker die (a record): that node failed first, named by the dead
+    rank and how, and every node is stopped at once, that one included (its torchrun has yet
+    to notice); torchrun's own report of the death, if the stop lets it come, does not lead.
+    A line a node's supervisor says about itself is shown under the node's name."""
+    c, _, err = console()
+    died = {"died": "rank 1 (pid 4242) died: signal 9", "rank": 1, "pid": 4242}
+    said = {"said": "the node's log could not be written: No space left on device, "
+                    "output still streamed"}
+    report = [b"Root Cause (first observed failure):\n", b"  rank      : 1 (local_rank: 0)\n",
+              b"  exitcode  : -9 (pid: 4242)\n"]
+    stopped = [b"Traceback (most recent call last):\n", b'  File "run.py", line 9\n',
+               b"SignalException: Process 77 got signal: 15\n"]      # torchrun, stopped
+    failing = FakeNode("b 1", [said, died, CHILD_FAILED[2]] + report + stopped, None)
+    others = [FakeNode("a 0", [], None), FakeNode("c 2", [], None)]
+    res = Watcher([others[0], failing, others[1]], c, {}, settle=5).run()
+    assert all(n.stop_calls == 1 for n in others + [failing])
+    assert res.first_failure == ("b 1", NodeExit(detail="rank 1 (pid 4242) died: signal 9"))
+    assert not res.ok and "b 1" in res.had_workers and "b 1" not in res.causes
+    text = err.getvalue()
+    assert "node [b 1] failed first: rank 1 (pid 4242) died: signal 9\n" in text, text
+    assert "[b 1] the node's log could not be written: No space left on device, output " \
+           "still streamed\n" in text, text
+
+
+def test_a_dead_workers_own_error_printed_before_its_death_leads() -> None:
+    c, _, err = console()
+    died = {"died": "rank 1 (pid 4242) died: exit code 1", "rank": 1, "pid": 4242}
+    lines = [b"[rank1]: Traceback (most recent call last):\n", b'[rank1]:   File "t.py"\n',
+             b"[rank1]: RuntimeError: the loss is NaN\n", died]
+    failing = FakeNode("b 1", lines, None)
+    res = Watcher([FakeNode("a 0", [], None), failing], c, {}, settle=5).run()
+    assert res.causes["b 1"] == "RuntimeError: the loss is NaN"
+    assert "node [b 1] failed first: rank 1 (pid 4242) died: exit code 1: RuntimeError: the " \
+           "loss is NaN\n" in err.getvalue(), err.getvalue()
+
+
 def test_a_node_that_reports_failure_but_never_ends_is_stopped_after_settle() -> None:
     c, _, _ = console()
     stuck = FakeNode("b 1", CHILD_FAILED, None)           # runs on until stopped

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,146 @@ def test_the_pace_is_the_files_changes_between_two_reports() -> None:
     assert pace.report(11.0) == 0.25
     pace.look(13.0)
     assert pace.report(13.0) == 2.0
+
+
+# --- the watch on the workers' deaths (real processes, real pidfds) --------------------------
+
+needs_pidfd = pytest.mark.skipif(not workers.Deaths.available(),
+                                 reason="pidfds need Linux 5.3+ and Python 3.9+")
+
+
+class Looks:
+    """family.exit_status, counted: how often the watch looked at a process's end."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.pids: list[int] = []
+        real = workers.family.exit_status
+
+        def look(pid: int):
+            self.pids.append(pid)
+            return real(pid)
+        monkeypatch.setattr(workers.family, "exit_status", look)
+
+
+def watched(children, quiet=lambda: False):
+    """A started Deaths watch on children [(Popen, rank)], and what it reports."""
+    import queue
+    said: queue.Queue = queue.Queue()
+    deaths = workers.Deaths(lambda rank, pid, cause: said.put((rank, pid, cause, time.monotonic())),
+                            quiet)
+    deaths.start()
+    deaths.watch([(c.pid, rank) for c, rank in children])
+    return deaths, said
+
+
+@needs_pidfd
+def test_a_killed_worker_is_reported_at_once_by_an_event(monkeypatch) -> None:
+    """Three workers: one exits 0 (no failure: the job may be finishing), then one is killed
+    by SIGKILL: its rank, pid and signal are reported within milliseconds, and the watch
+    looked at a process's end only when one ended (two looks: no timer polls /proc)."""
+    import queue
+    import subprocess
+    looks = Looks(monkeypatch)
+    done = subprocess.Popen(["sleep", "0.3"])
+    kids = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        deaths, said = watched([(done, 0), (kids[0], 1), (kids[1], 2)])
+        time.sleep(1.0)                     # rank 0 ends (0), the watch sits in poll()
+        assert looks.pids == [done.pid] and said.empty()
+        t0 = time.monotonic()
+        kids[1].kill()
+        rank, pid, cause, at = said.get(timeout=5)
+        assert (rank, pid, cause) == (2, kids[1].pid, "signal 9")
+        assert at - t0 < 0.1, at - t0
+        assert looks.pids == [done.pid, kids[1].pid]
+        deaths.join(1)
+        assert not deaths.is_alive()         # once: the first failure ends the watch
+    finally:
+        for c in [done] + kids:
+            c.kill()
+            c.wait()
+
+
+@needs_pidfd
+def test_a_worker_that_exits_non_zero_is_reported_and_none_while_quiet() -> None:
+    import subprocess
+    fails = subprocess.Popen(["sh", "-c", "sleep 0.2; exit 3"])
+    deaths, said = watched([(fails, 5)])
+    assert said.get(timeout=5)[:3] == (5, fails.pid, "exit code 3")
+    fails.wait()
+    quiet = subprocess.Popen(["sh", "-c", "sleep 0.2; exit 3"])      # a stop has begun
+    deaths, said = watched([(quiet, 5)], quiet=lambda: True)
+    quiet.wait()
+    deaths.join(2)
+    assert said.empty()
+    deaths.close()
+    deaths.join(2)
+    assert not deaths.is_alive()
+
+
+# A torchrun stand-in: its worker (ranks in its environment, a session of its own) is collected
+# only when it looks, as torchrun's monitor does (every 0.1 s by default; here never).
+AGENT = ("exec python3 -c 'import os, subprocess, time\n"
+         "env = dict(os.environ, GROUP_RANK=\"0\", RANK=\"3\", LOCAL_RANK=\"0\")\n"
+         "subprocess.Popen([\"sleep\", \"300\"], env=env, start_new_session=True)\n"
+         "time.sleep(300)'\n")
+
+
+@needs_pidfd
+def test_the_supervisor_reports_a_dead_worker_at_once(tmp_path: Path) -> None:
+    """kill -9 of a worker: its supervisor says which rank died and how, at once (torchrun
+    has not looked yet), and the launcher's stop follows as for any stop."""
+    import signal
+    from tests.unit.test_supervisor import RUN_ID, finish, node_dir, start, tagged_pids, wait_for
+    d = node_dir(tmp_path, AGENT)
+    p = start(d)
+    try:
+        def rank3() -> list[int]:
+            return [pid for pid, rank in workers.workers_among(tagged_pids(RUN_ID, "n1"))
+                    if rank == 3]
+        assert wait_for(rank3)
+        worker = rank3()[0]
+        time.sleep(2.5)                 # the supervisor's look for workers has found it
+        os.kill(worker, signal.SIGKILL)
+        time.sleep(0.5)                 # (a death once the stop has begun is not reported)
+        p.stdin.write(b"stop\n")        # as the launcher answers the report
+        p.stdin.flush()
+        died = [r for r in records_of(finish(p)) if "died" in r]
+        assert died == [{"died": f"rank 3 (pid {worker}) died: signal 9", "rank": 3,
+                         "pid": worker}], died
+    finally:
+        p.stdin.close()
+
+
+# The stand-in again, slow to end on TERM as torchrun is (its traceback, its garbage collection).
+SLOW_AGENT = AGENT.replace("exec python3 -c 'import os, subprocess, time\n",
+                           "exec python3 -c 'import os, signal, subprocess, time\n"
+                           "signal.signal(signal.SIGTERM, lambda *_: time.sleep(30))\n")
+
+
+@needs_pidfd
+def test_a_stop_after_a_workers_death_gives_torchrun_only_its_short_grace(tmp_path: Path) -> None:
+    """Its worker dead, torchrun is alone at the stop's first look: still a torchrun after its
+    workers (the watch saw them), so a moment and KILL, not the stop's whole grace (5 s); and
+    the stop reads as ended on TERM, as any such stop."""
+    import signal
+    from tests.unit.test_supervisor import RUN_ID, finish, node_dir, start, tagged_pids, wait_for
+    d = node_dir(tmp_path, SLOW_AGENT)
+    p = start(d, grace=5)
+    try:
+        def rank3() -> list[int]:
+            return [pid for pid, rank in workers.workers_among(tagged_pids(RUN_ID, "n1"))
+                    if rank == 3]
+        assert wait_for(rank3)
+        time.sleep(2.5)                 # the supervisor's look for workers has found it
+        os.kill(rank3()[0], signal.SIGKILL)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        p.stdin.write(b"stop\n")
+        p.stdin.flush()
+        final = [r["final"] for r in records_of(finish(p)) if "final" in r]
+        took = time.monotonic() - t0
+        assert final and final[0]["how"] == "term" and final[0]["left"] == [], final
+        assert took < 2.0, took
+    finally:
+        p.stdin.close()
