@@ -87,7 +87,8 @@ def leave(code):
 
 # Each command's options: name -> default or type; its flags; its required options.
 COMMANDS = {
-    "run": ({"run-id": str, "node": str, "grace": GRACE, "keepalive": 0.0}, ("detach",),
+    "run": ({"run-id": str, "node": str, "grace": GRACE, "keepalive": 0.0},
+            ("detach", "own-restarts"),
             ("run-id", "node")),      # keepalive: stop when the launcher sent nothing so long (0: never)
     "stop": ({"grace": GRACE}, (), ()),
     "status": ({}, (), ()),
@@ -194,8 +195,8 @@ def run(args, user_umask=0o022):
         commands = {"dump": lambda: dump(d, tap, out, dumping), "stop": stop_requested}
         threading.Thread(target=watch_launcher, args=(0, args.keepalive, stop_async, commands),
                          daemon=True).start()
-        deaths = watch_deaths(out, output, pumping,
-                              lambda: stopping.is_set() or ended.is_set() or dumping.is_set())
+        deaths = None if args.own_restarts else watch_deaths(
+            out, output, pumping, lambda: stopping.is_set() or ended.is_set() or dumping.is_set())
         watching[:] = [deaths] if deaths else []
         workers.Progress(lambda: identity(d, True, os.getpid()), path(d, "heartbeat"),
                          out.record, ended, deaths.watch if deaths else None).start()

@@ -52,9 +52,9 @@ def node_dir(tmp_path: Path, body: str) -> Path:
 
 
 def start(d: Path, node: str = "n1", detach: bool = False, config: dict | None = None,
-          keepalive: float = 0.0, grace: float = 1) -> subprocess.Popen:
+          keepalive: float = 0.0, grace: float = 1, flags: tuple[str, ...] = ()) -> subprocess.Popen:
     args = [sys.executable, str(SUPERVISOR), "run", str(d), "--run-id", RUN_ID, "--node", node,
-            "--grace", f"{grace:g}", "--keepalive", str(keepalive)]
+            "--grace", f"{grace:g}", "--keepalive", str(keepalive), *flags]
     if detach:
         args.append("--detach")
     p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -289,13 +289,16 @@ AGENT = ("exec python3 -c 'import os, subprocess, time\n"
 
 
 @needs_pidfd
-def test_the_supervisor_reports_a_dead_worker_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("own_restarts", [False, True])
+def test_the_supervisor_reports_a_dead_worker_at_once(tmp_path: Path, own_restarts: bool) -> None:
     """kill -9 of a worker: its supervisor says which rank died and how, at once (torchrun
-    has not looked yet), and the launcher's stop follows as for any stop."""
+    has not looked yet), and the launcher's stop follows as for any stop. Unless torchrun
+    restarts its own workers (torchrun_args --max-restarts N: --own-restarts): then the death
+    is torchrun's to handle, and nothing is said."""
     import signal
     from tests.unit.test_supervisor import RUN_ID, finish, node_dir, start, tagged_pids, wait_for
     d = node_dir(tmp_path, AGENT)
-    p = start(d)
+    p = start(d, flags=("--own-restarts",) if own_restarts else ())
     try:
         def rank3() -> list[int]:
             return [pid for pid, rank in workers.workers_among(tagged_pids(RUN_ID, "n1"))
@@ -308,8 +311,8 @@ def test_the_supervisor_reports_a_dead_worker_at_once(tmp_path: Path) -> None:
         p.stdin.write(b"stop\n")        # as the launcher answers the report
         p.stdin.flush()
         died = [r for r in records_of(finish(p)) if "died" in r]
-        assert died == [{"died": f"rank 3 (pid {worker}) died: signal 9", "rank": 3,
-                         "pid": worker}], died
+        assert died == ([] if own_restarts else
+                        [{"died": f"rank 3 (pid {worker}) died: signal 9", "rank": 3, "pid": worker}]), died
     finally:
         p.stdin.close()
 
@@ -346,3 +349,13 @@ def test_a_stop_after_a_workers_death_gives_torchrun_only_its_short_grace(tmp_pa
         assert took < 2.0, took
     finally:
         p.stdin.close()
+
+
+@pytest.mark.parametrize("args, restarts", [
+    ((), False), (("--max-restarts", "0"), False), (("--max-restarts", "2"), True),
+    (("--max_restarts=3",), True), (("--max-restarts=0", "--monitor-interval", "1"), False),
+    (("--max-restarts", "2", "--max-restarts", "0"), False), (("--max-restarts",), False),
+])
+def test_torchrun_args_that_restart_workers_are_recognised(args, restarts) -> None:
+    from cluster.backends.node import restarts_its_workers
+    assert restarts_its_workers(args) is restarts
