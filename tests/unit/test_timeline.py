@@ -347,11 +347,11 @@ def test_thinning_again_keeps_the_first_and_last_of_each_series_and_the_counts()
     events += [{"kind": "beat", "m": float(s), "attempt": a, "node": "a 0", "n": 1}
                for a in (0, 1) for s in range(10 * a, 10 * a + 7)]
     events.append({"kind": "exit", "m": 20.0, "attempt": 1, "node": "a 0"})
-    kept = list(tl.rethin(lambda: events, 3.0))
+    kept = list(tl.rethin(events, 3.0))
     assert [(e["kind"], e["m"], e.get("n")) for e in kept] == [
         ("started", 0.0, None), ("beat", 0.0, 1), ("beat", 3.0, 3), ("beat", 6.0, 3),
         ("beat", 10.0, 1), ("beat", 13.0, 3), ("beat", 16.0, 3), ("exit", 20.0, None)]
     events[-2]["m"] = 15.0                     # the last of a series is kept, however close
-    kept = list(tl.rethin(lambda: events, 3.0))
+    kept = list(tl.rethin(events, 3.0))
     assert [(e["m"], e["n"]) for e in kept if e.get("attempt") == 1 and e["kind"] == "beat"] == [
         (10.0, 1), (13.0, 3), (15.0, 3)]
