@@ -202,14 +202,26 @@ def read_events(path: Path) -> Iterator[Event]:
                 ev = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(ev, dict) and "kind" in ev:
+            if isinstance(ev, dict) and isinstance(ev.get("kind"), str):
                 yield ev
 
 
 # -- the bound on the frequent kinds --
 
 def series(ev: Event) -> Series:
-    return (ev["kind"], str(ev.get("node")), int(ev.get("attempt", 0)))
+    attempt = ev.get("attempt", 0)
+    return (ev["kind"], str(ev.get("node")), attempt if isinstance(attempt, int) else 0)
+
+
+def _n(ev: Event) -> int:
+    """How many it stands for (a line of another hand's making: 1)."""
+    n = ev.get("n", 1)
+    return n if isinstance(n, int) else 1
+
+
+def _m(ev: Event) -> float:
+    m = ev.get("m", 0.0)
+    return float(m) if isinstance(m, (int, float)) else 0.0
 
 
 def rethin(events: Iterable[Event], thin: float) -> Iterator[Event]:
@@ -226,8 +238,8 @@ def rethin(events: Iterable[Event], thin: float) -> Iterator[Event]:
             continue
         key = series(ev)
         left_out = held.pop(key, None)
-        ev = {**ev, "n": (left_out["n"] if left_out else 0) + int(ev.get("n", 1))}
-        m = float(ev.get("m", 0.0))
+        ev = {**ev, "n": (left_out["n"] if left_out else 0) + _n(ev)}
+        m = _m(ev)
         if key in kept_at and m - kept_at[key] < thin:
             held[key] = ev
             continue
@@ -254,12 +266,13 @@ def bounded(events: Iterable[Event], keep: int = KEEP) -> tuple[list[Event], int
             kept.append(ev)
             continue
         key = series(ev)
-        ev = {**ev, "n": int(held.pop(key, {}).get("n", 0)) + int(ev.get("n", 1))}
-        if key in kept_at and float(ev.get("m", 0.0)) - kept_at[key] < thin:
+        left_out = held.pop(key, None)
+        ev = {**ev, "n": (left_out["n"] if left_out else 0) + _n(ev)}
+        if key in kept_at and _m(ev) - kept_at[key] < thin:
             held[key] = ev
             continue
         kept.append(ev)
-        kept_at[key] = float(ev.get("m", 0.0))
+        kept_at[key] = _m(ev)
         began.setdefault(key, kept_at[key])
         lines[key] = lines.get(key, 0) + 1
         while lines.get(key, 0) > keep:
@@ -269,7 +282,7 @@ def bounded(events: Iterable[Event], keep: int = KEEP) -> tuple[list[Event], int
             for e in kept:
                 if e["kind"] in FREQUENT:
                     lines[series(e)] = lines.get(series(e), 0) + 1
-                    kept_at[series(e)] = float(e.get("m", 0.0))
+                    kept_at[series(e)] = _m(e)
     return kept + list(held.values()), read
 
 
