@@ -167,7 +167,6 @@ class EventsFile:
             finally:
                 os.close(fd)
 
-
     def compact(self, thin: float) -> dict[Series, int]:
         """Thin the file's frequent events to one each `thin` s a series (rethin), in place
         (a new file moved over the old one: a reader sees one or the other); the lines each

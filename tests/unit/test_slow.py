@@ -232,3 +232,19 @@ def test_a_report_costs_the_same_at_800_nodes_as_at_100() -> None:
         return best
     small, large = per_report(100), per_report(800)
     assert large < 4 * small, (small, large)
+
+
+def test_times_that_are_not_finite_numbers_are_left_out() -> None:
+    """A program's report of nan or inf (json.loads reads NaN and Infinity) says nothing: the
+    comparison goes on from the other reports, the slow node still named once."""
+    slow = SlowNodes()
+    named = []
+    for second in range(100):
+        at = float(second)
+        for i, name in enumerate(("a", "b", "c")):
+            slow.report(name, {i: (0.3 if name == "b" else 0.2, 0.0)}, at)
+        slow.report("a", {0: (float("nan"), 0.0)}, at)
+        slow.report("c", {2: (0.2, float("inf")), 5: (float("-inf"), 0.0)}, at)
+        named += [v.node for v in slow.check(at)]
+    assert named == ["b"]
+    assert slow.nodes["c"].ranks == {2}
