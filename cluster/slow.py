@@ -27,12 +27,21 @@ How it decides:
   for the whole window without a break: on a real run (three nodes on two shared cores, one
   throttled to a quarter CPU) the short-term ratio of the throttled node swung between 0.5
   and 2.5 with 10-20 s periods, and it was never named; the window's median named it.
+
+What it costs: a report and a check touch only what changed, never every node: each node keeps
+its window's times sorted (its medians at hand), the job keeps every node's pace sorted (its
+median at hand), and a report's check looks only at the nodes above the ratio, from the top.
+A first version recomputed every node's median and, for every node, the job's median, at each
+report: O(N^2 log N) on the thread that reads every node's output, 183 ms a report at 1,000
+nodes (bench/slow_rule.py; docs/SCALE.md).
 """
 from __future__ import annotations
 
-import statistics
-from collections import deque
+import math
+from bisect import bisect_left, insort
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from .spec import SlowNode
 
@@ -73,65 +82,140 @@ class Verdict:
 @dataclass
 class _Node:
     first: float
+    order: int                # its place among the nodes: verdicts come in this order
     reports: deque[tuple[float, float, float]] = field(default_factory=deque)  # at, compute, data
+    computes: list[float] = field(default_factory=list)     # the window's, sorted
+    datas: list[float] = field(default_factory=list)
     ranks: set[int] = field(default_factory=set)
     named: bool = False
+    pace: tuple[float, float] | None = None     # its pace in the job's comparison, or out of it
 
 
 class SlowNodes:
-    """Feed it `report(node, times, at)`; `check(at)` returns the nodes named now (each once)."""
+    """Feed it `report(node, times, at)`; `check(at)` returns the nodes named now (each once).
+    Times never go back (the watcher's monotonic clock): an earlier one counts as the latest."""
 
     def __init__(self, settings: SlowNode = SlowNode()) -> None:
         self.settings = settings
         self.nodes: dict[str, _Node] = {}
         self.named: list[Verdict] = []
+        self.now = -math.inf
+        self.window: deque[tuple[float, str]] = deque()     # every report in the window, in order
+        self.seen: OrderedDict[str, float] = OrderedDict()  # node -> its last report, oldest first
+        self.changed: set[str] = set()                      # nodes whose pace is to be redone
+        # the paces of the nodes compared, sorted: compute, data, and (compute + data, order, node)
+        self.computes: list[float] = []
+        self.datas: list[float] = []
+        self.sums: list[tuple[float, int, str]] = []
 
     def report(self, node: str, times: dict[int, tuple[float, float]], at: float) -> None:
-        """times: rank -> (compute, data) seconds per step, its mean since its last report."""
+        """times: rank -> (compute, data) seconds per step, its mean since its last report. A
+        rank's time that is not a finite number says nothing and is left out."""
+        times = {r: cd for r, cd in times.items() if math.isfinite(cd[0]) and math.isfinite(cd[1])}
         if not times:
             return
-        n = self.nodes.setdefault(node, _Node(first=at))
+        at = self._advance(at)
+        n = self.nodes.get(node)
+        if n is None:
+            n = self.nodes[node] = _Node(first=at, order=len(self.nodes))
         n.ranks.update(times)
         # the node's slowest rank sets its pace (its other ranks wait for it too)
         compute, data = max(times.values(), key=lambda cd: cd[0] + cd[1])
         n.reports.append((at, compute, data))
-        while n.reports and n.reports[0][0] < at - self.settings.window:
-            n.reports.popleft()
+        insort(n.computes, compute)
+        insort(n.datas, data)
+        self.window.append((at, node))
+        self.seen[node] = at
+        self.seen.move_to_end(node)
+        self.changed.add(node)
 
     def check(self, at: float) -> list[Verdict]:
-        paces = self._paces(at)
+        at = self._advance(at)
+        self._repace()
+        count = len(self.sums)
+        if count < 2:
+            return []
         new: list[Verdict] = []
-        for name, (compute, data) in paces.items():
+        for name, ref_c, ref_d, ref, reference in self._candidates():
             node = self.nodes[name]
-            others = [p for other, p in paces.items() if other != name]
-            if not others:
-                continue
-            # two nodes: the other one; more: the job's median, the node itself included
-            against = others if len(others) == 1 else list(paces.values())
-            ref_c = statistics.median(c for c, _ in against)
-            ref_d = statistics.median(d for _, d in against)
-            # the upper median: with half the job slow, the slow half is not "a slow node"
-            ref = statistics.median_high(c + d for c, d in against)
+            assert node.pace is not None
+            compute, data = node.pace
             ratio = (compute + data) / ref if ref > 0 else 1.0
             if node.named or ratio < self.settings.ratio or at - node.first < self.settings.window:
                 continue
             node.named = True
             part = "compute" if compute - ref_c >= data - ref_d else "data"
             verdict = Verdict(name, sorted(node.ranks), ratio, part, compute, data, ref_c, ref_d,
-                              after=at - node.first, reference="the other node's"
-                              if against is others else "the job's median")
+                              after=at - node.first, reference=reference)
             self.named.append(verdict)
             new.append(verdict)
         return new
 
-    def _paces(self, at: float) -> dict[str, tuple[float, float]]:
-        """Each node's pace over the window (median compute, median data); a node that has not
-        reported in the last RECENT_S seconds is left out."""
-        paces = {}
-        for name, n in self.nodes.items():
-            if not n.reports or n.reports[-1][0] < at - RECENT_S:
-                continue
-            recent = [(c, d) for t, c, d in n.reports if t >= at - self.settings.window]
-            paces[name] = (statistics.median(c for c, _ in recent),
-                           statistics.median(d for _, d in recent))
-        return paces
+    def _candidates(self) -> list[tuple[str, float, float, float, str]]:
+        """The nodes that may be named now, in the order they first reported, each with its
+        reference (compute, data, pace) and what that is."""
+        if len(self.sums) == 2:         # two nodes: each against the other one
+            (s1, _, a), (s2, _, b) = self.sums
+            pa, pb = self.nodes[a].pace, self.nodes[b].pace
+            assert pa is not None and pb is not None
+            pairs = [(a, *pb, s2, "the other node's"), (b, *pa, s1, "the other node's")]
+            return sorted(pairs, key=lambda c: self.nodes[c[0]].order)
+        # more: the job's median, the node itself included; the upper median for the pace:
+        # with half the job slow, the slow half is not "a slow node"
+        ref_c, ref_d = _median(self.computes), _median(self.datas)
+        ref = self.sums[len(self.sums) // 2][0]
+        top = []
+        for s, order, name in reversed(self.sums):      # from the slowest, while over the ratio
+            if ref > 0 and s / ref < self.settings.ratio:
+                break
+            top.append((order, name))
+        return [(name, ref_c, ref_d, ref, "the job's median") for _, name in sorted(top)]
+
+    def _advance(self, at: float) -> float:
+        """Time moves to `at`: reports older than the window leave it, nodes silent for
+        RECENT_S seconds leave the comparison. Each report leaves once: O(1) a report."""
+        at = self.now = max(at, self.now)
+        horizon = at - self.settings.window
+        while self.window and self.window[0][0] < horizon:
+            _, name = self.window.popleft()
+            n = self.nodes[name]
+            _, compute, data = n.reports.popleft()
+            _remove(n.computes, compute)
+            _remove(n.datas, data)
+            self.changed.add(name)
+        while self.seen:
+            name, last = next(iter(self.seen.items()))
+            if last >= at - RECENT_S:
+                break
+            del self.seen[name]
+            self.changed.add(name)
+        return at
+
+    def _repace(self) -> None:
+        """Each changed node's pace over the window (median compute, median data) into the
+        job's sorted paces; a node with no report in the last RECENT_S seconds is left out."""
+        for name in self.changed:
+            n = self.nodes[name]
+            if n.pace is not None:
+                compute, data = n.pace
+                _remove(self.computes, compute)
+                _remove(self.datas, data)
+                _remove(self.sums, (compute + data, n.order, name))
+                n.pace = None
+            if name in self.seen and n.reports:
+                compute, data = n.pace = (_median(n.computes), _median(n.datas))
+                insort(self.computes, compute)
+                insort(self.datas, data)
+                insort(self.sums, (compute + data, n.order, name))
+        self.changed.clear()
+
+
+def _median(values: list[float]) -> float:
+    """The median of sorted values, as statistics.median computes it."""
+    half = len(values) // 2
+    return values[half] if len(values) % 2 else (values[half - 1] + values[half]) / 2
+
+
+def _remove(values: list[Any], value: Any) -> None:
+    """Take one `value` out of sorted `values`."""
+    del values[bisect_left(values, value)]

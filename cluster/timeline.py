@@ -11,6 +11,20 @@ Each event has its wall clock time (`t`, for display) and the launcher's monoton
 (`m`), both read once when it is recorded: positions on the picture come from `m`, so a wall
 clock that jumps (NTP) moves nothing. Beats and output lines come often: a node's first is
 recorded, then at most one each THIN seconds, with how many it stands for (`n`).
+
+What is kept is bounded, whatever the run's length: every other event is kept (a node's
+join, failure, exit, the stops: a few a node and attempt), but of a node's beats (and of its
+output marks) an attempt at most KEEP lines. When one series reaches KEEP, the interval
+between two recorded doubles and the file is thinned to it (EventsFile.compact: the first and
+the last of each series kept, the counts carried): the series keep one spacing from the start
+to the end, 5 s, 10 s, 20 s ... as the run goes on, about KEEP / 2 to KEEP lines each. Beats
+recorded every 5 s grew the file without bound (1.2 GB at 128 nodes over 72 h); now it stays
+under 4 MB there, about 25 KB a node, and the file is rewritten about once per doubling of the
+run's age (9 times in 72 h, 0.15 s of CPU each at 128 nodes).
+
+What is read is streamed: read_events() yields a line at a time and timeline() keeps the
+frequent kinds to the same bound as it reads (bounded()), so a file of any size (one written
+before the bound) is drawn in bounded memory.
 """
 from __future__ import annotations
 
@@ -18,13 +32,14 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .runs import write_private
 
 Event = dict[str, Any]
+Series = tuple[str, str, int]          # a frequent kind's events of one node and attempt
 
 # The kinds, a node's (node set) or the whole job's (node None).
 CHECK = "check"            # the check of every node began
@@ -46,6 +61,8 @@ OUTCOME = "outcome"        # how the launch ended (ok, error)
 SLOW = "slow"              # a node persistently slower than the others (issue 26 item 1)
 
 THIN = 5.0                 # seconds between two recorded beats (or output lines) of a node
+FREQUENT = (BEAT, OUTPUT)  # the thinned kinds; every other kind is always kept
+KEEP = 128                 # at most this many lines of one series (kind, node, attempt)
 
 EVENTS, JSON_NAME, PNG_NAME = "events.jsonl", "timeline.json", "timeline.png"
 
@@ -56,8 +73,11 @@ class Recorder:
 
     def __init__(self, sink: Callable[[Event], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, thin: float = THIN) -> None:
-        self.sink, self.clock, self.wall, self.thin = sink, clock, wall, thin
+                 wall: Callable[[], float] = time.time, thin: float = THIN,
+                 keep: int = KEEP) -> None:
+        self.sink, self.clock, self.wall, self.thin, self.keep = sink, clock, wall, thin, keep
+        self.lines: dict[Series, int] = {}                     # frequent lines written, a series
+        self.began: dict[Series, float] = {}                   # ... and the first one's m
         self.attempt = 0
         self.lock = threading.Lock()
         self.last: dict[tuple[str, str], float] = {}           # (kind, node) -> m recorded
@@ -106,14 +126,29 @@ class Recorder:
                 return
             self.held.pop(key, None)
             self.last[key] = ev["m"]
-            self.sink(ev)
+            self._write(ev)
 
     def _flush(self, node: str | None) -> None:
         """The held events of `node`, or of every node, in the order they happened."""
         keys = [k for k in self.held if node is None or k[1] == node]
         for ev in sorted((self.held.pop(k) for k in keys), key=lambda e: e["m"]):
-            if self.sink is not None:
-                self.sink(ev)
+            self._write(ev)
+
+    def _write(self, ev: Event) -> None:
+        """A frequent event to the sink; a series past `keep` lines doubles the interval and
+        has the sink thin what it holds to it (a sink that cannot keeps what it has)."""
+        if self.sink is None:
+            return
+        self.sink(ev)
+        key = series(ev)
+        self.lines[key] = self.lines.get(key, 0) + 1
+        began = self.began.setdefault(key, ev["m"])
+        while self.lines.get(key, 0) > self.keep:
+            # at least double; enough to halve the full series at once (one rewrite, not one
+            # per doubling up to the spacing it already has)
+            self.thin = max(2 * self.thin, 2 * (ev["m"] - began) / self.keep)
+            compact = getattr(self.sink, "compact", None)
+            self.lines = compact(self.thin) if compact is not None else {}
 
 
 class EventsFile:
@@ -132,27 +167,122 @@ class EventsFile:
             finally:
                 os.close(fd)
 
+    def compact(self, thin: float) -> dict[Series, int]:
+        """Thin the file's frequent events to one each `thin` s a series (rethin), in place
+        (a new file moved over the old one: a reader sees one or the other); the lines each
+        series has now. Streamed: memory for the series, not for the file."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        lines: dict[Series, int] = {}
+        with self.lock:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                for ev in rethin(read_events(self.path), thin):
+                    if ev["kind"] in FREQUENT:
+                        lines[series(ev)] = lines.get(series(ev), 0) + 1
+                    out.write(json.dumps(ev, separators=(",", ":")) + "\n")
+            os.replace(tmp, self.path)
+        return lines
+
 
 def recorder_for(run_dir: Path) -> Recorder:
     return Recorder(EventsFile(run_dir / EVENTS))
 
 
-def read_events(path: Path) -> list[Event]:
-    """The recorded events, in order; a line cut short (the launcher killed mid-write) is
-    left out."""
+def read_events(path: Path) -> Iterator[Event]:
+    """The recorded events, in order, a line at a time (never the whole file); a line cut
+    short (the launcher killed mid-write) is left out."""
     try:
-        text = path.read_text()
+        f = path.open("rb")
     except OSError:
-        return []
-    events = []
-    for line in text.splitlines():
-        try:
-            ev = json.loads(line)
-        except ValueError:
+        return
+    with f:
+        for line in f:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and isinstance(ev.get("kind"), str):
+                yield ev
+
+
+# -- the bound on the frequent kinds --
+
+def series(ev: Event) -> Series:
+    attempt = ev.get("attempt", 0)
+    return (ev["kind"], str(ev.get("node")), attempt if isinstance(attempt, int) else 0)
+
+
+def _n(ev: Event) -> int:
+    """How many it stands for (a line of another hand's making: 1)."""
+    n = ev.get("n", 1)
+    return n if isinstance(n, int) else 1
+
+
+def _m(ev: Event) -> float:
+    m = ev.get("m", 0.0)
+    return float(m) if isinstance(m, (int, float)) else 0.0
+
+
+def rethin(events: Iterable[Event], thin: float) -> Iterator[Event]:
+    """The events, each series of a frequent kind thinned to one each `thin` s: its first and
+    its last kept, each one kept carrying the count (`n`) of those left out before it. Every
+    other event kept, in its order. One streamed pass: a series' last, when it is too close to
+    the one kept before it, comes at the end (the timeline orders by `m`, as it does the
+    Recorder's held events)."""
+    kept_at: dict[Series, float] = {}
+    held: dict[Series, Event] = {}
+    for ev in events:
+        if ev["kind"] not in FREQUENT:
+            yield ev
             continue
-        if isinstance(ev, dict) and "kind" in ev:
-            events.append(ev)
-    return events
+        key = series(ev)
+        left_out = held.pop(key, None)
+        ev = {**ev, "n": (left_out["n"] if left_out else 0) + _n(ev)}
+        m = _m(ev)
+        if key in kept_at and m - kept_at[key] < thin:
+            held[key] = ev
+            continue
+        kept_at[key] = m
+        yield ev
+    yield from held.values()
+
+
+def bounded(events: Iterable[Event], keep: int = KEEP) -> tuple[list[Event], int]:
+    """The events as read, the frequent kinds held to `keep` a series as the Recorder holds
+    them (all of them until one series is full, then an interval from THIN up that doubles
+    each time one is full again): memory bounded by the nodes, not the file. And how many
+    events were read."""
+    thin = 0.0
+    kept: list[Event] = []
+    held: dict[Series, Event] = {}          # a series' latest, not yet kept: kept at the end
+    kept_at: dict[Series, float] = {}
+    began: dict[Series, float] = {}
+    lines: dict[Series, int] = {}
+    read = 0
+    for ev in events:
+        read += 1
+        if ev["kind"] not in FREQUENT:
+            kept.append(ev)
+            continue
+        key = series(ev)
+        left_out = held.pop(key, None)
+        ev = {**ev, "n": (left_out["n"] if left_out else 0) + _n(ev)}
+        if key in kept_at and _m(ev) - kept_at[key] < thin:
+            held[key] = ev
+            continue
+        kept.append(ev)
+        kept_at[key] = _m(ev)
+        began.setdefault(key, kept_at[key])
+        lines[key] = lines.get(key, 0) + 1
+        while lines.get(key, 0) > keep:
+            thin = max(2 * thin, THIN, 2 * (kept_at[key] - began[key]) / keep)
+            kept = list(rethin(kept, thin))
+            lines = {}
+            for e in kept:
+                if e["kind"] in FREQUENT:
+                    lines[series(e)] = lines.get(series(e), 0) + 1
+                    kept_at[series(e)] = _m(e)
+    return kept + list(held.values()), read
 
 
 # -- events -> the timeline (pure) --
@@ -169,11 +299,12 @@ def timeline(events: Iterable[Event], meta: dict[str, Any] | None = None) -> dic
         notes     what the picture cannot show (a detached run's later life)
     """
     meta = meta or {}
-    evs = sorted(events, key=lambda e: (e.get("m", 0.0), e.get("t", 0.0)))
+    kept, read = bounded(events)
+    evs = sorted(kept, key=lambda e: (e.get("m", 0.0), e.get("t", 0.0)))
     out: dict[str, Any] = {"run_id": meta.get("run_id"), "backend": meta.get("backend"),
                            "start": evs[0]["t"] if evs else meta.get("created"),
                            "end": 0.0, "lanes": {}, "job": [], "attempts": [], "checks": [],
-                           "stalled": [], "notes": [], "events": len(evs)}
+                           "stalled": [], "notes": [], "events": read}
     if not evs:
         out["notes"].append("no events were recorded for this run (it predates the timeline, "
                             "or never reached its check)")

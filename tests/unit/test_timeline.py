@@ -83,7 +83,7 @@ def test_the_events_file_is_private_and_a_cut_line_is_left_out(tmp_path: Path) -
     with path.open("a") as f:
         f.write('{"t": 1, "kind": "ex')              # the launcher killed mid-write
     assert [e["kind"] for e in tl.read_events(path)] == ["check", "started"]
-    assert tl.read_events(tmp_path / "none.jsonl") == []
+    assert list(tl.read_events(tmp_path / "none.jsonl")) == []
 
 
 def test_the_watcher_records_join_beats_output_failure_stop_and_exits(tmp_path: Path) -> None:
@@ -278,3 +278,80 @@ def test_a_hang_writes_every_nodes_held_beat_first_in_order() -> None:
     rec.event(tl.HANG, quiet=18.0)
     assert [(e["kind"], e.get("node"), e["m"]) for e in events[2:]] == [
         ("beat", "b 1", 101.0), ("beat", "a 0", 102.0), ("hang", None, 120.0)]
+
+
+def test_events_jsonl_stays_under_4_mb_over_72_hours_at_128_nodes(tmp_path: Path) -> None:
+    """128 nodes for 72 h on a fake clock, each beating and printing once a minute (one recorded
+    each 5 s, as before, would have made 1.2 GB): the file stays under 4 MB, each node's beats
+    at most KEEP lines, from its first beat to its last, every beat counted; the state events
+    all there."""
+    clock = Clock()
+    path = tmp_path / tl.EVENTS
+    rec = tl.Recorder(tl.EventsFile(path), clock=clock, wall=lambda: clock.now + 1.7e9)
+    nodes = [f"gpu-node-{i:03d} {i}" for i in range(128)]
+    rec.event(tl.STARTED, nodes=nodes)
+    for node in nodes:
+        rec.event(tl.JOINED, node, group_rank=0)
+    hours, every = 72, 60.0
+    beats = int(hours * 3600 / every)
+    for k in range(beats):
+        clock.now = 100.0 + k * every
+        for node in nodes:
+            rec.beat(node)
+            rec.output(node)
+    for node in nodes:
+        rec.event(tl.EXIT, node, ok=True, how="exit code 0")
+    rec.flush()
+    size = path.stat().st_size
+    assert size < 4_000_000, size
+    events = list(tl.read_events(path))
+    assert sum(e["kind"] == tl.JOINED for e in events) == 128
+    assert sum(e["kind"] == tl.EXIT for e in events) == 128
+    mine = [e for e in events if e["kind"] == tl.BEAT and e["node"] == nodes[5]]
+    assert len(mine) <= tl.KEEP
+    assert mine[0]["m"] == 100.0 and mine[-1]["m"] == 100.0 + (beats - 1) * every
+    assert sum(e["n"] for e in mine) == beats                 # every beat counted
+    assert not path.with_name(path.name + ".tmp").exists()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_large_events_file_is_read_and_grouped_in_bounded_memory(tmp_path: Path) -> None:
+    """A file of 100,000 beats (one written before the bound: 9 MB) read line by line and
+    its frequent kinds kept to the bound as they are read: the memory for it stays under
+    3 MB, and the picture's data still spans the whole run, every beat counted."""
+    import tracemalloc
+    path = tmp_path / tl.EVENTS
+    nodes = [f"n{i} {i}" for i in range(8)]
+    with path.open("w") as f:
+        f.write(json.dumps({"t": 1e9, "m": 0.0, "kind": "started", "attempt": 0, "nodes": nodes}) + "\n")
+        for k in range(12_500):
+            f.write("".join(json.dumps({"t": 1e9 + 5 * k, "m": 5.0 * k, "kind": "beat",
+                                        "attempt": 0, "node": node, "n": 5}) + "\n"
+                            for node in nodes))
+    assert path.stat().st_size > 8_000_000
+    tracemalloc.start()
+    try:
+        data = tl.timeline(tl.read_events(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3_000_000, peak
+    assert data["events"] == 100_001
+    lane = data["lanes"]["n3 3"]
+    assert len(lane) <= tl.KEEP and lane[0]["x"] == 0.0 and lane[-1]["x"] == 5.0 * 12_499
+    assert sum(i["n"] for i in lane) == 12_500 * 5
+
+
+def test_thinning_again_keeps_the_first_and_last_of_each_series_and_the_counts() -> None:
+    events = [{"kind": "started", "m": 0.0, "attempt": 0}]
+    events += [{"kind": "beat", "m": float(s), "attempt": a, "node": "a 0", "n": 1}
+               for a in (0, 1) for s in range(10 * a, 10 * a + 7)]
+    events.append({"kind": "exit", "m": 20.0, "attempt": 1, "node": "a 0"})
+    kept = list(tl.rethin(events, 3.0))
+    assert [(e["kind"], e["m"], e.get("n")) for e in kept] == [
+        ("started", 0.0, None), ("beat", 0.0, 1), ("beat", 3.0, 3), ("beat", 6.0, 3),
+        ("beat", 10.0, 1), ("beat", 13.0, 3), ("beat", 16.0, 3), ("exit", 20.0, None)]
+    events[-2]["m"] = 15.0                     # the last of a series is kept, however close
+    kept = list(tl.rethin(events, 3.0))
+    assert [(e["m"], e["n"]) for e in kept if e.get("attempt") == 1 and e["kind"] == "beat"] == [
+        (10.0, 1), (13.0, 3), (15.0, 3)]
