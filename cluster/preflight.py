@@ -13,6 +13,7 @@ from typing import Any
 
 from .plan import LaunchPlan
 from .spec import Container
+from .torchrun_options import last_value
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 GIB = 1 << 30
@@ -113,13 +114,7 @@ def visible_gpus(node: Any, f: Mapping[str, Any]) -> int | None:
 
 def asks_for_cpu(args: Sequence[str]) -> bool:
     """The job's arguments say --device cpu (the reference trainer's; the last one wins)."""
-    device = None
-    for i, a in enumerate(args):
-        if a == "--device" and i + 1 < len(args):
-            device = args[i + 1]
-        elif a.startswith("--device="):
-            device = a.split("=", 1)[1]
-    return device == "cpu"
+    return last_value(args, "--device") == "cpu"
 
 
 def processes_per_gpu(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Finding]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .nodes import NodeStatus, end_code
 from .runs import RunDir
+from .torchrun_options import last_value
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -87,12 +88,7 @@ class Row:
 def metrics_file(args: Sequence[str], workdir: str) -> str | None:
     """The reference trainer's metrics.jsonl from the run's recorded script arguments: under
     `--out DIR` (relative to the node's workdir, where the script ran); None without --out."""
-    out = None
-    for i, arg in enumerate(args):
-        if arg == "--out" and i + 1 < len(args):
-            out = args[i + 1]
-        elif arg.startswith("--out="):
-            out = arg.split("=", 1)[1]
+    out = last_value(args, "--out")
     if not out:
         return None
     path = out if out.startswith(("/", "~")) else f"{workdir.rstrip('/')}/{out}"

@@ -12,11 +12,12 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import ClusterError
 from ..nodes import Demux, NodeExit
 from ..plan import LaunchPlan, NodePlan, python_command
+from ..torchrun_options import restarts_its_workers
 from . import shipping
 from .transport import Channel, Result, Transport
 
@@ -258,20 +259,6 @@ def container_record(node: NodePlan) -> bytes | None:
     if not (node.container and node.host.container):
         return None
     return json.dumps({"runtime": node.host.container.runtime, "name": node.container}).encode()
-
-
-def restarts_its_workers(torchrun_args: Sequence[str]) -> bool:
-    """torchrun_args ask torchrun to restart its workers itself (--max-restarts N > 0): a
-    worker's death is then torchrun's to handle, not a failure the node reports at once."""
-    value = None
-    for i, arg in enumerate(torchrun_args):
-        name, eq, rest = arg.partition("=")
-        if name in ("--max-restarts", "--max_restarts"):
-            value = rest if eq else (torchrun_args[i + 1] if i + 1 < len(torchrun_args) else None)
-    try:
-        return value is not None and int(value) > 0
-    except ValueError:
-        return False
 
 
 def _run_id(node: NodePlan) -> str:

@@ -66,13 +66,21 @@ def is_subreaper(pid):
 
 def stat(pid):
     """(state letter, parent, process group, session) of a pid, or None when it is gone."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return None
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+
+
+def stat_fields(pid):
+    """/proc/PID/stat's fields after the command's name (the first is field 3, the state),
+    or None when the pid is gone."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
             data = f.read().decode("ascii", "replace")
     except OSError:
         return None
-    fields = data[data.rfind(")") + 2:].split()
-    return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+    return data[data.rfind(")") + 2:].split()
 
 
 def alive(pid):
@@ -144,13 +152,8 @@ def exit_status(pid):
     """How pid ended, as waitpid(2) puts it, read while it is a zombie (its parent has not
     collected it yet): /proc/PID/stat's exit_code (Linux 3.5+). None while it runs, once it
     was collected, or where the kernel does not say."""
-    try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            data = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    fields = data[data.rfind(")") + 2:].split()
-    if len(fields) < 50 or fields[0] not in ("Z", "X"):
+    fields = stat_fields(pid)
+    if fields is None or len(fields) < 50 or fields[0] not in ("Z", "X"):
         return None
     return int(fields[49])                  # field 52 of stat(5); fields[0] is field 3
 

@@ -357,5 +357,5 @@ def test_a_stop_after_a_workers_death_gives_torchrun_only_its_short_grace(tmp_pa
     (("--max-restarts", "2", "--max-restarts", "0"), False), (("--max-restarts",), False),
 ])
 def test_torchrun_args_that_restart_workers_are_recognised(args, restarts) -> None:
-    from cluster.backends.node import restarts_its_workers
+    from cluster.torchrun_options import restarts_its_workers
     assert restarts_its_workers(args) is restarts
