@@ -201,7 +201,9 @@ def _cluster(*args: str, cwd: Path, nofile: int | None = None) -> subprocess.Com
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     env = {k: v for k, v in os.environ.items() if k != "CLUSTER_RUNS_DIR"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    # this checkout first; what the path held (a machine's packages put there) after it
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]),
+                                                    env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "cluster", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120, preexec_fn=limit)
 
