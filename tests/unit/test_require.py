@@ -40,7 +40,8 @@ def test_unit():
 def outcomes(tmp_path: Path, require: str | None) -> tuple[dict[str, str], str]:
     """test name -> passed, failed or skipped (from the run's junit XML), and the output."""
     (tmp_path / "test_suite.py").write_text(SUITE)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))   # its packages kept after
     env.pop("CLUSTER_REQUIRE_INTEGRATION", None)
     if require is not None:
         env["CLUSTER_REQUIRE_INTEGRATION"] = require
