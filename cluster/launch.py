@@ -18,6 +18,7 @@ from .errors import InputError, Interrupted, NodeLost, RunFailed
 from .hang import save as save_hang
 from .hang_timeout import timeout_of
 from .inventory import unset_forwarded
+from .nodes import NodeExit
 from .plan import Job, Plan, Templates
 from .runs import RunDir
 from .slow import SlowNodes
@@ -195,7 +196,7 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
         if retry is None:
             return _outcome(result, plan, console)
         console.info(retry)
-        timeline.event(tl.RESTART, why=retry)
+        timeline.event(tl.RESTART, why=retry, **_cause_of(result))
         inventory = _without_lost(inventory, result, options)
 
 
@@ -206,7 +207,7 @@ def _record(run: RunDir, plan: Plan, backend: Backend[Any], procs: list[NodeProc
         save_hang(run, result.hang, console)
     history.append({"attempt": len(history), "nodes": plan.node_names or result.nodes,
                     "master_port": plan.master_port,
-                    "ended": _ending(result), "joined": sorted(joined(result)),
+                    "ended": _ending(result), **_cause_of(result), "joined": sorted(joined(result)),
                     "seconds": round(time.monotonic() - result.started, 1),
                     **({"slow_nodes": result.slow} if result.slow else {})})
     run.update(exits={k: dataclasses.asdict(v) for k, v in result.exits.items()},
@@ -214,15 +215,31 @@ def _record(run: RunDir, plan: Plan, backend: Backend[Any], procs: list[NodeProc
                attempts=history, slow_nodes=result.slow, **backend.ended(plan, procs, result))
 
 
-def _ending(result: WatchResult) -> str:
+def _ending(result: WatchResult, with_cause: bool = False) -> str:
+    """How the attempt ended; with_cause: a failure led by its worker's own error (the
+    restart line); without, as the timeline and run.json's `ended` put it (their `cause`
+    and the timeline's failure event carry the error apart)."""
     if result.interrupted:
         return f"interrupted ({signal.Signals(result.signum).name})"
     if result.hang is not None:
         return f"hang: no progress for {result.hang.seconds:.0f} s"
     if result.first_failure:
         label, ex = result.first_failure
-        return f"node [{label}] failed: {ex.describe()}"
+        return _failed(label, ex, result.causes.get(label) if with_cause else None)
     return "finished"
+
+
+def _failed(label: str, ex: NodeExit, cause: str | None) -> str:
+    """'node [b] failed: RuntimeError: boom (exit code 1)': the worker's own error leads,
+    how the node ended after it; the final error's first words and a restart's."""
+    return f"node [{label}] failed: {f'{cause} ({ex.describe()})' if cause else ex.describe()}"
+
+
+def _cause_of(result: WatchResult) -> dict[str, str]:
+    """{"cause": the first failure's worker's own error} for run.json's attempt and the
+    restart's event; {} when none was seen."""
+    cause = result.causes.get(result.first_failure[0]) if result.first_failure else None
+    return {"cause": cause} if cause else {}
 
 
 def _retry(result: WatchResult, plan: Plan, options: Options,
@@ -234,7 +251,7 @@ def _retry(result: WatchResult, plan: Plan, options: Options,
     if why_not:
         result.not_retried = why_not
         return None
-    return (f"{_ending(result)}; restarting the whole job on a fresh rendezvous "
+    return (f"{_ending(result, with_cause=True)}; restarting the whole job on a fresh rendezvous "
             f"({_attempt_of(len(history), options.restarts)})")
 
 
@@ -323,8 +340,7 @@ def _outcome(result: WatchResult, plan: Plan, console: Console) -> int:
     if result.first_failure:
         label, ex = result.first_failure
         stopped = len(set(result.stops) - {label})     # the others (it may be stopped too)
-        cause = result.causes.get(label)          # the worker's own error leads
-        msg = (f"node [{label}] failed: {f'{cause} ({ex.describe()})' if cause else ex.describe()}; "
+        msg = (f"{_failed(label, ex, result.causes.get(label))}; "
                f"{'stopped the other ' + str(stopped) + ' node(s)' if stopped else 'no other node was running'}"
                f" (logs: {plan.logs_hint})")
         if ex.lost:

@@ -56,7 +56,7 @@ HANG = "hang"              # the watchdog fired: no progress for `quiet` s
 INTERRUPTED = "interrupted"
 EXIT = "exit"              # a node ended (ok, how)
 ENDED = "ended"            # an attempt's watch ended (how: finished, a node failed, a hang)
-RESTART = "restart"        # the whole job starts again (why)
+RESTART = "restart"        # the whole job starts again (why, cause)
 OUTCOME = "outcome"        # how the launch ended (ok, error)
 SLOW = "slow"              # a node persistently slower than the others (issue 26 item 1)
 

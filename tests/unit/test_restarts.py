@@ -191,3 +191,37 @@ def test_slurm_inventory_names_the_line_of_a_launcher_only_key(tmp_path: Path, k
     with pytest.raises(InputError) as raised:
         prepared_options(inv)
     assert str(raised.value).startswith(f"{inv}:2: {key}: is for local and ssh runs"), raised.value
+
+
+def test_the_restart_line_names_the_workers_own_error_as_the_final_error_does(
+        tmp_path: Path) -> None:
+    """Issue 35 item 10: the restart line said only 'node [c 2] failed: exit code 1'. Through
+    the watcher, node c's worker raised: the restart line leads with its error as the final
+    error does (one code for both), and the attempt's record in run.json keeps it."""
+    from cluster.errors import RunFailed
+    from cluster.launch import _outcome, _record
+    from cluster.runs import RunDir
+    from tests.unit.test_watch import CHILD_FAILED, FakeNode, console
+    raised = [b"[rank2]: Traceback (most recent call last):\n", b'[rank2]:   File "t.py"\n',
+              b"[rank2]: RuntimeError: boom\n", *CHILD_FAILED[1:]]
+    failing = FakeNode("c 2", raised, NodeExit(code=1))
+    result = Watcher([FakeNode("a 0", [], None), FakeNode("b 1", [], None), failing],
+                     console()[0], {}).run()
+    assert result.first_failure[0] == "c 2" and result.causes["c 2"] == "RuntimeError: boom"
+    why = _retry(result, PLAN, Options(restarts=1), history=[{}])
+    assert why == ("node [c 2] failed: RuntimeError: boom (exit code 1); restarting the whole "
+                   "job on a fresh rendezvous (attempt 2 of 2, no restart left)")
+    plan = SimpleNamespace(run_id="r1", logs_hint="cluster logs r1", node_count=3,
+                           node_names=["a", "b", "c"], master_port=29500)
+    with pytest.raises(RunFailed) as info:
+        _outcome(result, plan, console()[0])
+    assert str(info.value).startswith(why.split(";")[0] + "; ")
+    run = RunDir.create("r1", root=tmp_path / "runs")
+    history: list = []
+    _record(run, plan, SimpleNamespace(ended=lambda *_: {}), [], result, history, console()[0])
+    attempt = run.meta()["attempts"][0]
+    assert attempt["cause"] == "RuntimeError: boom"
+    assert attempt["ended"] == "node [c 2] failed: exit code 1"     # the cause is kept apart
+    silent = failed()                                  # no worker's error seen: as before
+    assert _retry(silent, PLAN, Options(restarts=1), history=[{}]).startswith(
+        "node [b 1] failed: exit code 1; restarting")
