@@ -233,8 +233,9 @@ def test_doctor_json_schema(ssh_nodes4, cli):
     doc = cli.run("doctor", "-i", inv, "--nodes", "2", "--json", timeout=120)
     assert doc.popen.returncode == 0, doc.dump()
     report = json.loads(doc.stdout)
-    assert set(report) == {"schema", "ok", "seconds", "nodes", "master", "checks", "fingerprint",
-                           "deep", "tuning"}
+    assert set(report) == {"schema", "ok", "seconds", "timings", "nodes", "master", "checks",
+                           "fingerprint", "deep", "tuning"}
+    assert set(report["timings"]) >= {"survey"} and report["seconds"] >= report["timings"]["survey"]
     assert report["schema"] == 1 and report["ok"] is True and report["deep"] is None
     assert report["tuning"] is None
     assert report["nodes"] == ["node1", "node2"] and report["master"]["name"] == "node1"
