@@ -7,6 +7,10 @@ process identity. Here, a record is removed only when it is older than the cutof
 started, or every one of its recorded nodes says it has ended (its recorded backend's status:
 exited or stopped; its folder gone; a SLURM job in a final state). A node that cannot be asked,
 a lost supervisor, a state not known: the record stays, and the listing says why.
+
+Under SLURM a run may also leave its job's secret values in a private folder beside the job's
+output (.<run-id>.secrets); clean_secrets removes it, whatever the run's age, once the job is
+over for good (the backend's ended_for_good), and a record stays while its folder is there.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import json
 import re
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +111,53 @@ def node_decisions(node: str, report: dict[str, Any]) -> list[Decision]:
                      r.get("bytes")) for r in report.get("runs", [])]
 
 
+# --- secret values left behind -------------------------------------------------------------------
+
+# A run's secrets' folder still on disk: None when it is not; "" when it may go; else why not.
+SecretsOf = Callable[[RunDir], "str | None"]
+Forget = Callable[[RunDir], str]            # removes them; what went wrong, or ""
+
+
+def clean_secrets(root: Path, dry_run: bool, left_of: SecretsOf, forget: Forget) -> list[Decision]:
+    """The secret values a job's run left on disk (SLURM: <output dir>/.<run-id>.secrets),
+    for every record under root whatever its age: removed once the job is over for good. Only
+    the folder's path is listed, never what it holds."""
+    if not root.is_dir():
+        return []
+    decisions = []
+    for path in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()):
+        run = RunDir(path)
+        folder = secrets_folder(run)
+        if not folder:
+            continue
+        try:
+            why = left_of(run)
+        except Exception as exc:  # noqa: BLE001 - any doubt keeps the secrets
+            why = f"its job could not be asked: {(str(exc) or repr(exc)).splitlines()[0]}"
+        if why is None:
+            continue
+        if why:
+            decisions.append(Decision("local", folder, "kept", f"secrets of run {path.name}: {why}"))
+        elif dry_run:
+            decisions.append(Decision("local", folder, "would remove",
+                                      f"secrets of run {path.name}, whose job has ended"))
+        else:
+            problem = forget(run)
+            decisions.append(Decision("local", folder, "kept" if problem else "removed",
+                                      problem or f"secrets of run {path.name}, whose job has ended"))
+    return decisions
+
+
+def secrets_folder(run: RunDir) -> str:
+    """The folder of the secrets' file the run's record names, or "" (none, or no record)."""
+    try:
+        meta = run.meta()
+    except InputError:
+        return ""
+    path = (meta.get("slurm") or {}).get("secrets_file") if isinstance(meta, dict) else None
+    return str(Path(path).parent) if isinstance(path, str) and path else ""
+
+
 # --- the records here --------------------------------------------------------------------------
 
 
@@ -114,14 +165,17 @@ StatusOf = Callable[[RunDir], list[NodeStatus]]
 
 
 def clean_records(root: Path, older_than: float, dry_run: bool, status_of: StatusOf,
-                  now: float | None = None, workers: int = 4) -> list[Decision]:
-    """Each run record under root: removed when old and ended (see record_verdict)."""
+                  now: float | None = None, workers: int = 4,
+                  secrets_going: Collection[str] = ()) -> list[Decision]:
+    """Each run record under root: removed when old and ended (see record_verdict).
+    secrets_going: the secrets' folders clean_secrets removed (or would remove)."""
     if not root.is_dir():
         return []
     now = time.time() if now is None else now
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        verdicts = list(pool.map(lambda p: record_verdict(p, older_than, now, status_of), folders))
+        verdicts = list(pool.map(lambda p: record_verdict(p, older_than, now, status_of,
+                                                          secrets_going), folders))
     decisions = []
     for path, (removable, why, age) in zip(folders, verdicts):
         rel = f"{root.name}/{path.name}"
@@ -140,8 +194,8 @@ def clean_records(root: Path, older_than: float, dry_run: bool, status_of: Statu
     return decisions
 
 
-def record_verdict(path: Path, older_than: float, now: float,
-                   status_of: StatusOf) -> tuple[bool, str, float]:
+def record_verdict(path: Path, older_than: float, now: float, status_of: StatusOf,
+                   secrets_going: Collection[str] = ()) -> tuple[bool, str, float]:
     """(removable, why, age) of one record. Its nodes are asked only when it is old enough."""
     age = now - last_active(path)
     if age < older_than:
@@ -160,6 +214,10 @@ def record_verdict(path: Path, older_than: float, now: float,
         rows = status_of(RunDir(path))
     except Exception as exc:  # noqa: BLE001 - any doubt keeps the record
         return False, f"its nodes could not be asked: {str(exc).splitlines()[0]}", age
+    folder = secrets_folder(RunDir(path))
+    if folder and folder not in secrets_going and Path(folder).exists():
+        # the record is what says where they are and when they may go
+        return False, f"its job's secrets' folder {folder} is still there", age
     return verdict(rows) + (age,)
 
 

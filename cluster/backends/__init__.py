@@ -133,6 +133,9 @@ class Backend(Protocol[PlanT]):
     # pull(run, paths, into, node=None) -> {node: PullResult | ClusterError}: `cluster pull`.
     # note: a callable(str) the launch flow points at the run's console (ssh: --sync's line).
     # progress: told as each node finishes a phase (console.NodeProgress).
+    # leftover_secrets(run) -> None | "" | why, forget_run_secrets(run) -> problem or "", and
+    #     forget_ended_secrets (bool, status() removes them when set): a backend that leaves
+    #     the secret values in a file for its job (slurm); `cluster clean` sweeps them.
 
 
 class NodeChecks(Protocol):

@@ -9,7 +9,8 @@
               the job completion file, else `scontrol show job`): COMPLETED is success.
     stop      (Ctrl-C, a signal) cancels the job (scancel) and waits until it is gone: a user
               who presses Ctrl-C wants the run stopped. `--detach` leaves it running.
-    status    squeue while the job is queued or running, the final state afterwards.
+    status    squeue while the job is queued or running, the final state afterwards; the
+              secrets' file of a job over for good goes then (ended_for_good).
     logs      the job's one combined output file; srun --label prefixes each line with the task
               (= node) number, which is turned into the node's name (slurm_output.py).
     down      scancel, then wait until squeue no longer lists the job.
@@ -39,7 +40,8 @@ from ..plan import Job, Templates
 from ..runs import RunDir
 from ..sbatch import SbatchPlan, render_sbatch
 from . import Backend, NodeProcess, NodeStatus, Record
-from .slurm_output import JobInfo, JobProcess, Labeller, OutputReader, remember_nodes
+from .slurm_output import (JobInfo, JobProcess, Labeller, OutputReader, remember_nodes,
+                           unsettled_requeue)
 
 SCRIPT_NAME = "sbatch.sh"
 
@@ -128,6 +130,18 @@ def _exit(text: str) -> tuple[int | None, int | None]:
             int(sig) if sig.isdigit() and int(sig) else None)
 
 
+def _scontrol_info(job_id: str, text: str) -> JobInfo:
+    """`scontrol -o show job` -> JobInfo."""
+    def field(key: str) -> str:
+        m = re.search(rf"(?:^|\s){key}=(\S*)", text)
+        return m.group(1) if m else ""
+    code, sig = _exit(field("ExitCode"))
+    reason, restarts = field("Reason"), field("Restarts")
+    return JobInfo(job_id, field("JobState"), code, sig, _nodes(field("NodeList")),
+                   reason="" if reason == "None" else reason, source="scontrol",
+                   restarts=int(restarts) if restarts.isdigit() else None)
+
+
 def _nodes(expr: str) -> tuple[str, ...]:
     expr = expr.strip()
     if not expr or expr in ("(null)", "None assigned"):
@@ -147,7 +161,8 @@ class SlurmBackend:
                  max_poll: float = 15.0, stop_timeout: float = 120.0,
                  sleep: Callable[[float], None] = time.sleep, retry: Retry = Retry(),
                  warn: Callable[[str], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 forget_ended_secrets: bool = True) -> None:
         self.commands = commands or SlurmCommands()
         self.poll = poll                 # first interval between squeue calls while following
         self.max_poll = max_poll         # ... growing to this while nothing changes
@@ -157,6 +172,9 @@ class SlurmBackend:
         self.warn = warn or (lambda text: None)
         self.clock = clock
         self.cwd = cwd or os.getcwd()        # where jobs are submitted from (their --chdir)
+        # status() removes the secrets' file of a job it finds over for good (off for a look
+        # that must change nothing: `cluster clean --dry-run`)
+        self.forget_ended_secrets = forget_ended_secrets
 
     # -- the launch flow (cluster.launch): plan, start. Nothing to check before: SLURM
     # allocates the nodes (no NODE_CHECKS capability).
@@ -313,17 +331,7 @@ class SlurmBackend:
 
     def _scontrol(self, job_id: str) -> JobInfo | None:
         r = self._run("scontrol", "-o", "show", "job", job_id)
-        if r.code != 0:
-            return None
-
-        def field(key: str) -> str:
-            m = re.search(rf"(?:^|\s){key}=(\S*)", r.stdout)
-            return m.group(1) if m else ""
-        code, sig = _exit(field("ExitCode"))
-        reason, restarts = field("Reason"), field("Restarts")
-        return JobInfo(job_id, field("JobState"), code, sig, _nodes(field("NodeList")),
-                       reason="" if reason == "None" else reason, source="scontrol",
-                       restarts=int(restarts) if restarts.isdigit() else None)
+        return _scontrol_info(job_id, r.stdout) if r.code == 0 else None
 
     def controller(self, job_id: str) -> JobInfo | None:
         """The job as the controller knows it (`scontrol show job`, any state), or None."""
@@ -352,6 +360,8 @@ class SlurmBackend:
             return [NodeStatus(0, "job", "not submitted", detail="dry run" if run.meta().get("dry_run") else "")]
         info = self.job(job_id)
         remember_nodes(run, info)
+        if self.forget_ended_secrets and info.done and self.leftover_secrets(run, info) == "":
+            self._forget_secrets(_secrets_file(run))    # a detached job that ended unfollowed
         detail = f"job {job_id} {info.state} ({info.source})" + (f": {info.reason}" if info.reason else "")
         names = info.nodes or tuple(n["name"] for n in run.meta().get("nodes") or ())
         state = info.state.lower()
@@ -377,6 +387,49 @@ class SlurmBackend:
                 yield label, text
         if job is not None and job.final is not None and job.final.done:
             self._forget_secrets(_secrets_file(run))        # followed to the job's end
+
+    def leftover_secrets(self, run: RunDir, info: JobInfo | None = None) -> str | None:
+        """Whether the run's secrets' folder is still on disk, and may go: None when it is not
+        there; "" when its job is over for good; else why it must stay."""
+        path = _secrets_file(run)
+        if not path or not Path(path).parent.exists():
+            return None
+        over, why = self.ended_for_good(run, info)
+        return "" if over else why
+
+    def ended_for_good(self, run: RunDir, info: JobInfo | None = None) -> tuple[bool, str]:
+        """Whether the run's job will never run again, and what says so, by the rule
+        `cluster up` follows a job with: squeue no longer lists it, it reads as final, the
+        controller agrees (or has forgotten it: it ended at least MinJobAge ago), and no
+        requeue the batch script announced is still to come. Between `scontrol requeue` and
+        the next attempt a job may leave squeue and read as FAILED for a moment; a job SLURM
+        requeues by itself (node failure, preemption) stays known to the controller as
+        REQUEUED or PENDING."""
+        slurm = run.meta().get("slurm") or {}
+        job_id = slurm.get("job_id")
+        if not job_id:
+            return False, "no job id recorded (a launch may be submitting it)"
+        info = info or self.job(job_id)
+        said = f"{info.describe()} ({info.source})"
+        if info.source == "squeue" or not info.done:
+            return False, said
+        r = self._run("scontrol", "-o", "show", "job", job_id)
+        if r.code != 0:
+            if "invalid job id" in r.stderr.lower():
+                return True, said
+            return False, f"{said}; scontrol show job {job_id} failed: {r.stderr.strip()[:200]}"
+        known = _scontrol_info(job_id, r.stdout)
+        if not known.done:
+            return False, f"{said}, but the controller knows it as {known.state or 'unknown'}"
+        announced = unsettled_requeue(Path(slurm.get("output", "")))
+        if announced and (known.restarts is None or known.restarts < announced):
+            return False, (f"{said}, but its output announces a requeue (restart {announced}) "
+                           f"that has not run yet")
+        return True, said
+
+    def forget_run_secrets(self, run: RunDir) -> str:
+        """Remove the run's secrets' file and folder; what went wrong, or ""."""
+        return forget_secrets(_secrets_file(run))
 
     def _forget_secrets(self, path: str) -> None:
         problem = forget_secrets(path)

@@ -74,6 +74,22 @@ END_MARK = b"cluster: job "                  # its last line: the step has ended
 TICK = 0.5                                    # how often the output file is read
 
 
+def unsettled_requeue(path: Path) -> int:
+    """The restart that a requeue announced in the job's output (the batch script's line) is
+    still to make, read as a follower reads it: the last announcement with no attempt started
+    after it. 0 when there is none (or no output to read)."""
+    marks, labeller = _Marks(), Labeller()
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                for item in JobProcess._lines([raw.rstrip(b"\n")], labeller):
+                    if isinstance(item, dict):
+                        marks._note(item, 0.0)
+    except OSError:
+        return 0
+    return marks.announced if marks.requeued_at is not None else 0
+
+
 def remember_nodes(run: RunDir, info: JobInfo) -> None:
     """Record the nodes SLURM gave the job (known once it starts) for `cluster logs --node`."""
     nodes = [{"rank": i, "name": n, "address": n} for i, n in enumerate(info.nodes)]

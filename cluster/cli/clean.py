@@ -51,7 +51,11 @@ def clean(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
     else:
         console.info("nodes not swept: give -i INVENTORY (or --hosts) to clean their "
                      "<workdir>/.cluster folders too")
-    decisions += cl.clean_records(runs_root(), seconds, dry_run, _recorded_status)
+    secrets = cl.clean_secrets(runs_root(), dry_run, _leftover_secrets, _forget_secrets)
+    going = {d.path for d in secrets if d.action != "kept"}
+    decisions += secrets
+    decisions += cl.clean_records(runs_root(), seconds, dry_run,
+                                  lambda run: _recorded_status(run, dry_run), secrets_going=going)
     for d in decisions:
         click.echo(d.line())
     _summary(decisions, dry_run, console)
@@ -60,10 +64,30 @@ def clean(inventory_path: str | None, nodes: int | None, hosts: str | None, excl
                              details="\n".join(f"  {n}: {why}" for n, why in failed.items()))
 
 
-def _recorded_status(run: RunDir) -> list[NodeStatus]:
+def _recorded_status(run: RunDir, dry_run: bool) -> list[NodeStatus]:
     backend = backends.recorded(run)
+    if dry_run and hasattr(backend, "forget_ended_secrets"):
+        backend.forget_ended_secrets = False        # a dry run changes nothing
     try:
         return backend.status(run)
+    finally:
+        backend.close()
+
+
+def _leftover_secrets(run: RunDir) -> str | None:
+    """None: no secrets of the run left on disk; "": they may go; else why they stay."""
+    backend = backends.recorded(run)
+    try:
+        left = getattr(backend, "leftover_secrets", None)
+        return left(run) if left is not None else None
+    finally:
+        backend.close()
+
+
+def _forget_secrets(run: RunDir) -> str:
+    backend = backends.recorded(run)
+    try:
+        return str(getattr(backend, "forget_run_secrets")(run))
     finally:
         backend.close()
 

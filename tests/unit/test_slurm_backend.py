@@ -541,3 +541,92 @@ def test_following_a_long_job_asks_squeue_less_and_less_often(tmp_path: Path) ->
     calls = len(fake.called("squeue"))
     assert calls < 60, f"{calls} squeue calls in 10 minutes: polling did not back off"
     assert calls > 600 / 15 - 5, "never less often than max_poll"
+
+
+# --- the secrets of a job that ended unfollowed: status and clean ------------------------------
+
+FAILED_SCONTROL = "JobId=77 JobState=FAILED Reason=NonZeroExitCode Restarts={} ExitCode=1:0 NodeList=node1\n"
+
+
+def run_with_secrets(tmp_path: Path, output: str = "") -> tuple[RunDir, Path]:
+    """A detached run whose secrets' folder is still on disk, its output holding `output`."""
+    run = recorded_run(tmp_path)
+    secrets = tmp_path / ".r1.secrets" / "env"
+    secrets.parent.mkdir(mode=0o700)
+    secrets.write_bytes(f"TOKEN={SECRET}\0".encode())
+    (tmp_path / "r1.out").write_text(output)
+    run.update(slurm={**run.meta()["slurm"], "secrets_file": str(secrets)})
+    return run, secrets.parent
+
+
+@pytest.mark.parametrize("scontrol", [INVALID, ok(FAILED_SCONTROL.format(0))])
+def test_status_removes_the_secrets_of_a_detached_job_that_failed(scontrol: Completed,
+                                                                   tmp_path: Path) -> None:
+    # the controller has forgotten the job (MinJobAge), or still knows it as FAILED
+    run, folder = run_with_secrets(tmp_path, "cluster: run r1 job 77\n0: boom\n")
+    fake = FakeCommands(squeue=INVALID, sacct=ok("77|FAILED|1:0|node1\n"), scontrol=scontrol)
+    rows = backend(fake).status(run)
+    assert [r.state for r in rows] == ["failed"]
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize("squeue, scontrol", [
+    (ok("77|REQUEUED|node1|None\n"), None),                  # squeue still lists it
+    (ok("77|PENDING||BeginTime\n"), None),
+    (GONE, ok("JobId=77 JobState=PENDING Reason=BeginTime Restarts=1 ExitCode=0:0\n")),
+    (GONE, ok("JobId=77 JobState=REQUEUED Reason=None Restarts=1 ExitCode=0:0\n")),
+    (GONE, ok("JobId=77 JobState=REQUEUE_HOLD Reason=JobHeldAdmin Restarts=1 ExitCode=0:0\n")),
+    (GONE, ok("JobId=77 JobState=REQUEUE_FED Reason=None Restarts=1 ExitCode=0:0\n")),
+    (GONE, ok("", code=1, err="scontrol: error: Unable to contact slurm controller (connect failure)")),
+])
+def test_status_keeps_the_secrets_of_a_job_that_may_run_again(squeue: Completed,
+                                                              scontrol: Completed | None,
+                                                              tmp_path: Path) -> None:
+    run, folder = run_with_secrets(tmp_path)
+    fake = FakeCommands(squeue=squeue, sacct=ok("77|FAILED|1:0|node1\n"),
+                        **({"scontrol": scontrol} if scontrol else {}))
+    b = SlurmBackend(fake, poll=0.0, sleep=lambda s: None, retry=Retry(budget=0))
+    b.status(run)
+    assert folder.exists()
+
+
+def test_status_keeps_the_secrets_while_an_announced_requeue_is_still_to_come(tmp_path: Path) -> None:
+    # The batch script said it requeues; the job briefly reads FAILED (Restarts=0) before it is
+    # pending again: the next attempt needs the file. Once Restarts=1 that attempt has run.
+    run, folder = run_with_secrets(tmp_path, "cluster: run r1 job 77 on node1 (restart 0)\n"
+                                   "cluster: requeueing job 77 (restart 1 of 3) on SIGUSR2\n")
+    fake = FakeCommands(squeue=GONE, sacct=ok("77|FAILED|1:0|node1\n"),
+                        scontrol=[ok(FAILED_SCONTROL.format(0)), ok(FAILED_SCONTROL.format(1))])
+    backend(fake).status(run)
+    assert folder.exists()
+    backend(fake).status(run)
+    assert not folder.exists()
+
+
+def test_clean_lists_then_removes_the_secrets_of_jobs_over_for_good(tmp_path: Path) -> None:
+    from cluster.clean import clean_records, clean_secrets
+    run, folder = run_with_secrets(tmp_path)
+    fake = FakeCommands(squeue=GONE, sacct=ok("77|FAILED|1:0|node1\n"), scontrol=INVALID)
+    look = backend(fake)
+    look.forget_ended_secrets = False              # as `cluster clean --dry-run` asks
+    dry = clean_secrets(tmp_path / "runs", True, look.leftover_secrets, look.forget_run_secrets)
+    records = clean_records(tmp_path / "runs", 0, True, look.status,
+                            secrets_going={d.path for d in dry})
+    assert [(d.path, d.action) for d in dry] == [(str(folder), "would remove")]
+    assert [d.action for d in records] == ["would remove"] and folder.exists()
+    done = clean_secrets(tmp_path / "runs", False, look.leftover_secrets, look.forget_run_secrets)
+    assert [(d.path, d.action) for d in done] == [(str(folder), "removed")] and not folder.exists()
+    assert "TOKEN" not in "".join(d.line() for d in dry + done) and SECRET not in str(dry + done)
+
+
+def test_clean_keeps_the_secrets_and_the_record_of_a_job_being_requeued(tmp_path: Path) -> None:
+    from cluster.clean import clean_records, clean_secrets
+    run, folder = run_with_secrets(tmp_path)
+    fake = FakeCommands(squeue=GONE, sacct=ok("77|FAILED|1:0|node1\n"),
+                        scontrol=ok("JobId=77 JobState=PENDING Reason=BeginTime Restarts=1\n"))
+    b = backend(fake)
+    decisions = clean_secrets(tmp_path / "runs", False, b.leftover_secrets, b.forget_run_secrets)
+    assert [d.action for d in decisions] == ["kept"] and "PENDING" in decisions[0].why
+    records = clean_records(tmp_path / "runs", 0, False, b.status)
+    assert [d.action for d in records] == ["kept"] and "secrets" in records[0].why
+    assert folder.exists() and run.path.exists()
