@@ -18,7 +18,7 @@ from rich.console import Console as RichConsole
 from cluster.backends.shipping import BOOT, SUPERVISOR, SUPERVISOR_FILES, program
 from cluster.backends.transport import Result
 from cluster.errors import ClusterError
-from cluster.nodes import NodeStatus
+from cluster.nodes import NodeStatus, read_answer
 from cluster.runs import RunDir
 from cluster.spec import Host
 from cluster.top import (STALE_S, Gpu, Metrics, Pace, Row, cells, collect, collect_slurm, ended,
@@ -108,7 +108,7 @@ def test_the_ranks_step_reports_give_the_nodes_slowest_rate_and_work(tmp_path: P
     steps_file(d, "3.tmp", '{"rank": 3, "compute": 9, "data": 9, "steps": 1, "seconds": 90}\n')
     steps_file(d, "4", '{"rank": 4, "compute"')                                  # cut
     answer = ask(status_args(str(d), None), node_bin(tmp_path, None))
-    said = json.loads(answer.stdout.decode().splitlines()[-1])
+    said = read_answer(answer.stdout)
     assert [r["rank"] for r in said["steps"]] == [0, 1, 2], said
     assert said["steps"][0]["rate"] == 4.0 and said["steps"][1]["rate"] == 2.5
     assert said["steps"][2]["rate"] is None and said["steps"][2]["seconds"] is None
