@@ -199,12 +199,17 @@ def recorded(tmp_path: Path, backend: str = "ssh", **meta) -> RunDir:
     return run
 
 
+def framed(obj: dict) -> bytes:
+    """A node program's answer as it says it (remote/options.answer)."""
+    return b"\x1e" + json.dumps(obj).encode() + b"\x1f"
+
+
 def test_collect_asks_every_node_once_and_only_rank_0_for_metrics(tmp_path: Path) -> None:
     running = {"state": "running", "uptime": 75.0}
     fake = FakeBackend({
-        "n1": Result(0, json.dumps({"status": running, "gpus": None,
-                                    "metrics": ['{"step": 7, "loss": 1.5}']}).encode(), b""),
-        "n2": Result(0, json.dumps({"status": running, "gpus": None}).encode() + b"\n", b"")})
+        "n1": Result(0, framed({"status": running, "gpus": None,
+                                "metrics": ['{"step": 7, "loss": 1.5}']}), b""),
+        "n2": Result(0, b"a greeting\n" + framed({"status": running, "gpus": None}) + b"\n", b"")})
     rows = collect(recorded(tmp_path, args=["--out", ".cluster/r/train"]), fake)
     assert [(r.node, r.state, r.uptime) for r in rows] == [("n1", "running", 75.0), ("n2", "running", 75.0)]
     assert rows[0].metrics == Metrics(7, 1.5, None) and rows[1].metrics is None
