@@ -27,7 +27,7 @@ from typing import Any
 from .backends.supervised import SupervisedBackend
 from .console import human_bytes
 from .errors import InputError
-from .nodes import NodeStatus
+from .nodes import NodeStatus, read_answer
 from .runs import RunDir
 from .spec import Host
 
@@ -95,9 +95,8 @@ def clean_nodes(hosts: Sequence[Host], backend: SupervisedBackend, older_than: f
         if isinstance(res, Exception):
             failed[host.name] = str(res)
             continue
-        try:
-            report = json.loads(res.stdout.decode().strip().splitlines()[-1])
-        except (ValueError, IndexError):
+        report = read_answer(res.stdout)
+        if report is None:
             failed[host.name] = (f"python {host.python!r} could not run the clean there: "
                                  f"{res.text()[-300:] or f'exit code {res.code}'}")
             continue

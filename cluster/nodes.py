@@ -191,3 +191,25 @@ def _record(body: bytes) -> bytes | dict[str, Any]:
     except ValueError:
         record = None
     return record if isinstance(record, dict) else RECORD_START + body + RECORD_END
+
+
+def read_answers(data: bytes) -> tuple[list[dict[str, Any]], bytes]:
+    """A node program's whole output read the one way (its answers framed as the
+    supervisor's records are: remote/options.answer): (its records in order, everything
+    else). What a node's shell printed first, a line that is itself a JSON object included,
+    is in the second: noise, never an answer."""
+    demux = Demux()
+    records: list[dict[str, Any]] = []
+    noise = b""
+    for piece in [*demux.feed(data), demux.flush()]:
+        if isinstance(piece, dict):
+            records.append(piece)
+        else:
+            noise += piece
+    return records, noise
+
+
+def read_answer(data: bytes) -> dict[str, Any] | None:
+    """A node program's answer: its last record; None when it gave none."""
+    records, _ = read_answers(data)
+    return records[-1] if records else None

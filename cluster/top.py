@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .nodes import NodeStatus, end_code
+from .nodes import NodeStatus, end_code, read_answer
 from .runs import RunDir
 from .torchrun_options import last_value
 
@@ -105,15 +105,11 @@ def status_args(run_dir: str, metrics: str | None) -> list[str]:
     return args
 
 
-def split_answer(text: str) -> dict[str, Any] | None:
-    """A node's answer: its last line, a JSON object with a "status" (a setup line's output
-    may come before); None when it is not one."""
-    lines = text.strip().splitlines()
-    try:
-        said = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        said = None
-    if not isinstance(said, dict) or not isinstance(said.get("status"), dict):
+def split_answer(data: bytes) -> dict[str, Any] | None:
+    """A node's answer (nodes.read_answer: framed, so that a setup line's or the shell's output
+    before it is never taken for it), a JSON object with a "status"; None when it is not one."""
+    said = read_answer(data)
+    if said is None or not isinstance(said.get("status"), dict):
         return None
     return said
 
@@ -195,7 +191,7 @@ def row_from(rec: dict[str, Any], answer: Any) -> Row:
         return Row(rec["rank"], rec["name"], "unreachable", detail=str(answer).splitlines()[0])
     if answer.code is None:
         return Row(rec["rank"], rec["name"], "unreachable", detail=answer.text()[-200:] or "no answer")
-    said = split_answer(answer.stdout.decode(errors="replace")) or {}
+    said = split_answer(answer.stdout) or {}
     status = said.get("status") or {"state": "unknown", "reason": answer.text()[-200:]}
     detail = status.get("reason") or ""
     code = end_code(status)            # a stop's code, as `cluster status` says it

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..errors import ClusterError
-from ..nodes import Demux, NodeExit
+from ..nodes import Demux, NodeExit, read_answer
 from ..plan import LaunchPlan, NodePlan, python_command
 from ..torchrun_options import restarts_its_workers
 from . import shipping
@@ -89,7 +89,10 @@ class SupervisedNode:
         probed = self.run(shipping.program("probe", "facts", *args), timeout=120)
         if probed.code != 0:
             raise self._python_error(probed.code, probed.text())
-        return self._facts(json.loads(probed.stdout.decode().strip().splitlines()[-1]))
+        facts = read_answer(probed.stdout)
+        if facts is None:
+            raise self._python_error(probed.code, probed.text())
+        return self._facts(facts)
 
     def stage(self, node: NodePlan, plan: LaunchPlan, *, port: bool = False,
               connect: tuple[str, int] | None = None,
@@ -116,7 +119,7 @@ class SupervisedNode:
         probe = shipping.program("probe", "facts", *args, dir=node.host.workdir, files=files)
         ch = self.transport.spawn(shipping.boot_command(self.exe, probe))
         ch.write(probe.data)
-        lines = self._json_lines(ch)
+        lines = self._answers(ch)
         if listen is not None:
             said = next(lines)           # {"listening": ...}, before the facts
             if heard is not None:
@@ -130,24 +133,22 @@ class SupervisedNode:
         self.staged = ch
         return self._facts(facts)
 
-    def _json_lines(self, ch: Channel) -> Iterator[dict[str, Any]]:
-        """The program's JSON lines as they come; what comes before them (a shell's greeting,
-        a setup line's output, even one that starts with `{`) is noise, and the end of the
-        output raises, with it."""
-        said, noise = b"", b""
+    def _answers(self, ch: Channel) -> Iterator[dict[str, Any]]:
+        """The program's answers as they come (framed: nodes.Demux, as the supervisor's
+        records); what else it prints, and what comes before them (a shell's greeting, a setup
+        line's output, even a line that is a JSON object) is noise, and the end of the output
+        raises, with it."""
+        demux, noise = Demux(), b""
         while True:
-            while b"\n" in said:
-                line, said = said.split(b"\n", 1)
-                said_obj = _json_object(line)
-                if said_obj is not None:
-                    yield said_obj
-                else:
-                    noise += line + b"\n"
             data = ch.read()
             if not data:
                 code = ch.wait()
-                raise self._python_error(code, (noise + said).decode(errors="replace"))
-            said += data
+                raise self._python_error(code, (noise + demux.flush()).decode(errors="replace"))
+            for piece in demux.feed(data):
+                if isinstance(piece, dict):
+                    yield piece
+                else:
+                    noise += piece
 
     def release(self) -> None:
         """A staged node that will not start: its process sees the input end and exits."""
@@ -190,17 +191,14 @@ class SupervisedNode:
         listen = shipping.program("probe", "listen", "--port", str(port), "--seconds", f"{seconds:g}")
         ch = self.transport.spawn(shipping.boot_command(self.exe, listen))
         ch.write(listen.data)
-        said = b""
-        while b"listening" not in said and (data := ch.read()):
-            said += data                   # the setup lines' output may come first; it ends on error
-        if b"listening" not in said:
+        try:
+            said = next(self._answers(ch))     # {"listening": true}, or false with the error
+        except ClusterError:
             ch.close()
-            text = said.decode(errors="replace")
-            if "cluster: setup line" in text:
-                raise self._python_error(None, text)
-            last = (text.strip().splitlines() or [""])[-1]     # the program's {"error": ...}
-            raise ClusterError(json.loads(last)["error"] if last.startswith('{"error"')
-                               else f"cannot listen on port {port}: {text.strip()}")
+            raise
+        if said.get("listening") is not True:
+            ch.close()
+            raise ClusterError(said.get("error") or f"cannot listen on port {port}: {said}")
         return ch
 
     def connect(self, addr: str, port: int, timeout: float) -> dict[str, Any]:
@@ -239,6 +237,10 @@ class SupervisedNode:
     def stop(self, grace: float) -> dict[str, Any]:
         res = self.run(shipping.on_disk(self.dir, "stop", self.dir, "--grace", f"{grace:g}"),
                        timeout=grace + 60)
+        if res.code is not None and read_answer(res.stdout) is None:
+            older = _bare_json(res.stdout)
+            if older is not None:
+                return older
         return json_or_error(res)
 
     def status(self) -> dict[str, Any]:
@@ -265,12 +267,12 @@ def _run_id(node: NodePlan) -> str:
     return dict(node.env)["CLUSTER_RUN_ID"]
 
 
-def _json_object(line: bytes) -> dict[str, Any] | None:
-    """The JSON object a line is, or None (text, or a brace that starts no object)."""
-    if not line.lstrip().startswith(b"{"):
-        return None
+def _bare_json(stdout: bytes) -> dict[str, Any] | None:
+    """The answer of a supervisor that a run's start by an earlier cluster left in the run's
+    folder (stop runs it from there): its last line, a bare JSON object."""
+    lines = stdout.strip().splitlines()
     try:
-        said = json.loads(line)
+        said = json.loads(lines[-1]) if lines else None
     except ValueError:
         return None
     return said if isinstance(said, dict) else None
@@ -279,10 +281,8 @@ def _json_object(line: bytes) -> dict[str, Any] | None:
 def json_or_error(res: Result) -> dict[str, Any]:
     if res.code is None:
         return {"error": "connection lost"}
-    try:
-        return json.loads(res.stdout.decode().strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"error": res.text()[-500:] or f"exit code {res.code}"}
+    said = read_answer(res.stdout)
+    return said if said is not None else {"error": res.text()[-500:] or f"exit code {res.code}"}
 
 
 class SupervisedProcess:

@@ -6,7 +6,7 @@ own status and process identity decide what is running, in a bundle (backends/sh
 
     clean.py --workdir W --older-than SECONDS [--fresh SECONDS] [--dry-run]
 
-Prints one JSON object: {"root": the .cluster folder, "runs": [{"id", "action": "removed" |
+Answers one JSON object (options.answer: framed): {"root": the .cluster folder, "runs": [{"id", "action": "removed" |
 "would remove" | "kept", "why", "age", "bytes"}]}. Only folders named as cluster names runs
 (YYYYmmdd-HHMMSS-xxxx) are looked at; anything else under .cluster (doctor's tools) is not ours
 to remove. A run folder is kept, whatever its age, while any of its node folders (one per host
@@ -15,7 +15,6 @@ run's identity. It is kept too when it was active more recently than --older-tha
 holds a node folder that never started and is younger than --fresh (a launch may be checking
 it right now). Symbolic links are never followed: a link is removed as a link.
 """
-import json
 import os
 import re
 import shutil
@@ -40,7 +39,7 @@ def main(argv):
         for name in sorted(os.listdir(root)):
             if RUN_ID.match(name):
                 runs.append(decide(os.path.join(root, name), name, now, opts))
-    print(json.dumps({"root": root, "runs": runs}))
+    options.answer({"root": root, "runs": runs})
     return 0
 
 

@@ -1,10 +1,15 @@
-"""The command lines of cluster's node programs, read the one way they all use.
+"""The command lines of cluster's node programs, read the one way they all use, and the one
+way they answer (record, answer).
 
 Standard library only, Python 3.8+. Not argparse: importing it (with the gettext lookups of
 its messages) and building a parser cost a node several milliseconds per program, in every
 process of a launch, for arguments only cluster's launcher writes.
 """
+import json
+import sys
 import types
+
+RECORD_START, RECORD_END = b"\x1e", b"\x1f"     # ASCII record / unit separators (nodes.Demux)
 
 
 def parse(prog, argv, options=None, flags=(), positional=(), required=()):
@@ -48,3 +53,19 @@ def convert(prog, word, value, default):
         return kind(value)
     except ValueError:
         raise SystemExit("%s: %s takes a number, not %r" % (prog, word, value))
+
+
+# A node program's answer is framed, RS, a JSON object, US, as the supervisor's records among the
+# job's output are (supervisor.Out), and read by the launcher one way (nodes.read_answers): what a
+# node's shell prints before the program starts (a greeting in ~/.bashrc, a setup line's
+# output), even a line that is itself a JSON object, is never taken for the answer.
+def record(obj):
+    # json.dumps escapes every control character: the body holds no RS or US
+    return RECORD_START + json.dumps(obj).encode() + RECORD_END
+
+
+def answer(obj):
+    """obj, framed, on standard output (a line of its own, for a person who reads it)."""
+    sys.stdout.flush()
+    sys.stdout.buffer.write(record(obj) + b"\n")
+    sys.stdout.buffer.flush()

@@ -19,13 +19,12 @@ Standard library only, Python 3.8+, because it runs on whatever interpreter the 
         is not here whether its registry has it. Then it returns None: in a launch's check,
         the launcher's next bundle on the same input is this node's start (the stage).
     probe.py listen --port P [--seconds S]
-        Listen on P (as torchrun's store will), print 'listening', accept and close every
+        Listen on P (as torchrun's store will), answer {"listening": true}, accept and close every
         connection until standard input closes or S seconds pass.
     probe.py connect --addr A --port P [--timeout T]
         JSON: whether a TCP connection to A:P opens within T seconds.
 """
 import errno
-import json
 import os
 import select
 import sys
@@ -43,13 +42,12 @@ import torchfind  # noqa: E402
 def main(argv):
     args = parse(argv)
     if args.cmd == "facts":
-        sys.stdout.write(json.dumps(facts(args)) + "\n")
-        sys.stdout.flush()
+        options.answer(facts(args))
         return None      # the launcher's next bundle, if any, is this node's start (the stage)
     if args.cmd == "listen":
         return listen(args.port, args.seconds)
     if args.cmd == "connect":
-        print(json.dumps(connect(args.addr, args.port, args.timeout)))
+        options.answer(connect(args.addr, args.port, args.timeout))
         return 0
     if args.cmd == "forget":
         forget(args.dir)
@@ -84,8 +82,7 @@ def parse(argv):
 def facts(args):
     started = time.time()     # with "time" at the end: the launcher's clock estimate leaves out our work
     if args.listen:           # first, so that every node's connect may go at once
-        sys.stdout.write(json.dumps(start_listening(args.listen, args.listen_seconds)) + "\n")
-        sys.stdout.flush()
+        options.answer(start_listening(args.listen, args.listen_seconds))
     out = {"home": os.path.expanduser("~"), "python": sys.version.split()[0],
            "executable": sys.executable, "hostname": _socket.gethostname(),
            "torch": torchfind.torch_facts()}
@@ -404,12 +401,12 @@ def _num(text):
 # --- reachability ------------------------------------------------------------------------------
 
 def listen(port, seconds):
-    """The `listen` command: print 'listening', accept until the input ends or seconds pass."""
+    """The `listen` command: answer {"listening": true} (or false, with the error), accept until
+    the input ends or seconds pass."""
     said = start_listening(port, seconds)
+    options.answer(said)
     if not said["listening"]:
-        print(json.dumps({"error": said["error"]}), flush=True)
         return 1
-    print("listening", flush=True)
     deadline = time.time() + seconds
     while time.time() < deadline:
         if select.select([0], [], [], max(0.0, deadline - time.time()))[0] and not os.read(0, 4096):

@@ -6,7 +6,7 @@ the run), imported from there.
 
     status.py --dir DIR [--gpus] [--metrics PATH [--lines N]] [--steps HEARTBEAT]
 
-One JSON line: {"status": the supervisor's status, or {"state": "gone"} when DIR is no longer
+One JSON object (options.answer: framed): {"status": the supervisor's status, or {"state": "gone"} when DIR is no longer
 there (cluster clean removed it: nothing of the run can be running from it); "gpus": with
 --gpus, nvidia-smi's CSV lines (index, utilization %, memory used, total MiB), null without
 nvidia-smi; "metrics": with --metrics, the last N lines of that file, null when it is not
@@ -36,8 +36,7 @@ def main(argv):
         out["metrics"] = tail(os.path.expanduser(opts.metrics), opts.lines)
     if opts.steps:
         out["steps"] = steps(os.path.expanduser(opts.steps))
-    sys.stdout.write(json.dumps(out) + "\n")
-    sys.stdout.flush()
+    options.answer(out)
     return 0
 
 

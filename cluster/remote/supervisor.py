@@ -6,6 +6,7 @@ Standard library only, Python 3.8+, because it runs on whatever interpreter the 
     supervisor.py run DIR --run-id ID --node NAME [--detach] [--grace S] [--keepalive S]
     supervisor.py stop DIR [--grace S]            stop the run on this node; JSON report
     supervisor.py status DIR                      JSON: running / exited / stopped / lost
+    (their JSON framed as every node program's answer: options.answer)
     supervisor.py logs DIR [--follow]             the node's output, following until it ends
 
 `run` starts launch.sh in a session (process group) of its own, with the run id and node name
@@ -62,10 +63,10 @@ def main(argv):
         leave(run(args, USER_UMASK))
     if args.cmd == "stop":
         report = stop(args.dir, args.grace)
-        print(json.dumps(report))
+        options.answer(report)
         return 0 if not report["left"] else 1
     if args.cmd == "status":
-        print(json.dumps(status(args.dir)))
+        options.answer(status(args.dir))
         return 0
     if args.cmd == "logs":
         return logs(args.dir, args.follow)
@@ -417,8 +418,7 @@ class Out:
                 return False
 
     def record(self, obj):
-        # json.dumps escapes every control character: the body holds no RS or US
-        self.send(b"\x1e" + json.dumps(obj).encode() + b"\x1f")
+        self.send(options.record(obj))
 
 
 def copy_output(fd, log, out, tap, on_lost, pumping):

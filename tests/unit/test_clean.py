@@ -18,7 +18,7 @@ from cluster.backends.shipping import SUPERVISOR, SUPERVISOR_FILES
 from cluster.backends.supervised import SupervisedBackend, SupervisedNode
 from cluster.clean import clean_nodes, clean_records, parse_duration, verdict
 from cluster.errors import InputError
-from cluster.nodes import NodeStatus
+from cluster.nodes import NodeStatus, read_answer
 from cluster.runs import RunDir
 
 from .test_supervisor import wait_for
@@ -210,8 +210,8 @@ def test_stop_of_a_lost_run_records_its_end(tmp_path: Path) -> None:
 
     def status() -> dict:
         out = subprocess.run([sys.executable, str(SUPERVISOR), "status", str(d)],
-                             capture_output=True, text=True)
-        return json.loads(out.stdout)
+                             capture_output=True)
+        return read_answer(out.stdout) or {}
     assert status()["state"] == "lost"
     subprocess.run([sys.executable, str(SUPERVISOR), "stop", str(d), "--grace", "1"],
                    capture_output=True, check=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.nodes import read_answer
 from cluster.backends.shipping import SUPERVISOR
 from cluster.plan import Job
 from cluster.spec import container_name
@@ -81,8 +82,10 @@ def finish(p: subprocess.Popen) -> bytes:
 
 def stop(d: Path, box: FakeBox, grace: float = 5) -> dict:
     out = subprocess.run([sys.executable, str(SUPERVISOR), "stop", str(d), "--grace", str(grace)],
-                         capture_output=True, text=True, env=box.env())
-    return json.loads(out.stdout.strip().splitlines()[-1])
+                         capture_output=True, env=box.env())
+    said = read_answer(out.stdout)
+    assert said is not None, out
+    return said
 
 
 @pytest.mark.parametrize("runtime", ["podman", "docker"])

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster.backends import shipping
+from cluster.nodes import read_answer, read_answers
 from cluster.plan import python_command
 
 
@@ -48,7 +49,7 @@ def test_the_flag_reaches_the_interpreter_through_setup_lines(tmp_path: Path) ->
     assert cmd.startswith("bash -c ") and " cluster-setup -S -B -c " in cmd
     res = subprocess.run(["bash", "-c", cmd], input=status.data, capture_output=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout.decode().splitlines()[-1])
+    assert read_answer(res.stdout)
 
 
 def test_every_node_program_loads_without_site_packages() -> None:
@@ -61,7 +62,7 @@ def test_every_node_program_loads_without_site_packages() -> None:
     res = subprocess.run(["bash", "-c", shipping.boot_command(sys.executable, b)], input=b.data,
                          capture_output=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert "ok" in json.loads(res.stdout.decode().splitlines()[-1])
+    assert "ok" in read_answer(res.stdout)
 
 
 def probe_torch(python: str, cwd: Path, env: dict | None = None) -> dict | None:
@@ -70,7 +71,7 @@ def probe_torch(python: str, cwd: Path, env: dict | None = None) -> dict | None:
                          input=facts.data, capture_output=True, timeout=60, cwd=cwd,
                          env={**os.environ, **(env or {})})
     assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout.decode().splitlines()[-1])["torch"]
+    return read_answer(res.stdout)["torch"]
 
 
 def job_finds_torch(python: str, cwd: Path, env: dict | None = None) -> str | None:
@@ -200,9 +201,9 @@ def test_the_probe_starts_before_the_listener_and_connects_on_the_word(tmp_path:
     after = shipping.program("probe", "connect", "--addr", "127.0.0.1", "--port", str(port))
     out, _ = proc.communicate(b"connect\n" + after.data, timeout=60)
     srv.close()
-    lines = out.decode().strip().splitlines()
-    assert json.loads(lines[0])["reach"]["ok"] is True
-    assert json.loads(lines[1])["ok"] is True          # the next bundle ran: nothing eaten
+    said, _ = read_answers(out)
+    assert said[0]["reach"]["ok"] is True
+    assert said[1]["ok"] is True          # the next bundle ran: nothing eaten
     assert proc.returncode == 0
 
 
@@ -210,7 +211,7 @@ def test_the_word_skip_leaves_the_reach_unasked(tmp_path: Path) -> None:
     """The master could not listen (its port is taken: the launch tries another): no connect."""
     proc = probe_on_word(tmp_path, 9)
     out, _ = proc.communicate(b"skip\n", timeout=60)
-    facts = json.loads(out.decode().strip().splitlines()[-1])
+    facts = read_answer(out)
     assert "reach" not in facts and "python" in facts
 
 
@@ -235,15 +236,15 @@ def test_the_masters_probe_listens_first_and_hands_the_port_over_to_its_start(tm
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(facts.data)
     proc.stdin.flush()
-    assert json.loads(proc.stdout.readline()) == {"listening": True}
+    assert read_answer(proc.stdout.readline()) == {"listening": True}
     with socket.create_connection(("127.0.0.1", port), timeout=5):
         pass                                           # another node's reach check
     proc.stdin.write(b"connect\n")
     proc.stdin.flush()
-    assert json.loads(proc.stdout.readline())["reach"]["ok"] is True     # its own
+    assert read_answer(proc.stdout.readline())["reach"]["ok"] is True     # its own
     after = shipping.program("probe", "facts", "--port", str(port))
     out, _ = proc.communicate(after.data, timeout=60)
-    assert json.loads(out.decode().splitlines()[-1])["port_free"] is True
+    assert read_answer(out)["port_free"] is True
     assert proc.returncode == 0
 
 
@@ -258,7 +259,8 @@ def test_a_master_port_in_use_is_said_and_every_node_is_told_to_skip(tmp_path: P
                                  f"127.0.0.1:{port}", "--connect-on-word")
         res = subprocess.run(["bash", "-c", shipping.boot_command(sys.executable, facts)],
                              input=facts.data + b"skip\n", capture_output=True, timeout=60)
-    said, answer = [json.loads(line) for line in res.stdout.decode().splitlines()]
+    (said, answer), noise = read_answers(res.stdout)
+    assert noise.strip() == b"", noise
     assert said == {"listening": False,
                     "error": f"cannot listen on port {port}: Address already in use"}, said
     assert "reach" not in answer and res.returncode == 0
@@ -276,7 +278,37 @@ def test_a_greeting_that_starts_with_a_brace_is_noise_before_the_probes_word(tmp
     node = SupervisedNode(LocalTransport(), str(wrapper), str(tmp_path))
     ch = node.spawn(shipping.program("probe", "facts"))
     try:
-        facts = next(node._json_lines(ch))
+        facts = next(node._answers(ch))
     finally:
         ch.close()
     assert facts["home"] == os.path.expanduser("~"), facts
+
+
+def greeting_python(tmp_path: Path, greeting: str) -> Path:
+    """A node's python behind what a shell's startup files print first (an `echo` in
+    ~/.bashrc runs for a non-interactive SSH command too)."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\necho {shlex.quote(greeting)}\n"
+                       f"exec {shlex.quote(sys.executable)} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_a_greeting_that_is_a_json_object_is_never_taken_for_a_programs_answer(tmp_path: Path) -> None:
+    """A greeting that is itself a JSON object, one that looks like the probe's facts: the
+    launcher reads the program's own answer, framed, whatever came before it: the staged
+    probe's facts, a one-shot probe (connect) and the status program."""
+    from cluster.backends.local import LocalTransport
+    from cluster.backends.node import SupervisedNode
+    fake = '{"python": "/fake", "torch": "0.0", "ok": true, "status": {"state": "running"}}'
+    wrapper = greeting_python(tmp_path, fake)
+    node = SupervisedNode(LocalTransport(), str(wrapper), str(tmp_path / "gone"))
+    ch = node.spawn(shipping.program("probe", "facts"))
+    try:
+        facts = next(node._answers(ch))
+    finally:
+        ch.close()
+    assert facts["python"] == sys.version.split()[0] and facts["torch"] != "0.0", facts
+    reach = node.connect("127.0.0.1", 9, 0.2)               # nothing listens on the discard port
+    assert reach["ok"] is False, reach
+    assert node.status()["state"] == "gone"                  # the run's folder is not there

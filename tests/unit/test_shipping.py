@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from cluster.backends.shipping import BOOT, boot_command, bundle, file, program
+from cluster.nodes import read_answer, read_answers
 
 # Stands in for supervisor.py: says how it was called and what input was left for it.
 FAKE_SUPERVISOR = b"""import os, sys
@@ -41,7 +42,7 @@ def go(d: Path, files: list[tuple[str, bytes, int]], args: list[str]) -> bytes:
 
 
 def facts_of(res: subprocess.CompletedProcess) -> dict:
-    return json.loads(res.stdout.decode().splitlines()[0])
+    return read_answers(res.stdout)[0][0]
 
 
 def test_end_of_input_after_the_facts_starts_nothing(tmp_path: Path) -> None:
@@ -168,7 +169,7 @@ def test_a_cache_folder_others_may_write_is_not_trusted(tmp_path: Path) -> None:
     planted(tmp_path, 0o770)
     res = boot_at_home(tmp_path, connect_bundle())
     assert res.returncode == 0 and b"PLANTED" not in res.stdout, res
-    assert "ok" in json.loads(res.stdout.decode().splitlines()[-1])
+    assert "ok" in read_answer(res.stdout)
 
 
 def test_a_broken_cache_entry_is_compiled_again_and_replaced(tmp_path: Path) -> None:
@@ -176,7 +177,7 @@ def test_a_broken_cache_entry_is_compiled_again_and_replaced(tmp_path: Path) -> 
     for path in cached(tmp_path):
         path.write_bytes(b"\x00 not marshal")
     res = boot_at_home(tmp_path, connect_bundle())
-    assert res.returncode == 0 and "ok" in json.loads(res.stdout.decode().splitlines()[-1]), res
+    assert res.returncode == 0 and "ok" in read_answer(res.stdout), res
     assert all(p.read_bytes() != b"\x00 not marshal" for p in cached(tmp_path))
 
 
@@ -184,7 +185,7 @@ def test_a_home_where_nothing_can_be_written_still_runs(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.write_text("a file, not a folder: the cache cannot be made")
     res = boot_at_home(home, connect_bundle())
-    assert res.returncode == 0 and "ok" in json.loads(res.stdout.decode().splitlines()[-1]), res
+    assert res.returncode == 0 and "ok" in read_answer(res.stdout), res
 
 
 # --- the working directory is not on a node program's path ------------------------------------

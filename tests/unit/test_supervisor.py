@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 
+from cluster.nodes import read_answer
 from cluster.backends.shipping import SUPERVISOR
 
 RUN_ID = f"unit-{os.getpid()}"
@@ -87,8 +88,10 @@ def finish_within(p: subprocess.Popen, seconds: float) -> bytes:
 
 
 def sup(*args: str) -> dict:
-    out = subprocess.run([sys.executable, str(SUPERVISOR), *args], capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, str(SUPERVISOR), *args], capture_output=True)
+    said = read_answer(out.stdout)
+    assert said is not None, out
+    return said
 
 
 # A worker that leaves the process group (like torchrun's workers) and ignores SIGTERM.
@@ -203,7 +206,9 @@ def probe(d: Path, port: int) -> dict:
     from cluster.backends.shipping import BOOT, program
     out = subprocess.run([sys.executable, "-c", BOOT], capture_output=True, timeout=60,
                          input=program("probe", "facts", "--dir", str(d), "--port", str(port)).data)
-    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+    said = read_answer(out.stdout)
+    assert said is not None, out
+    return said
 
 
 def test_probe_reports_port_and_torch(tmp_path: Path) -> None:

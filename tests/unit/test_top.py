@@ -18,7 +18,7 @@ from rich.console import Console as RichConsole
 from cluster.backends.shipping import BOOT, SUPERVISOR, SUPERVISOR_FILES, program
 from cluster.backends.transport import Result
 from cluster.errors import ClusterError
-from cluster.nodes import NodeStatus
+from cluster.nodes import NodeStatus, read_answer
 from cluster.runs import RunDir
 from cluster.spec import Host
 from cluster.top import (STALE_S, Gpu, Metrics, Pace, Row, cells, collect, collect_slurm, ended,
@@ -108,7 +108,7 @@ def test_the_ranks_step_reports_give_the_nodes_slowest_rate_and_work(tmp_path: P
     steps_file(d, "3.tmp", '{"rank": 3, "compute": 9, "data": 9, "steps": 1, "seconds": 90}\n')
     steps_file(d, "4", '{"rank": 4, "compute"')                                  # cut
     answer = ask(status_args(str(d), None), node_bin(tmp_path, None))
-    said = json.loads(answer.stdout.decode().splitlines()[-1])
+    said = read_answer(answer.stdout)
     assert [r["rank"] for r in said["steps"]] == [0, 1, 2], said
     assert said["steps"][0]["rate"] == 4.0 and said["steps"][1]["rate"] == 2.5
     assert said["steps"][2]["rate"] is None and said["steps"][2]["seconds"] is None
@@ -199,12 +199,17 @@ def recorded(tmp_path: Path, backend: str = "ssh", **meta) -> RunDir:
     return run
 
 
+def framed(obj: dict) -> bytes:
+    """A node program's answer as it says it (remote/options.answer)."""
+    return b"\x1e" + json.dumps(obj).encode() + b"\x1f"
+
+
 def test_collect_asks_every_node_once_and_only_rank_0_for_metrics(tmp_path: Path) -> None:
     running = {"state": "running", "uptime": 75.0}
     fake = FakeBackend({
-        "n1": Result(0, json.dumps({"status": running, "gpus": None,
-                                    "metrics": ['{"step": 7, "loss": 1.5}']}).encode(), b""),
-        "n2": Result(0, json.dumps({"status": running, "gpus": None}).encode() + b"\n", b"")})
+        "n1": Result(0, framed({"status": running, "gpus": None,
+                                "metrics": ['{"step": 7, "loss": 1.5}']}), b""),
+        "n2": Result(0, b"a greeting\n" + framed({"status": running, "gpus": None}) + b"\n", b"")})
     rows = collect(recorded(tmp_path, args=["--out", ".cluster/r/train"]), fake)
     assert [(r.node, r.state, r.uptime) for r in rows] == [("n1", "running", 75.0), ("n2", "running", 75.0)]
     assert rows[0].metrics == Metrics(7, 1.5, None) and rows[1].metrics is None
