@@ -19,7 +19,7 @@ from typing import BinaryIO, Protocol
 from ..errors import ClusterError
 from ..plan import shpath
 from ..runs import make_private_dir
-from .transport import Result
+from .transport import PRINT_MARK, Result, after_mark
 from .sync import safe_rel
 
 
@@ -55,14 +55,14 @@ def listing_command(workdir: str, paths: Sequence[str]) -> str:
     there) or one 'f' record per regular file (size, mtime, path), NUL-ended. Each PATH is
     quoted and behind './', so none is read as an option or by the shell."""
     names = " ".join(shlex.quote(f"./{p}") for p in paths)
-    return (f"cd -- {shpath(workdir)} && pwd && {{ for p in {names}; do "
+    return (f"cd -- {shpath(workdir)} && {PRINT_MARK} && pwd && {{ for p in {names}; do "
             f"if [ -e \"$p\" ]; then find -H \"$p\" -type f -printf 'f\\t%s\\t%T@\\t%p\\0'; "
             f"else printf 'm\\t%s\\0' \"$p\"; fi; done; true; }}")
 
 
 def parse_listing(data: bytes) -> tuple[str, list[RemoteFile], list[str]]:
     """(the workdir's absolute path, the files, the PATHs not there)."""
-    head, _, records = data.partition(b"\n")
+    head, _, records = after_mark(data).partition(b"\n")
     files: dict[str, RemoteFile] = {}
     missing: list[str] = []
     for record in records.split(b"\0"):

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..console import human_bytes
 from ..errors import ClusterError
 from ..plan import shpath
-from .transport import Result
+from .transport import PRINT_MARK, Result, after_mark
 
 if TYPE_CHECKING:
     import pathspec
@@ -174,7 +174,7 @@ def _find(tops: Iterable[str]) -> str:
 def _listing_command(remote: str, tops: Iterable[str]) -> str:
     """mkdir + cd + pwd, the record of the last sync (one line, or an empty one), then size
     and mtime of what is there already under the given top-level names."""
-    return (f"mkdir -p -- {shpath(remote)} && cd -- {shpath(remote)} && pwd && "
+    return (f"mkdir -p -- {shpath(remote)} && cd -- {shpath(remote)} && {PRINT_MARK} && pwd && "
             f"(umask 077 && mkdir -p ./{MANIFEST_DIR}) && "
             f"{{ cat ./{MANIFEST} 2>/dev/null || true; }} && echo && {_find(tops)}")
 
@@ -273,7 +273,7 @@ def sync_dir(transport: SyncTarget, local: str | Path, remote: str,
     res = transport.run(_listing_command(remote, tops), timeout=120)
     if res.code != 0:
         raise ClusterError(f"sync: cannot list {remote}: {res.text()[-300:]}")
-    base_line, _, rest = res.stdout.partition(b"\n")
+    base_line, _, rest = after_mark(res.stdout).partition(b"\n")
     manifest_line, _, records = rest.partition(b"\n")
     base = base_line.decode(errors="replace").strip()
     have = _parse_records(records)

@@ -9,6 +9,20 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 
+# What a shell command on a node prints before its answer (a login shell's greeting from
+# ~/.bashrc, a profile script's echo) is not the answer: a listing prints this mark first, and
+# its reader takes what follows the mark. `printf` writes it, so no file name or greeting made
+# of ordinary text can be mistaken for it.
+ANSWER_MARK = b"\x1ecluster-answer\x1f\n"
+PRINT_MARK = "printf '\\036cluster-answer\\037\\n'"
+
+
+def after_mark(data: bytes) -> bytes:
+    """What a command printed after ANSWER_MARK (everything, where there is no mark)."""
+    _, mark, rest = data.partition(ANSWER_MARK)
+    return rest if mark else data
+
+
 @dataclass
 class Result:
     code: int | None                 # None: the connection broke before an exit status came

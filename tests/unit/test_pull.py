@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cluster.backends.local import LocalTransport, local_inventory
+from cluster.backends.transport import Result
 from cluster.backends.pull import fetch, parse_listing
 from cluster.backends.ssh.errors import Unreachable
 from cluster.backends.supervised import SupervisedBackend
@@ -229,3 +230,21 @@ def test_pull_completes_as_a_verb_and_its_run(tmp_path: Path) -> None:
     assert "pull" in complete(tmp_path, "cluster pu")
     assert complete(tmp_path, "cluster pull 2026") == ["20260101-000000-aaaa"]
     assert complete(tmp_path, "cluster pull 20260101-000000-aaaa 2026") == []
+
+
+class GreetingTransport(LocalTransport):
+    """This machine behind a login shell that greets first, as a ~/.bashrc that echoes does
+    over SSH: a line that looks like a path, then one like a listing's record."""
+
+    def run(self, command: str, *, timeout: float | None = None, input: bytes = b"") -> Result:
+        return super().run("echo /home/greeting; printf 'f\\t1\\t1.0\\t./planted\\0\\n'; " + command,
+                           timeout=timeout, input=input)
+
+
+def test_a_shells_greeting_is_not_read_as_the_listing(tmp_path: Path) -> None:
+    work = tree(tmp_path / "work", {"out/a.txt": "a"})
+    into = tmp_path / "pulled"
+    into.mkdir()
+    got = fetch(GreetingTransport(), str(work), ["out"], into)
+    assert got.files == 1 and (into / "out" / "a.txt").read_text() == "a"
+    assert not (into / "planted").exists() and not (into / "home").exists()

@@ -239,3 +239,17 @@ def test_sync_delete_needs_sync_over_ssh(tmp_path: Path, monkeypatch, capsys, ar
     assert run_cli(["up", *args, "--dry-run", "--", "t.py"]) == 2
     assert words in capsys.readouterr().err
     assert not (tmp_path / "runs").exists(), "nothing is created"
+
+
+def test_a_shells_greeting_is_not_read_as_the_listing(tmp_path: Path) -> None:
+    """Behind a login shell that greets first (a ~/.bashrc that echoes, over SSH), the folder's
+    path, the last sync's record and what is there are still read from the listing itself."""
+    from tests.unit.test_pull import GreetingTransport
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("a")
+    remote = tmp_path / "remote"
+    first = sync_dir(GreetingTransport(), src, str(remote))
+    again = sync_dir(GreetingTransport(), src, str(remote))
+    assert (remote / "a.py").read_text() == "a"
+    assert (first["copied"], again["copied"], again["unchanged"]) == (1, 0, 1), (first, again)
