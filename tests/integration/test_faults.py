@@ -96,6 +96,11 @@ KILL_9_REPORTS = {
     # pid and how it died, at once and in the final error
     "worker": ["cluster: node [node2 1] failed first: rank 1 (pid {pid}) died: signal 9",
                "cluster: error: node [node2 1] failed: rank 1 (pid {pid}) died: signal 9"],
+    # ... or torchrun, polling its workers every 0.1 s, said so on the same pipe first (two
+    # observers of one death: seen in 1 CI run of 3 under load); the rank and the signal still
+    "worker, torchrun first": [
+        "cluster: node [node2 1] failed first: its torchrun reported a failed worker",
+        "cluster: error: node [node2 1] failed: worker rank 1 was killed by SIGKILL (exit code 1)"],
     "agent": ["cluster: node [node2 1] failed first: killed by SIGKILL",
               "cluster: error: node [node2 1] failed: killed by SIGKILL"],
     # the supervisor killed too: its ssh session ends without an exit status of its own
@@ -123,8 +128,10 @@ def test_kill_9(ssh_nodes4, cli, reliability, victim):
     gone = clean(ssh_nodes4, (1, 2, 3), timeout=STOP_BOUND - detect)
     assert gone is not None, {i: run_processes_in(ssh_nodes4, i) for i in (1, 2, 3)}
     assert code == 4, proc.dump()       # RunFailed
-    assert failure_lines(proc) == [line.format(pid=pids[0]) for line in KILL_9_REPORTS[victim]], \
-        proc.dump()
+    said = failure_lines(proc)
+    expected = [[line.format(pid=pids[0]) for line in KILL_9_REPORTS[key]]
+                for key in KILL_9_REPORTS if key.split(",")[0] == victim]
+    assert said in expected, proc.dump()
     what = {"worker": "one worker on node2", "agent": "node2's torchrun agent",
             "master": "every process of the run on the master node"}[victim]
     reliability(order=1, fault=f"kill -9 of {what}", does="3-node all_reduce asleep; SIGKILL",
