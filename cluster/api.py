@@ -34,7 +34,7 @@ from .plan import Job, Templates
 from .request import Request
 from .runs import RunDir, cache_root, new_run_id
 from .spec import Inventory, check_text, env_problem
-from .watch import WorkerErrors
+from .worker_errors import WorkerErrors
 
 __all__ = ["Prepared", "Request", "Run", "Unanswered", "detached_error", "first_failed",
            "prepare", "up", "LogErrors"]
@@ -459,7 +459,7 @@ def first_failed(rows: Sequence[NodeStatus]) -> NodeStatus | None:
 
 class LogErrors:
     """Each node's output, as `cluster logs` yields it ((label, bytes), label "name rank"),
-    read for its workers' own errors as the attached watcher reads them (watch.WorkerErrors)."""
+    read for its workers' own errors as the attached watcher reads them (worker_errors.WorkerErrors)."""
 
     def __init__(self) -> None:
         self._lines: dict[str, LineSplitter] = {}
