@@ -40,6 +40,7 @@ from ..plan import Job, Templates
 from ..runs import RunDir
 from ..sbatch import SbatchPlan, render_sbatch
 from . import Backend, NodeProcess, NodeStatus, Record
+from .slurm_secrets import forget_secrets, secret_values, secrets_file, write_secrets
 from .slurm_output import (JobInfo, JobProcess, Labeller, OutputReader, remember_nodes,
                            unsettled_requeue)
 
@@ -192,7 +193,7 @@ class SlurmBackend:
         assert run is not None, "the launch flow records the plan before it starts it"
         Path(plan.output).parent.mkdir(parents=True, exist_ok=True)
         if plan.secrets_file:
-            write_secrets(Path(plan.secrets_file), _values(plan.secret_env, secrets or {}))
+            write_secrets(Path(plan.secrets_file), secret_values(plan.secret_env, secrets or {}))
         try:
             job_id = self.submit(run.script_path(plan.SCRIPT_NAME), hide=plan.secret_env)
         except BaseException:
@@ -361,7 +362,7 @@ class SlurmBackend:
         info = self.job(job_id)
         remember_nodes(run, info)
         if self.forget_ended_secrets and info.done and self.leftover_secrets(run, info) == "":
-            self._forget_secrets(_secrets_file(run))    # a detached job that ended unfollowed
+            self._forget_secrets(secrets_file(run))    # a detached job that ended unfollowed
         detail = f"job {job_id} {info.state} ({info.source})" + (f": {info.reason}" if info.reason else "")
         names = info.nodes or tuple(n["name"] for n in run.meta().get("nodes") or ())
         state = info.state.lower()
@@ -386,12 +387,12 @@ class SlurmBackend:
             if node is None or label.split(" ")[0] == node:
                 yield label, text
         if job is not None and job.final is not None and job.final.done:
-            self._forget_secrets(_secrets_file(run))        # followed to the job's end
+            self._forget_secrets(secrets_file(run))        # followed to the job's end
 
     def leftover_secrets(self, run: RunDir, info: JobInfo | None = None) -> str | None:
         """Whether the run's secrets' folder is still on disk, and may go: None when it is not
         there; "" when its job is over for good; else why it must stay."""
-        path = _secrets_file(run)
+        path = secrets_file(run)
         if not path or not Path(path).parent.exists():
             return None
         over, why = self.ended_for_good(run, info)
@@ -429,7 +430,7 @@ class SlurmBackend:
 
     def forget_run_secrets(self, run: RunDir) -> str:
         """Remove the run's secrets' file and folder; what went wrong, or ""."""
-        return forget_secrets(_secrets_file(run))
+        return forget_secrets(secrets_file(run))
 
     def _forget_secrets(self, path: str) -> None:
         problem = forget_secrets(path)
@@ -445,7 +446,7 @@ class SlurmBackend:
         if before is None:
             final = self.finished(job_id)
             if final.done:                 # ended, perhaps detached and failed: its file may stay
-                self._forget_secrets(_secrets_file(run))
+                self._forget_secrets(secrets_file(run))
             return {label: {"signalled": [], "state": final.state}}
         self.cancel(job_id)
         left = self.wait_gone(job_id, self.stop_timeout)
@@ -453,7 +454,7 @@ class SlurmBackend:
             return {label: {"signalled": [job_id],
                             "error": f"still listed by squeue as {left.state} after "
                                      f"{self.stop_timeout:.0f} s"}}
-        self._forget_secrets(_secrets_file(run))
+        self._forget_secrets(secrets_file(run))
         return {label: {"signalled": [job_id], "state": self.finished(job_id).state}}
 
     def pull(self, run: RunDir, paths: Sequence[str], into: Path,
@@ -477,56 +478,6 @@ def _followed(run: RunDir, job: JobProcess) -> Iterator[tuple[str, bytes]]:
             yield item
         elif item.get("nodes"):
             remember_nodes(run, JobInfo(job.job_id, "", nodes=tuple(item["nodes"])))
-
-
-# --- the secret environment's file -----------------------------------------------------------
-
-
-def _values(names: Sequence[str], secrets: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
-    """The values of the job's secret names, from the launch flow's per-host values (all
-    taken from the launching shell, so the same for every host)."""
-    values: dict[str, str] = {}
-    for per_host in secrets.values():
-        values.update(per_host)
-    missing = [n for n in names if n not in values]
-    if missing:
-        raise InputError(f"secret environment variable(s) {', '.join(missing)} not set in this "
-                         f"shell (secret_env / --secret-env take their values from it)")
-    return {n: values[n] for n in names}
-
-
-def write_secrets(path: Path, values: Mapping[str, str]) -> None:
-    """The values as NAME=value records ended by NUL (a value may hold a newline), in a file
-    only its owner reads (0600, created so), in a folder of its own (0700) made new: an
-    existing one is refused rather than trusted."""
-    try:
-        path.parent.mkdir(mode=0o700)
-        os.chmod(path.parent, 0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise BackendError(f"cannot write the secret environment's file {path} for the job: "
-                           f"{exc.strerror}") from None
-    with os.fdopen(fd, "wb") as f:
-        f.write(b"".join(f"{k}={v}".encode() + b"\0" for k, v in values.items()))
-
-
-def forget_secrets(path: str) -> str:
-    """Remove the secrets' file and its folder, if still there (the job may have). What went
-    wrong, or "": the run's outcome matters more than this, so the caller warns."""
-    if not path:
-        return ""
-    for remove, what in ((os.unlink, Path(path)), (os.rmdir, Path(path).parent)):
-        try:
-            remove(what)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            return f"cannot remove {what} (the secret environment's file): {exc.strerror}; remove it by hand"
-    return ""
-
-
-def _secrets_file(run: RunDir) -> str:
-    return str((run.meta().get("slurm") or {}).get("secrets_file") or "")
 
 
 def _job(procs: list[NodeProcess]) -> JobProcess:
