@@ -41,8 +41,8 @@ from ..runs import RunDir
 from ..sbatch import SbatchPlan, render_sbatch
 from . import Backend, NodeProcess, NodeStatus, Record
 from .slurm_secrets import forget_secrets, secret_values, secrets_file, write_secrets
-from .slurm_output import (JobInfo, JobProcess, Labeller, OutputReader, remember_nodes,
-                           unsettled_requeue)
+from .slurm_output import (JobInfo, JobProcess, Labeller, OutputReader, node_names,
+                           remember_nodes, unsettled_requeue)
 
 SCRIPT_NAME = "sbatch.sh"
 
@@ -138,19 +138,9 @@ def _scontrol_info(job_id: str, text: str) -> JobInfo:
         return m.group(1) if m else ""
     code, sig = _exit(field("ExitCode"))
     reason, restarts = field("Reason"), field("Restarts")
-    return JobInfo(job_id, field("JobState"), code, sig, _nodes(field("NodeList")),
+    return JobInfo(job_id, field("JobState"), code, sig, node_names(field("NodeList")),
                    reason="" if reason == "None" else reason, source="scontrol",
                    restarts=int(restarts) if restarts.isdigit() else None)
-
-
-def _nodes(expr: str) -> tuple[str, ...]:
-    expr = expr.strip()
-    if not expr or expr in ("(null)", "None assigned"):
-        return ()
-    try:
-        return tuple(hostlist.expand_hostlist(expr))
-    except hostlist.BadHostlist:
-        return (expr,)
 
 
 class SlurmBackend:
@@ -271,7 +261,7 @@ class SlurmBackend:
             fields = line.split("|")
             if len(fields) >= 4 and fields[0].strip() == job_id:
                 reason = fields[3].strip()
-                return JobInfo(job_id, fields[1].strip(), nodes=_nodes(fields[2]),
+                return JobInfo(job_id, fields[1].strip(), nodes=node_names(fields[2]),
                                reason="" if reason == "None" else reason, source="squeue")
         return None
 
@@ -310,7 +300,7 @@ class SlurmBackend:
             if len(fields) >= 4 and fields[0].strip() == job_id:
                 code, sig = _exit(fields[2])
                 state = fields[1].split()[0] if fields[1].split() else ""
-                found = JobInfo(job_id, state, code, sig, _nodes(fields[3]), source=source)
+                found = JobInfo(job_id, state, code, sig, node_names(fields[3]), source=source)
         return found
 
     def _jobcomp_state(self, job_id: str) -> str:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import hostlist
+
 from ..nodes import NodeExit
 from ..runs import RunDir
 
@@ -70,6 +72,7 @@ REQUEUE_MARK = b"cluster: requeueing job"
 _RESTART = re.compile(rb"[(]restart (\d+) of")
 REQUEUE_WAIT = 60.0
 ATTEMPT_MARK = b"cluster: run "               # the batch script's first line, every attempt
+_ATTEMPT_NODES = re.compile(rb"^cluster: run \S+ job \S+ on (\S+) [(]restart")
 END_MARK = b"cluster: job "                  # its last line: the step has ended
 TICK = 0.5                                    # how often the output file is read
 
@@ -95,6 +98,17 @@ def remember_nodes(run: RunDir, info: JobInfo) -> None:
     nodes = [{"rank": i, "name": n, "address": n} for i, n in enumerate(info.nodes)]
     if nodes and run.meta().get("nodes") != nodes:
         run.update(nodes=nodes)
+
+
+def node_names(expr: str) -> tuple[str, ...]:
+    """SLURM's node list (node[1-2], as squeue or $SLURM_JOB_NODELIST give it) one name each."""
+    expr = expr.strip()
+    if not expr or expr in ("(null)", "None assigned"):
+        return ()
+    try:
+        return tuple(hostlist.expand_hostlist(expr))
+    except hostlist.BadHostlist:
+        return (expr,)
 
 
 class OutputReader:
@@ -188,7 +202,7 @@ class JobProcess:
                     last_state = info.state
                     yield {"info": f"job {self.job_id}: {info.state}"
                                    + (f" ({info.reason})" if info.reason else "")}
-                yield from marks.read(self._lines(reader.lines(), labeller), clock())
+                yield from self._read(reader, labeller, marks)
                 if info is not None and info.state == "PENDING":
                     marks.requeued_at = None        # the next attempt is queued: follow it
                 if info is None:
@@ -199,11 +213,21 @@ class JobProcess:
                 interval = self.backend.poll if changed else min(self.backend.max_poll, interval * 1.5)
                 next_look = clock() + interval
             else:
-                yield from marks.read(self._lines(reader.lines(), labeller), clock())
+                yield from self._read(reader, labeller, marks)
             self.backend.sleep(min(TICK, max(0.0, next_look - clock())))
         yield from (i for i in self._lines(reader.rest(), labeller) if not isinstance(i, dict))
         self.final = self.backend.finished(self.job_id)
         yield {"info": f"run {self.run_id}: {self.final.describe()} ({self.final.source})"}
+
+    def _read(self, reader: OutputReader, labeller: Labeller,
+              marks: _Marks) -> Iterator[tuple[str, bytes] | dict[str, Any]]:
+        """The new lines, by node. The names may come from the batch script's first line
+        (its $SLURM_JOB_NODELIST) before squeue is next asked: the record says so once the
+        lines are out, so that `logs --node` finds them too."""
+        yield from marks.read(self._lines(reader.lines(), labeller), self.backend.clock())
+        if labeller.names and labeller.names != self.nodes:
+            self.nodes = list(labeller.names)
+            yield {"nodes": self.nodes}
 
     def _unlisted(self, marks: _Marks) -> JobInfo | None:
         """squeue no longer lists the job. The controller may still know it in a state that is
@@ -229,6 +253,9 @@ class JobProcess:
                     if text.startswith(mark):
                         yield {"mark": name, "text": text}
                         break
+                found = _ATTEMPT_NODES.match(text)
+                if found:              # every task line of this attempt comes after this one
+                    labeller.names = list(node_names(found.group(1).decode(errors="replace")))
             yield label, text + b"\n"
 
     def wait(self) -> NodeExit:

@@ -183,6 +183,21 @@ def test_follow_prints_lines_by_node_and_ends_completed(tmp_path: Path) -> None:
     assert meta["final"]["state"] == "COMPLETED"
 
 
+def test_lines_before_squeue_names_the_nodes_are_labelled_from_the_batch_scripts_line(
+        tmp_path: Path) -> None:
+    # The job ran and printed before squeue was asked again (it backs off): the names come
+    # from the batch script's first line ($SLURM_JOB_NODELIST), not from when squeue looked.
+    path = tmp_path / "slurm-logs" / "r1.out"
+    text = ("cluster: run r1 job 77 on gpu[07,09] (restart 0), master gpu07:29500\n"
+            "0: hello\n1: rank 1: failing on purpose\n")
+    squeue = [ok("77|PENDING||Resources\n"), lambda argv: (path.write_text(text), GONE)[1]]
+    fake = FakeCommands(sbatch=ok("77\n"), squeue=squeue, sacct=ok("77|COMPLETED|0:0|gpu[07,09]\n"))
+    code, run, out, err = run_up(tmp_path, fake)
+    assert "[gpu07 0] hello" in out.splitlines(), out
+    assert "[gpu09 1] rank 1: failing on purpose" in out.splitlines(), out
+    assert [n["name"] for n in run.meta()["nodes"]] == ["gpu07", "gpu09"]
+
+
 def test_follow_keeps_going_while_a_requeued_job_is_briefly_unlisted(tmp_path: Path) -> None:
     # squeue drops the job for a moment while SLURM requeues it; the controller still knows
     # it as PENDING, so following goes on until the second attempt completes.
