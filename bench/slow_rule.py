@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """The slow-node rule's cost per report, before and after, measured in the same run.
 
-The watcher feeds the rule (cluster.slow) every node's step times as they come, on the thread
+The watcher feeds the rule (cluster.observe.slow) every node's step times as they come, on the thread
 that reads every node's output, and checks after each report. This drives both the rule as it
-was (BeforeSlowNodes below, a copy of cluster/slow.py at e8c3cd2) and the rule now with
+was (BeforeSlowNodes below, a copy of cluster/slow.py at e8c3cd2, now cluster/observe/slow.py) and the rule now with
 stand-in nodes: each reports once a second (2 ranks, times with 10% noise, one node 1.5x
 slower), 60 s of reports fill the window first, then each report is followed by a check, as
-in cluster/watch.py. Prints the cost of one report (report + check), median of the repeats,
+in cluster/observe/watch.py. Prints the cost of one report (report + check), median of the repeats,
 at each size, and the ratio; and checks that both name the same nodes, at the same times,
 with the same figures, on a smaller job run for a few windows.
 
@@ -29,7 +29,7 @@ from typing import Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.slow import RECENT_S, SlowNodes, Verdict  # noqa: E402
+from cluster.observe.slow import RECENT_S, SlowNodes, Verdict  # noqa: E402
 from cluster.spec import SlowNode  # noqa: E402
 
 
@@ -47,7 +47,7 @@ class _BeforeNode:
 
 
 class BeforeSlowNodes:
-    """cluster.slow.SlowNodes as it was before 2026-12-06 (at e8c3cd2), unchanged."""
+    """cluster.observe.slow.SlowNodes as it was before 2026-12-06 (at e8c3cd2), unchanged."""
 
     def __init__(self, settings: SlowNode = SlowNode()) -> None:
         self.settings = settings

@@ -28,13 +28,13 @@ from .backends import EXEC, REMOTE_NODES, RESTARTS, SHARED_FILESYSTEM, SYNC, Bac
 from .backends.slurm_output import TERMINAL
 from .console import Console, LineSplitter, NodeProgress
 from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed, did_you_mean
-from .hang_timeout import valid as valid_hang_timeout
+from .observe.hang_timeout import valid as valid_hang_timeout
 from .nodes import UNREACHABLE, NodeStatus, unreachable_error
 from .plan import Job, Templates
 from .request import Request
 from .runs import RunDir, cache_root, new_run_id
 from .spec import Inventory, check_text, env_problem
-from .worker_errors import WorkerErrors
+from .observe.worker_errors import WorkerErrors
 
 __all__ = ["Prepared", "Request", "Run", "Unanswered", "detached_error", "first_failed",
            "prepare", "up", "LogErrors"]

@@ -24,7 +24,7 @@ from .backends.node import TOOLS_DIR
 from .console import Console
 from .errors import PreflightError, RunFailed
 from .plan import Job
-from .preflight import FAIL, PASS, Finding
+from .recovery.gate import FAIL, PASS, Finding
 from .runs import DOCTOR_PREFIX, RunDir, new_run_id
 from .spec import Inventory
 from .plan import Templates

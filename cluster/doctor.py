@@ -23,7 +23,7 @@ import hostlist
 
 from .errors import ClusterError, PreflightError
 from .plan import Job, LaunchPlan, Templates, container_check, render, shquote
-from .preflight import FAIL, PASS, Clock, Finding, clock_offset, evaluate, fingerprint
+from .recovery.gate import FAIL, PASS, Clock, Finding, clock_offset, evaluate, fingerprint
 from .backends import REMOTE_NODES, supports
 from .runs import DOCTOR_PREFIX, new_run_id
 from .spec import Inventory, container_name

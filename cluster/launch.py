@@ -12,20 +12,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .backends import Backend, NodeProcess, Record, node_checks
-from .check import checked_plan
+from .recovery.check import checked_plan
 from .console import Console
 from .errors import InputError, Interrupted, NodeLost, RunFailed
-from .hang import save as save_hang
-from .hang_timeout import timeout_of
+from .observe.hang import save as save_hang
+from .observe.hang_timeout import timeout_of
 from .inventory import unset_forwarded
 from .nodes import NodeExit
 from .plan import Job, Plan, Templates
 from .runs import RunDir
-from .slow import SlowNodes
+from .observe.slow import SlowNodes
 from .spec import HangAuto, Inventory, SlowNode
-from . import timeline as tl
-from . import timeline_png
-from .watch import Watcher, WatchResult
+from .observe import timeline as tl
+from .observe import timeline_png
+from .observe.watch import Watcher, WatchResult
 
 def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
             backend: Backend[Any], argv: list[str], console: Console,
@@ -110,8 +110,8 @@ class Options:
     restart_after: float = 0.0    # failures in the first S seconds are configuration: no restart
     min_nodes: int | None = None  # a lost node is left out of the next attempt while this many remain
     hang_timeout: float | str = 0.0   # no progress anywhere for this long: stacks, then stop
-    hang_auto: HangAuto = HangAuto()  # how hang_timeout 'auto' learns it (cluster.hang_timeout)
-    slow_node: SlowNode = SlowNode()  # when a node is named slow (cluster.slow)
+    hang_auto: HangAuto = HangAuto()  # how hang_timeout 'auto' learns it (cluster.observe.hang_timeout)
+    slow_node: SlowNode = SlowNode()  # when a node is named slow (cluster.observe.slow)
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -122,7 +122,7 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
     """Check, start, watch; after a failure, with restarts left, the whole job again on a
     fresh rendezvous (CLUSTER_RESTART_COUNT on the nodes), leaving lost nodes out while
     options.min_nodes remain. Each step goes into runs/<id>/events.jsonl as it happens; an
-    attached run ends by writing its timeline (cluster.timeline_png)."""
+    attached run ends by writing its timeline (cluster.observe.timeline_png)."""
     timeline = tl.recorder_for(run.path)
     try:
         code = _up(inventory, job, templates, backend, run, argv, console, options, environ,

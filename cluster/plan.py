@@ -19,7 +19,7 @@ import jinja2
 
 from .errors import InputError
 from . import network
-from .spec import DEFAULT_STOP_GRACE, Host, Inventory, container_name, setup_block
+from .spec import DEFAULT_STOP_GRACE, Gate, Host, Inventory, container_name, setup_block
 
 PORT_BASE, PORT_SPAN = 29500, 1000
 # What a container's environment holds besides the node's own `env`, by name: the values are
@@ -123,6 +123,7 @@ class LaunchPlan:
     master_name: str = ""             # the inventory's first host: the rendezvous endpoint
     stop_grace: float = DEFAULT_STOP_GRACE
     tuning: Mapping[str, Any] | None = field(default=None, compare=False)   # cluster.tuning
+    gate: Gate = Gate()               # what the check asks each node and how it judges
 
     @property
     def master(self) -> NodePlan:
@@ -328,7 +329,7 @@ def render(inventory: Inventory, job: Job, templates: Templates,
     return LaunchPlan(run_id=job.run_id, nodes=nodes, master_addr=master.address,
                       master_port=port, rendezvous=master.rendezvous, script=job.script,
                       args=job.args, master_name=master.name, stop_grace=inventory.stop_grace,
-                      tuning=inventory.tuning)
+                      tuning=inventory.tuning, gate=inventory.gate)
 
 
 def rank_order(inventory: Inventory) -> tuple[Host, ...]:

@@ -1,4 +1,4 @@
-"""Many streams, few threads (for cluster.watch): one thread reads every stream that can be
+"""Many streams, few threads (for cluster.observe.watch): one thread reads every stream that can be
 selected as it becomes readable, and a few daemon threads take what follows each stream's end.
 Plain objects in: a pump has .proc (with read_ready(), as backends.Selectable) and feed(),
 broke(), end()."""

@@ -10,7 +10,7 @@ import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import hostlist
 import yaml
@@ -283,7 +283,7 @@ class SlurmSettings:
 
 @dataclass(frozen=True)
 class HangAuto:
-    """How `hang_timeout: auto` learns the timeout from the job's heartbeats (cluster.hang_timeout
+    """How `hang_timeout: auto` learns the timeout from the job's heartbeats (cluster.observe.hang_timeout
     says why these defaults)."""
     startup: float = key(1200.0, "seconds allowed before the heartbeats have shown the job's "
                          "pace (start-up: setup, data, compile, first steps)", "seconds")
@@ -295,11 +295,38 @@ class HangAuto:
 
 @dataclass(frozen=True)
 class SlowNode:
-    """When a node is named slow while the job runs (cluster.slow says how it is measured)."""
+    """When a node is named slow while the job runs (cluster.observe.slow says how it is measured)."""
     ratio: float = key(1.3, "a node is slow when its ranks' step work takes this many times "
                        "the job's median node's (with two nodes, the other one's)", "number", 1)
     window: float = key(60.0, "... as the median over this many seconds of its reports",
                         "seconds")
+
+
+GATE_LEVELS = ("off", "basic", "deep")
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The health gate before every start and restart (cluster.recovery.hardware judges the
+    nodes' facts against these; the defaults are for real GPU servers)."""
+    SHORTHAND: ClassVar[str] = "level"       # `gate: deep` is `gate: {level: deep}`
+    level: str = key("basic", "off; basic: each node's GPUs (all there, none held by another "
+                     "process, ECC, XID), free disk and memory, at every start and restart; "
+                     "deep: the same at every start, as doctor --deep judges (--gate)",
+                     "gate_level", kind="off, basic or deep")
+    min_free_disk_gib: float = key(10.0, "free space the workdir, and checkpoint_dir, must each "
+                                   "have (GiB)", "number", 0)
+    checkpoint_dir: str | None = key(None, "the job's checkpoint folder (from the workdir), "
+                                     "whose free space is checked too", "string")
+    min_free_memory_gib: float = key(2.0, "memory a node must have available (GiB)", "number", 0)
+    gpu_memory_held_mib: float = key(512.0, "GPU memory another process may hold on one of the "
+                                     "job's GPUs before the node fails (MiB)", "number", 0)
+    ecc_uncorrected: int = key(0, "uncorrectable ECC errors (since the driver loaded) a GPU "
+                               "may have", "integer", 0)
+    quarantine_after: int = key(2, "failures attributed to a node within quarantine_window "
+                                "that quarantine it (cluster nodes)", "integer", 1)
+    quarantine_window: float = key(86400.0, "seconds a node's failures count against it",
+                                   "seconds")
 
 
 @dataclass(frozen=True)
@@ -322,6 +349,8 @@ class Inventory:
                               "section", HangAuto)
     slow_node: SlowNode = key(SlowNode(), "when a slow node is named (see slow_node below)",
                               "section", SlowNode)
+    gate: Gate = key(Gate(), "the health gate before every start (off, basic or deep; see gate "
+                     "below)", "section", Gate)
     text: str = ""                 # the file as read, recorded in the run directory
     hosts_given: bool = True       # False: SLURM chooses the nodes (one placeholder host)
     # NCCL settings `cluster up` took from `cluster doctor --tune-nccl`'s cache (cluster.tuning)
@@ -402,6 +431,7 @@ def dump(inv: Inventory) -> str:
             "restarts": inv.restarts, "hang_timeout": inv.hang_timeout,
             "hang_auto": dataclasses.asdict(inv.hang_auto),
             "slow_node": dataclasses.asdict(inv.slow_node),
+            "gate": dataclasses.asdict(inv.gate),
             "ssh": dataclasses.asdict(inv.ssh),
             "slurm": {**dataclasses.asdict(inv.slurm), "extra": dict(inv.slurm.extra)},
             "hosts": [host(h) for h in inv.hosts]}

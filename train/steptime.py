@@ -1,4 +1,4 @@
-"""Each rank's own work per step, for the launcher's slow-node comparison (cluster/slow.py).
+"""Each rank's own work per step, for the launcher's slow-node comparison (cluster/observe/slow.py).
 
 What is measured, per optimizer step (all micro-steps of --accum together):
 - data: the time spent in next(batches), waiting on the data loader.

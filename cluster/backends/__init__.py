@@ -7,7 +7,7 @@ only when that backend is chosen, so a local run never loads SSH or SLURM code.
     slurm   sbatch / squeue / sacct / scancel behind one subprocess seam
 
 The flow every backend shares (plan, record, check all, start all, watch, stop all) lives in
-cluster.launch, cluster.check and cluster.watch, not here: no backend has its own `up`. What a
+cluster.launch, cluster.recovery.check and cluster.observe.watch, not here: no backend has its own `up`. What a
 backend can do beyond the contract is a capability, asked with `supports()` (SkyPilot's
 `supports(provider, method)`), never by asking which backend it is.
 """
@@ -51,7 +51,7 @@ class Labelled(Protocol):
 
 class NodeProcess(Protocol):
     """One node's running work (or a scheduler's job, which speaks for several), as the
-    watcher (cluster.watch) sees it."""
+    watcher (cluster.observe.watch) sees it."""
 
     @property
     def node(self) -> Labelled: ...
@@ -140,7 +140,7 @@ class Backend(Protocol[PlanT]):
 
 class NodeChecks(Protocol):
     """The NODE_CHECKS capability: every node is checked before anything starts (phase one of
-    cluster.check), by the process that start() then makes its supervisor."""
+    cluster.recovery.check), by the process that start() then makes its supervisor."""
 
     def open_all(self, hosts: Sequence[Host]) -> None:
         """Start connecting to every host, in the background, before the plan is final; the

@@ -45,7 +45,7 @@ class Channel(Protocol):
 
     def fileno(self) -> int:
         """Readable (select) when read() has output or the end for it without blocking: one
-        thread reads every node's channel (cluster.watch)."""
+        thread reads every node's channel (cluster.observe.watch)."""
 
     def close(self) -> None: ...
 

@@ -49,7 +49,7 @@ def status(run: str | None, draw: bool) -> None:
     for line in run_notes(meta, started=bool(rows)) + launcher_gone(meta, rows):
         out.print(line, markup=False, highlight=False)
     if draw:
-        from .. import timeline_png
+        from ..observe import timeline_png
         timeline_png.write(rd, Console())
 
 

@@ -27,7 +27,7 @@ def top(run: str | None, interval: float, once: bool) -> None:
     and each node's steps/s and own work per step (its slowest rank's)."""
     from rich.console import Console as RichConsole
     from rich.live import Live
-    from .. import top as tp
+    from ..observe import top as tp
     rd = RunDir.find(run)
     name = rd.meta()["backend"]
     backend = resolve.recorded_backend(rd)

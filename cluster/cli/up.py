@@ -7,7 +7,8 @@ from typing import Any
 import click
 
 from .main import CONTEXT, SafePath, argv, host_options, main
-from .. import api, hang_timeout, resolve
+from .. import api, resolve
+from ..observe import hang_timeout
 from ..backends import NAMES
 from ..console import Console
 from ..errors import InputError

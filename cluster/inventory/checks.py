@@ -11,7 +11,7 @@ from typing import Any
 from ..container_options import reserved_run_option
 from ..errors import InventoryError, Problems
 from ..sbatch_options import SBATCH_ALIASES, SBATCH_KEY, SBATCH_OWNED
-from ..spec import ENV_KEY, Mount, control_char, env_problem, reserved_env, setup_block
+from ..spec import ENV_KEY, GATE_LEVELS, Mount, control_char, env_problem, reserved_env, setup_block
 from ..torchrun_options import owned_torchrun_option
 from .loader import List, Map
 
@@ -102,6 +102,14 @@ class Checks:
         value = m[key]
         if value not in choices:
             raise self.fail(m, key, f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    def gate_level(self, m: Map, key: str) -> str:
+        """off, basic or deep; YAML 1.1 reads a bare off as false, taken as it was meant."""
+        raw = m[key]
+        value = "off" if raw is False else raw
+        if value not in GATE_LEVELS:
+            raise self.fail(m, key, f"must be one of {', '.join(GATE_LEVELS)}, got {raw!r}")
         return value
 
     def switch(self, m: Map, key: str) -> str:

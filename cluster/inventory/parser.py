@@ -80,7 +80,11 @@ class _Parser(Checks):
     def value(self, m: Map, name: str, decl: Key, was: Any) -> Any:
         """One key's value: a section is read key by key over the one it replaces."""
         if decl.check == "section":
-            section = self.mapping(m[name], m, name)
+            raw, short = m[name], getattr(decl.args[0], "SHORTHAND", None)
+            if short and not isinstance(raw, (Map, List)):   # gate: deep, gate: {level: deep}
+                line = m.lines.get(name, m.line)
+                raw = Map({short: raw}, {short: line}, line)
+            section = self.mapping(raw, m, name)
             return self.section(section, decl.args[0], was if decl.merge == KEY_BY_KEY else None,
                                 f"{name}.")
         value = getattr(self, decl.check or "")(m, name, *decl.args)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.top import STALE_S
+from cluster.observe.top import STALE_S
 
 try:
     from tests.integration.conftest import PROGRAMS, Cli, run_processes_in, wait_until

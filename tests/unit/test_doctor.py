@@ -11,7 +11,7 @@ from cluster import inventory
 from cluster.deep import Capture, deep_findings, deep_summary, measure_collective, step_lines
 from cluster.doctor import PhaseLines, Report, diagnose, render_text, survey
 from cluster.plan import Job, Templates, render
-from cluster.preflight import FAIL, PASS, WARN, Clock, clock_offset, evaluate, fingerprint
+from cluster.recovery.gate import FAIL, PASS, WARN, Clock, clock_offset, evaluate, fingerprint
 
 REMOTE = Path(__file__).resolve().parents[2] / "cluster" / "remote"
 
@@ -579,7 +579,7 @@ def gpu_plan(nproc: int = 2, args: tuple[str, ...] = (), env: str = "", containe
 def test_up_refuses_more_processes_than_a_node_has_gpus() -> None:
     """The fast check (cluster up, before anything starts): a node with 1 GPU and
     nproc_per_node 2 fails, naming the node, both counts and the fix; exit code 3."""
-    from cluster.check import judge
+    from cluster.recovery.check import judge
     from cluster.console import Console
     from cluster.errors import PreflightError
     facts = {"a": node_facts(nvidia_gpus=1, cuda_visible=None),

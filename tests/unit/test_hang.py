@@ -1,7 +1,7 @@
 """The hang watchdog's evidence read from stacks as faulthandler and py-spy print them."""
 from __future__ import annotations
 
-from cluster.hang import Group, last_lines, main_thread, summary, where
+from cluster.observe.hang import Group, last_lines, main_thread, summary, where
 
 FAULTHANDLER = """Thread 0x00007f1 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 320 in wait

@@ -13,7 +13,7 @@ import pytest
 from cluster import api, inventory
 from cluster.cli import run_cli
 from cluster.errors import InputError, InventoryError
-from cluster.hang_timeout import FORGET_S, MIN_SAMPLES, FixedTimeout, LearnedTimeout, timeout_of
+from cluster.observe.hang_timeout import FORGET_S, MIN_SAMPLES, FixedTimeout, LearnedTimeout, timeout_of
 from cluster.spec import HangAuto
 from tests.unit.test_restarts import prepared_options
 from tests.unit.test_watch import console
@@ -173,7 +173,7 @@ def test_a_fixed_timeout_is_a_number() -> None:
 def test_the_watcher_stops_a_job_that_hangs_after_steady_beats() -> None:
     """Beats every second for 12 s, then silence: the learned 10 s (floor 5) fires 10 s after
     the last beat, not before; the learned value was said once, on the console."""
-    from cluster.watch import Watcher
+    from cluster.observe.watch import Watcher
     clock, node = FakeClock(), QuietNode("a 0")
     c, _, err = console()
     timeout = LearnedTimeout(HangAuto(startup=100, multiple=10, floor=5, cap=50), c.info)

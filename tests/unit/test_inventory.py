@@ -295,3 +295,19 @@ def test_every_example_inventory_loads() -> None:
     inv = inventory.load(REPO / "inventory" / "modules-and-venv.yaml")
     assert inv.hosts[0].python == "auto" and len(inv.hosts[0].setup) == 2
     assert inv.slurm.extra == (("exclusive", None), ("mem", "0"), ("qos", "normal"))
+
+
+def test_gate_takes_a_level_or_a_mapping_and_names_a_bad_level(tmp_path) -> None:
+    from cluster.inventory import load
+    base = "hosts: [a]\n"
+    for text, level in (("gate: deep\n", "deep"), ("gate: off\n", "off"),
+                        ("gate: {level: basic, min_free_disk_gib: 50}\n", "basic"), ("", "basic")):
+        (tmp_path / "inv.yaml").write_text(base + text)
+        assert load(str(tmp_path / "inv.yaml")).gate.level == level, text
+    (tmp_path / "inv.yaml").write_text(base + "gate: {min_free_disk_gib: 50}\n")
+    assert load(str(tmp_path / "inv.yaml")).gate.min_free_disk_gib == 50.0
+    (tmp_path / "inv.yaml").write_text(base + "gate: thorough\n")
+    with pytest.raises(InventoryError) as exc:
+        load(str(tmp_path / "inv.yaml"))
+    assert "inv.yaml:2: level:" in str(exc.value), str(exc.value)
+    assert "off, basic, deep" in str(exc.value)

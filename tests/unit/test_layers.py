@@ -18,14 +18,14 @@ LAYERS = [
     ["cluster.__main__"],
     ["cluster.cli"],
     ["cluster.api"],
-    ["cluster.doctor", "cluster.execute", "cluster.clean", "cluster.top", "cluster.pull"],
+    ["cluster.doctor", "cluster.execute", "cluster.clean", "cluster.observe.top", "cluster.pull"],
     ["cluster.deep"],
     ["cluster.launch", "cluster.resolve", "cluster.tuning"],
-    ["cluster.check"],
-    ["cluster.watch", "cluster.hang", "cluster.timeline_png"],
+    ["cluster.recovery.check"],
+    ["cluster.observe.watch", "cluster.observe.hang", "cluster.observe.timeline_png"],
     ["cluster.backends"],
-    ["cluster.preflight", "cluster.hang_timeout", "cluster.timeline", "cluster.slow",
-     "cluster.worker_errors"],
+    ["cluster.recovery.gate", "cluster.observe.hang_timeout", "cluster.observe.timeline",
+     "cluster.observe.slow", "cluster.observe.worker_errors"],
     ["cluster.runs"],
     ["cluster.sbatch"],
     ["cluster.plan"],
@@ -33,7 +33,7 @@ LAYERS = [
     ["cluster.spec", "cluster.request", "cluster.torchrun_options", "cluster.sbatch_options",
      "cluster.container_options"],
     ["cluster.console", "cluster.nodes", "cluster.readers"],
-    ["cluster.errors"],
+    ["cluster.errors", "cluster.recovery", "cluster.observe"],    # the families' docstrings
 ]
 PACKAGES = ("cluster.cli", "cluster.backends", "cluster.inventory")
 

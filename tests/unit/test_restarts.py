@@ -13,7 +13,7 @@ from cluster.errors import InputError
 from cluster.inventory import parse_yaml
 from cluster.launch import Options, _retry, _without_lost, joined
 from cluster.nodes import NodeExit
-from cluster.watch import Hang, Watcher, WatchResult
+from cluster.observe.watch import Hang, Watcher, WatchResult
 
 PLAN = SimpleNamespace(nodes=[SimpleNamespace(label="a 0"), SimpleNamespace(label="b 1"),
                               SimpleNamespace(label="c 2")])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from cluster.slow import SlowNodes, Verdict
+from cluster.observe.slow import SlowNodes, Verdict
 from cluster.spec import SlowNode
 
 
@@ -124,7 +124,7 @@ def test_the_watcher_names_the_slow_node_once_from_its_beats() -> None:
     the console after the window, the verdict kept for run.json; malformed reports ignored."""
     import threading
 
-    from cluster.watch import Watcher
+    from cluster.observe.watch import Watcher
     from tests.unit.test_watch import console
     from tests.unit.test_watchdog import FakeClock, QuietNode
     clock, stop = FakeClock(), threading.Event()
@@ -155,7 +155,7 @@ def test_the_watcher_names_the_slow_node_once_from_its_beats() -> None:
 
 def test_status_and_top_show_the_slow_node_from_run_json() -> None:
     from cluster.cli.runs import run_notes
-    from cluster.top import Row, cells, marked
+    from cluster.observe.top import Row, cells, marked
     slow = [{"node": "b 1", "ranks": [2, 3], "ratio": 1.52, "part": "data", "after_s": 65.0}]
     notes = run_notes({"slow_nodes": slow}, started=True)
     assert notes == ["slow node [b 1]: ranks 2,3 at 1.52x the job's median (data), named after 65.0 s"]

@@ -17,7 +17,7 @@ from cluster.errors import BackendError, InputError, Interrupted, RunFailed
 from cluster.spec import Host, Inventory, SlurmSettings
 from cluster.plan import Job, Templates
 from cluster.runs import RunDir
-from cluster.watch import Console
+from cluster.observe.watch import Console
 
 Answer = Completed | Callable[[tuple[str, ...]], Completed]
 

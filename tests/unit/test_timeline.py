@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from cluster import timeline as tl
-from cluster import timeline_png
+from cluster.observe import timeline as tl
+from cluster.observe import timeline_png
 from cluster.backends import NodeExit
 from cluster.runs import RunDir
-from cluster.watch import Watcher
+from cluster.observe.watch import Watcher
 from tests.unit.test_watch import FakeNode, console
 
 

@@ -21,7 +21,7 @@ from cluster.errors import ClusterError
 from cluster.nodes import NodeStatus, read_answer
 from cluster.runs import RunDir
 from cluster.spec import Host
-from cluster.top import (STALE_S, Gpu, Metrics, Pace, Row, cells, collect, collect_slurm, ended,
+from cluster.observe.top import (STALE_S, Gpu, Metrics, Pace, Row, cells, collect, collect_slurm, ended,
                          metrics_file, parse_gpus, parse_metrics, parse_steps, render, row_from,
                          status_args, tail)
 
@@ -299,7 +299,7 @@ def test_top_once_into_a_pipe_is_as_wide_as_the_table_not_80_columns(tmp_path: P
 
 
 def test_fit_keeps_a_terminals_own_width_and_reads_a_dumb_ones(monkeypatch) -> None:
-    from cluster.top import fit
+    from cluster.observe.top import fit
     table = render([Row(0, LONG_NAME, "running")], "run x")
     term = RichConsole(file=io.StringIO(), force_terminal=True, _environ={"TERM": "xterm", "COLUMNS": "120"})
     fit(term, table)

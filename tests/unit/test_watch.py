@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from cluster.backends import NodeExit
-from cluster.watch import TORCHRUN_FAILED, Console, LineSplitter, Watcher, WorkerErrors
+from cluster.observe.watch import TORCHRUN_FAILED, Console, LineSplitter, Watcher, WorkerErrors
 
 
 class FakeNode:
@@ -249,7 +249,7 @@ def test_a_peer_rank_on_the_same_node_comes_after_the_root_cause(tmp_path: Path)
 def test_the_other_ranks_errors_are_shown_up_to_a_few() -> None:
     """At scale every other rank says its peer is gone: a few are shown, then how many more."""
     from cluster.launch import OTHER_ERRORS, _evidence
-    from cluster.watch import WatchResult
+    from cluster.observe.watch import WatchResult
     result = WatchResult(tracebacks={"b 1": (1, ["RuntimeError: boom"])},
                          then=[f"[n{i} {i}] rank {i}: RuntimeError: Connection closed by peer"
                                for i in range(100)])

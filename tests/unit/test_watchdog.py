@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from cluster.backends import NodeExit
-from cluster.watch import Watcher, WatchResult
+from cluster.observe.watch import Watcher, WatchResult
 from tests.unit.test_watch import console
 
 TIMEOUT = 10.0

@@ -43,7 +43,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .spec import SlowNode
+from ..spec import SlowNode
 
 RECENT_S = 10.0     # a node with no report for this long is left out of the comparison
 

@@ -1,4 +1,4 @@
-"""A run's timeline, written: runs/<id>/timeline.json always (cluster.timeline), and the picture
+"""A run's timeline, written: runs/<id>/timeline.json always (cluster.observe.timeline), and the picture
 runs/<id>/timeline.png when matplotlib is importable (it comes with the trainer extra, not with
 cluster itself: imported here, lazily, and only here).
 
@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from . import timeline as tl
-from .console import Console
-from .errors import InputError
-from .runs import RunDir
+from ..console import Console
+from ..errors import InputError
+from ..runs import RunDir
 
 INSTALL_HINT = "pip install 'cluster[train]'"
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import hostlist
 
-from .runs import make_private_dir, write_private
+from ..runs import make_private_dir, write_private
 
 FAULTHANDLER_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
 PY_SPY_FRAME = re.compile(r"^\s+(\S+) \(([^:()]+):(\d+)\)")

@@ -1,5 +1,5 @@
 """A node's output read for its workers' own errors, and torchrun's words that a worker
-failed: what the attached watcher (cluster.watch) and a detached run's wait (cluster.api) both
+failed: what the attached watcher (cluster.observe.watch) and a detached run's wait (cluster.api) both
 name as a failure's cause. Pure: lines in, the errors out."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 from collections import deque
 from collections.abc import Callable
 
-from .console import TAIL_LINES
-from .nodes import signal_name
+from ..console import TAIL_LINES
+from ..nodes import signal_name
 
 __all__ = ["TORCHRUN_FAILED", "WorkerErrors"]
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from .spec import HangAuto
+from ..spec import HangAuto
 
 AUTO = "auto"
 MIN_SAMPLES = 3        # intervals seen (after each node's first) before the pace is trusted

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .console import TAIL_LINES, Console, LineSplitter
-from .errors import StopRequested, signum_of
+from ..console import TAIL_LINES, Console, LineSplitter
+from ..errors import StopRequested, signum_of
 from .hang_timeout import FixedTimeout, LearnedTimeout
 from .slow import SlowNodes
-from .backends import AsksStop, NodeProcess, Selectable
-from .readers import Waiters, read_all
-from .nodes import NodeExit, signal_name
+from ..backends import AsksStop, NodeProcess, Selectable
+from ..readers import Waiters, read_all
+from ..nodes import NodeExit, signal_name
 from . import timeline as tl
 from .worker_errors import TORCHRUN_FAILED, WorkerErrors
 
@@ -70,7 +70,7 @@ class WatchResult:
     hang: Hang | None = None
     started: float = 0.0                              # monotonic time the watch began
     not_retried: str | None = None   # why a failed run is not restarted (cluster.launch decides)
-    slow: list[dict[str, Any]] = field(default_factory=list)   # the slow nodes named (cluster.slow)
+    slow: list[dict[str, Any]] = field(default_factory=list)   # the slow nodes named (cluster.observe.slow)
 
     @property
     def ok(self) -> bool:
@@ -88,7 +88,7 @@ def _open_log(path: Path) -> IO[bytes]:
 class Watcher:
     """hang_timeout: seconds with no progress on any node (no output line, no heartbeat from
     the reference trainer) after which every worker's stack is collected and the run stopped;
-    0 turns the watchdog off. Or a timeout learned from the heartbeats (cluster.hang_timeout)."""
+    0 turns the watchdog off. Or a timeout learned from the heartbeats (cluster.observe.hang_timeout)."""
 
     def __init__(self, procs: Sequence[NodeProcess], console: Console,
                  log_paths: dict[str, Path], settle: float = 30.0,

@@ -5,7 +5,7 @@ a sample.
     runs/<run-id>/events.jsonl    one event a line, appended as it happens (private, 0600)
     runs/<run-id>/timeline.json   the events grouped for the picture: a lane per node, each
                                   attempt a band (timeline(), pure); always written
-    runs/<run-id>/timeline.png    the picture (cluster.timeline_png; needs matplotlib)
+    runs/<run-id>/timeline.png    the picture (cluster.observe.timeline_png; needs matplotlib)
 
 Each event has its wall clock time (`t`, for display) and the launcher's monotonic clock
 (`m`), both read once when it is recorded: positions on the picture come from `m`, so a wall
@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .runs import write_private
+from ..runs import write_private
 
 Event = dict[str, Any]
 Series = tuple[str, str, int]          # a frequent kind's events of one node and attempt

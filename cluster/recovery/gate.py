@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import LaunchPlan
-from .spec import Container
-from .torchrun_options import last_value
+from ..plan import LaunchPlan
+from ..spec import Container
+from ..torchrun_options import last_value
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 GIB = 1 << 30

@@ -24,9 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .nodes import NodeStatus, end_code, read_answer
-from .runs import RunDir
-from .torchrun_options import last_value
+from ..nodes import NodeStatus, end_code, read_answer
+from ..runs import RunDir
+from ..torchrun_options import last_value
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -3,7 +3,7 @@
 with its interface written in and record it; for a scheduler (SLURM), render and record.
 
 A check that fails starts nothing anywhere: every failure is listed with its node, what was
-seen and the fix (cluster.preflight). At a relaunch of a restarted job, a node that fails the
+seen and the fix (cluster.recovery.gate). At a relaunch of a restarted job, a node that fails the
 check is left out while --min-nodes remain.
 """
 from __future__ import annotations
@@ -12,13 +12,13 @@ import dataclasses
 import time
 from typing import Any, Protocol
 
-from .backends import Backend, NodeChecks, Record, node_checks
-from .console import Console
-from .errors import PreflightError
-from .plan import Job, LaunchPlan, Plan, Templates, derived_port
-from .preflight import WARN, Finding, evaluate, failures
-from .runs import RunDir
-from .spec import Inventory
+from ..backends import Backend, NodeChecks, Record, node_checks
+from ..console import Console
+from ..errors import PreflightError
+from ..plan import Job, LaunchPlan, Plan, Templates, derived_port
+from .gate import WARN, Finding, evaluate, failures
+from ..runs import RunDir
+from ..spec import Inventory
 
 
 class Options(Protocol):
