@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from . import backends, launch, resolve, tuning
-from .backends import EXEC, REMOTE_NODES, RESTARTS, SHARED_FILESYSTEM, SYNC, Backend, supports
+from . import backends, doctor, launch, resolve, tuning
+from .backends import EXEC, NODE_CHECKS, REMOTE_NODES, RESTARTS, SHARED_FILESYSTEM, SYNC, Backend, supports
 from .backends.slurm_output import TERMINAL
 from .console import Console, LineSplitter, NodeProgress
 from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed, did_you_mean
@@ -75,6 +75,8 @@ class Prepared:
             if self.dry_run:
                 launch.dry_run(self.inventory, job, self.templates, run, self.backend, argv, console)
                 return 0
+            if self.inventory.gate.level == "deep" and supports(self.backend, NODE_CHECKS):
+                doctor.deep_gate(self.inventory, self.backend, self.templates, console)
             return launch.up(self.inventory, job, self.templates, self.backend, run, argv,
                              console, self.options)
         except ClusterError as exc:

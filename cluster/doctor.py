@@ -28,7 +28,7 @@ from .backends import REMOTE_NODES, supports
 from .runs import DOCTOR_PREFIX, new_run_id
 from .spec import Inventory, container_name
 from .console import NodeProgress
-from .deep import deep_findings, deep_lines, deep_summary, tuning_lines
+from .deep import collective, deep_findings, deep_lines, deep_summary, tuning_lines
 
 SCHEMA = 1
 
@@ -105,6 +105,26 @@ def diagnose(inventory: Inventory, backend: Any, templates: Templates, *,
         report.timings["tune-nccl"] = timer() - t
     report.seconds = timer() - t0
     return report
+
+
+def deep_gate(inventory: Inventory, backend: Any, templates: Templates,
+              console: Any) -> None:
+    """`gate: deep` before the first start: doctor --deep's look (every node's facts judged
+    deep, then a collective on all of them, each node's bandwidth against the job's median).
+    Any failure raises PreflightError naming each one; nothing has started."""
+    measure = collective(inventory, backend, templates)
+    console.info(f"gate: deep: checking {len(inventory.hosts)} node(s) as cluster doctor --deep does")
+    report = diagnose(inventory, backend, templates, deep=True,
+                      run_deep=lambda run_id: measure({}, run_id=run_id))
+    bad = [f for f in report.findings if f.status == FAIL]
+    if bad:
+        lines = "\n".join(f"  {f.node}: {f.check}: {f.detail}" + (f"\n    fix: {f.fix}" if f.fix else "")
+                          for f in bad)
+        error = PreflightError(f"gate: deep: {len(bad)} check(s) failed on "
+                               f"{', '.join(sorted({f.node for f in bad}))}; nothing was started",
+                               details=lines)
+        error.nodes = sorted({f.node for f in bad} - {"all"})
+        raise error
 
 
 def begin(backend: Any, phase: str, total: int, run: str | None = None) -> None:

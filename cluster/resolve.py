@@ -72,7 +72,8 @@ def parse_secret_names(names: tuple[str, ...], env: dict[str, str]) -> tuple[str
 
 
 def settings(inventory: Inventory, secrets: tuple[str, ...], stop_grace: float | None,
-              keepalive: float | None, host_key_policy: str | None) -> Inventory:
+              keepalive: float | None, host_key_policy: str | None,
+              gate: str | None = None) -> Inventory:
     """Command-line settings over the inventory's; recorded with the run, so that status,
     logs and down later connect and stop the same way."""
     ssh = inventory.ssh
@@ -89,7 +90,9 @@ def settings(inventory: Inventory, secrets: tuple[str, ...], stop_grace: float |
         hosts = tuple(h.replace(secret_env=tuple(dict.fromkeys(h.secret_env + secrets)))
                       for h in hosts)
     return dataclasses.replace(inventory, ssh=ssh, hosts=hosts,
-                               stop_grace=stop_grace or inventory.stop_grace)
+                               stop_grace=stop_grace or inventory.stop_grace,
+                               gate=dataclasses.replace(inventory.gate, level=gate or
+                                                        inventory.gate.level))
 
 
 def host_settings(inventory: Inventory, python: str | None = None,
@@ -133,7 +136,7 @@ def where(request: Request, secrets: tuple[str, ...] = (),
     name = backends.choose(r.backend, r.force_local, found)
     inventory = backends.entry(name).load().nodes(found, r)
     inventory = override(inventory, r.nproc_per_node, dict(r.env), environ, r.dry_run)
-    inventory = settings(inventory, secrets, r.stop_grace, r.keepalive, r.host_key_policy)
+    inventory = settings(inventory, secrets, r.stop_grace, r.keepalive, r.host_key_policy, r.gate)
     return name, host_settings(inventory, r.python, r.user, r.port, r.identity_file)
 
 

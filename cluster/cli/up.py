@@ -79,6 +79,10 @@ class HangTimeout(click.ParamType):
 @click.option("--no-preflight", is_flag=True,
               help="Skip the cross-node checks (same torch, every node reaching the master port) "
                    "and let each node choose its interface at start.")
+@click.option("--gate", type=click.Choice(["off", "basic", "deep"]),
+              help="The health gate before every start and restart: basic (default) fails a node "
+                   "whose GPUs are missing, lost, held by another process, or show ECC or XID "
+                   "errors, or whose disk or memory is short; off skips it (the inventory's gate).")
 @click.option("--no-tuning", is_flag=True,
               help="Ignore the NCCL socket settings `cluster doctor --tune-nccl` measured for these nodes.")
 @click.option("--templates", "templates_dir", type=SafePath(file_okay=False),

@@ -17,6 +17,7 @@ from ..console import Console
 from ..errors import PreflightError
 from ..plan import Job, LaunchPlan, Plan, Templates, derived_port
 from .gate import WARN, Finding, evaluate, failures
+from .hardware import GATE_CHECKS
 from ..runs import RunDir
 from ..spec import Inventory
 
@@ -94,7 +95,8 @@ def check_nodes(inventory: Inventory, job: Job, templates: Templates,
     reach = {name: f["reach"] for name, f in facts.items() if "reach" in f} if preflight else None
     findings = evaluate(plan, facts, reach)
     if not preflight:   # what used to be the whole check: torch (or its image) present, the port free
-        findings = [f for f in findings if f.check in ("torch", "container", "master port", "script")]
+        findings = [f for f in findings if f.check in ("torch", "container", "master port", "script")
+                    or f.check in GATE_CHECKS]          # the health gate is not preflight's
     try:
         judge(findings, len(plan.nodes), console)
     except PreflightError:

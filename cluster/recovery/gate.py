@@ -14,20 +14,11 @@ from typing import Any
 from ..plan import LaunchPlan
 from ..spec import Container
 from ..torchrun_options import last_value
+from .findings import FAIL, GIB, PASS, WARN, Finding
+from .hardware import health_findings
 
-PASS, WARN, FAIL = "pass", "warn", "fail"
-GIB = 1 << 30
 CLOCK_WARN = 2.0       # seconds a node's clock may be off for sure before a warning
 CLOCK_FAIL = 60.0      # ... and before a failure (logs and timeouts no longer line up)
-
-
-@dataclass(frozen=True)
-class Finding:
-    node: str              # a node's name, or "all" for a finding about the whole job
-    check: str
-    status: str            # pass | warn | fail
-    detail: str
-    fix: str = ""
 
 
 Facts = Mapping[str, Mapping[str, Any]]
@@ -90,6 +81,9 @@ def node_findings(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Fin
     if "script" in f:
         out.append(script_finding(node, f["script"]))
     out += processes_per_gpu(node, f, plan)
+    if "health" in f:                      # the health gate's facts (remote/health.py)
+        out += health_findings(name, f["health"], plan.gate, declared_gpus=node.host.gpus,
+                               visible=cuda_visible(node, f))
     if "port_free" in f:
         out.append(Finding(name, "master port", PASS if f["port_free"] else FAIL,
                            f"port {plan.master_port} is {'free' if f['port_free'] else 'in use'} here",
@@ -104,12 +98,19 @@ def visible_gpus(node: Any, f: Mapping[str, Any]) -> int | None:
     found = f.get("nvidia_gpus")
     if not isinstance(found, int):
         return None
-    env = {**dict(node.host.env), **dict(node.env)}
-    visible = env.get("CUDA_VISIBLE_DEVICES", f.get("cuda_visible"))
+    visible = cuda_visible(node, f)
     if visible is None:
         return found
     names = [v.strip() for v in visible.split(",")]
     return min(found, names.index("") if "" in names else len(names))   # CUDA stops at a gap
+
+
+def cuda_visible(node: Any, f: Mapping[str, Any]) -> str | None:
+    """The CUDA_VISIBLE_DEVICES the node's job runs with: its own environment's, else the
+    node's (None: every GPU)."""
+    env = {**dict(node.host.env), **dict(node.env)}
+    value = env.get("CUDA_VISIBLE_DEVICES", f.get("cuda_visible"))
+    return value if isinstance(value, str) else None
 
 
 def asks_for_cpu(args: Sequence[str]) -> bool:

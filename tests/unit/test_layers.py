@@ -26,14 +26,14 @@ LAYERS = [
     ["cluster.backends"],
     ["cluster.recovery.gate", "cluster.observe.hang_timeout", "cluster.observe.timeline",
      "cluster.observe.slow", "cluster.observe.worker_errors"],
-    ["cluster.runs"],
+    ["cluster.runs", "cluster.recovery.hardware"],
     ["cluster.sbatch"],
     ["cluster.plan"],
     ["cluster.network", "cluster.inventory"],
     ["cluster.spec", "cluster.request", "cluster.torchrun_options", "cluster.sbatch_options",
      "cluster.container_options"],
     ["cluster.console", "cluster.nodes", "cluster.readers"],
-    ["cluster.errors", "cluster.recovery", "cluster.observe"],    # the families' docstrings
+    ["cluster.errors", "cluster.recovery", "cluster.observe", "cluster.recovery.findings"],    # the families' docstrings
 ]
 PACKAGES = ("cluster.cli", "cluster.backends", "cluster.inventory")
 
