@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2] / "cluster"
 
 # Top to bottom (docs/architecture.md, "Module map": tests/unit/test_docs.py holds the map to this
 # list). A module may import those below its own layer, and modules of its own package (cli.*,
-# backends.*).
+# backends.*, recovery.*).
 LAYERS = [
     ["cluster.__main__"],
     ["cluster.cli"],
@@ -25,7 +25,7 @@ LAYERS = [
     ["cluster.watch", "cluster.hang", "cluster.timeline_png"],
     ["cluster.backends"],
     ["cluster.preflight", "cluster.hang_timeout", "cluster.timeline", "cluster.slow",
-     "cluster.worker_errors"],
+     "cluster.worker_errors", "cluster.recovery"],
     ["cluster.runs"],
     ["cluster.sbatch"],
     ["cluster.plan"],
@@ -35,7 +35,7 @@ LAYERS = [
     ["cluster.console", "cluster.nodes", "cluster.readers"],
     ["cluster.errors"],
 ]
-PACKAGES = ("cluster.cli", "cluster.backends", "cluster.inventory")
+PACKAGES = ("cluster.cli", "cluster.backends", "cluster.inventory", "cluster.recovery")
 
 
 def module_name(path: Path) -> str:
