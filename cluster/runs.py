@@ -61,6 +61,13 @@ def cache_root(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(base) / "cluster"
 
 
+def state_root(environ: Mapping[str, str] = os.environ) -> Path:
+    """~/.local/state/cluster ($XDG_STATE_HOME/cluster): what cluster must not lose between
+    runs (a cache may be removed at will; this may not: the node ledger)."""
+    base = (environ.get("XDG_STATE_HOME")
+            or str(Path(environ.get("HOME") or Path.home()) / ".local" / "state"))
+    return Path(base) / "cluster"
+
 
 def new_run_id(now: float | None = None) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))

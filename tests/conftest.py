@@ -19,9 +19,11 @@ RELIABILITY: list[dict] = []
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path_factory, monkeypatch):
-    """A cache folder of the suite's own: the user's ~/.cache (an NCCL tuning kept by
-    `cluster doctor --tune-nccl`) must not change what a test renders."""
+    """A cache and a state folder of the suite's own: the user's ~/.cache (an NCCL tuning kept
+    by `cluster doctor --tune-nccl`) must not change what a test renders, nor a test write
+    into the user's node ledger (~/.local/state/cluster/ledger)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
 
 
 @pytest.fixture

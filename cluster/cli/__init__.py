@@ -9,6 +9,7 @@
     cluster clean   old run folders on the nodes and old run records here, never a running run
     cluster top     a run's nodes, refreshed: state, uptime, GPUs, the trainer's step and loss
     cluster pull    files from every node of a run into runs/<id>/pulled/<node>/
+    cluster nodes   each node across runs (the node ledger): healthy or quarantined, and release
     cluster completion  the shell completion script (bash, zsh, fish)
 """
 from .main import entry, install_stop_handlers, main, run_cli  # each verb's module: at its first use (main.VERBS)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -12,6 +12,9 @@ from .main import CONTEXT, SafePath, host_options, main
 from ..errors import InputError
 from ..plan import Templates
 from ..request import Request
+
+if TYPE_CHECKING:
+    from ..doctor import Report
 
 
 @main.command(context_settings=CONTEXT)
@@ -35,15 +38,34 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
     """Check every node, and the network between them, before a run: exit 0 only when nothing fails."""
     import time
     started = time.monotonic()          # the report's seconds: all the user waits for
-    import dataclasses
     import json as json_mod
-    from .. import deep as deep_mod
     from .. import doctor as doc
-    from .. import tuning
     request = Request(inventory_path=inventory_path, nodes=nodes, hosts=hosts, exclude=exclude,
                       python=python, user=user, port=port, identity_file=identity_file,
                       force_local=force_local, host_key_policy=host_key_policy)
+    report = examine(request, deep=deep, tune_nccl=tune_nccl, master_port=master_port,
+                     quiet=as_json, started=started)
+    if as_json:
+        click.echo(json_mod.dumps(report.to_json(), indent=2))
+    else:
+        click.echo(doc.render_text(report))
+    if not report.ok:
+        sys.exit(3)
+
+
+def examine(request: Request, *, deep: bool, tune_nccl: bool = False,
+            master_port: int | None = None, only: str | None = None, quiet: bool = False,
+            started: float | None = None) -> Report:
+    """The doctor's report (cluster.doctor.Report) on the request's nodes, narrowed to `only`
+    (names or a hostlist) when given; its phases said on stderr, and the tuning rows unless
+    quiet. `cluster nodes release` asks it about one node."""
+    import dataclasses
+    from .. import deep as deep_mod
+    from .. import doctor as doc
+    from .. import tuning
     name, inventory = resolve.where(request)
+    if only is not None:
+        inventory = inventory.select(hosts=only)
     if not supports(name, NODE_CHECKS):
         raise InputError("cluster doctor checks SSH or local nodes; under SLURM, run it inside "
                          "an allocation with the allocated hosts (--hosts)")
@@ -56,10 +78,10 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
     backend.progress = progress = doc.PhaseLines(sys.stderr)
 
     def shown(row: tuning.Row) -> None:
-        if not as_json:
+        if not quiet:
             click.echo(f"cluster: {tuning.label(row.env)}: " + ", ".join(
-                f"{gb:.3f} GB/s at {size / 2**20:.0f} MiB" for size, gb in sorted(row.busbw.items())),
-                err=True)
+                f"{gb:.3f} GB/s at {size / 2**20:.0f} MiB"
+                for size, gb in sorted(row.busbw.items())), err=True)
     def tune() -> dict[str, Any]:
         # Each setting is a short launch with a line of its own (shown): its steps would say
         # the same bandwidths again, once per setting.
@@ -68,17 +90,9 @@ def doctor(inventory_path: str | None, nodes: int | None, hosts: str | None, exc
                                            10, show_steps=False),
             tuning.Cache(tuning.cache_path()), shown=shown)
     try:
-        report = doc.diagnose(inventory, backend, templates, deep=deep,
-                              run_deep=lambda run_id: measure({}, run_id=run_id),
-                              run_tune=tune if tune_nccl else None, started=started)
+        return doc.diagnose(inventory, backend, templates, deep=deep,
+                            run_deep=lambda run_id: measure({}, run_id=run_id),
+                            run_tune=tune if tune_nccl else None, started=started)
     finally:
         progress.close()
         backend.close()
-    if as_json:
-        click.echo(json_mod.dumps(report.to_json(), indent=2))
-    else:
-        click.echo(doc.render_text(report))
-    if not report.ok:
-        sys.exit(3)
-
-

@@ -2,7 +2,7 @@
 exit code per error class) and the stop signals (SIGINT, SIGTERM, SIGHUP) every verb honours.
 
 Each verb is a module of its own (up.py, doctor.py, runs.py, execute.py, clean.py, top.py, pull.py,
-completion.py), imported when its verb is asked for (VERBS); cluster.resolve turns options into an inventory and a backend, cluster.api
+nodes.py, completion.py), imported when its verb is asked for (VERBS); cluster.resolve turns options into an inventory and a backend, cluster.api
 runs `up`. The verbs parse options and call the library, nothing more.
 """
 from __future__ import annotations
@@ -75,8 +75,8 @@ def host_options(command: Command) -> Command:
 # Each verb's module (cluster/cli/<module>.py), imported when that verb is asked for: `cluster
 # up --local` never loads paramiko, nor `cluster up` the doctor's or top's code.
 VERBS = {"clean": "clean", "completion": "completion", "doctor": "doctor", "down": "runs",
-         "exec": "execute", "logs": "runs", "pull": "pull", "status": "runs", "top": "top",
-         "up": "up"}
+         "exec": "execute", "logs": "runs", "nodes": "nodes", "pull": "pull", "status": "runs",
+         "top": "top", "up": "up"}
 
 
 class Verbs(click.Group):

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2] / "cluster"
 
 # Top to bottom (docs/architecture.md, "Module map": tests/unit/test_docs.py holds the map to this
 # list). A module may import those below its own layer, and modules of its own package (cli.*,
-# backends.*).
+# backends.*, recovery.*).
 LAYERS = [
     ["cluster.__main__"],
     ["cluster.cli"],
@@ -25,7 +25,7 @@ LAYERS = [
     ["cluster.observe.watch", "cluster.observe.hang", "cluster.observe.timeline_png"],
     ["cluster.backends"],
     ["cluster.recovery.gate", "cluster.observe.hang_timeout", "cluster.observe.timeline",
-     "cluster.observe.slow", "cluster.observe.worker_errors"],
+     "cluster.observe.slow", "cluster.observe.worker_errors", "cluster.recovery.ledger"],
     ["cluster.runs", "cluster.recovery.hardware"],
     ["cluster.sbatch"],
     ["cluster.plan"],
