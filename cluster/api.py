@@ -50,6 +50,7 @@ class Prepared:
     backend_name: str
     options: launch.Options
     dry_run: bool
+    notes: tuple[str, ...] = ()     # the node ledger's word on the hosts picked, said first
 
     def run(self, console: Console, argv: list[str],
             created: Callable[[RunDir], object] | None = None) -> int:
@@ -70,6 +71,8 @@ class Prepared:
                 job = dataclasses.replace(job, node_root=run.node_root())
             if created is not None:
                 created(run)
+            for note in self.notes:
+                console.info(note)
             if self.inventory.tuning:
                 console.info(tuning.describe(self.inventory.tuning))
             if self.dry_run:
@@ -97,6 +100,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     secrets = _checked(r)
     templates = Templates(r.templates_dir, cache_root(environ) / "templates")
     name, inventory = resolve.where(r, secrets, environ)
+    inventory, ledger, notes = resolve.picked(r, name, inventory, secrets, environ)
     if not supports(name, RESTARTS) and (r.max_restarts or r.min_nodes or r.hang_timeout
                                          or inventory.restarts or inventory.hang_timeout):
         raise InputError(f"--max-restarts, --min-nodes and --hang-timeout are for "
@@ -129,8 +133,8 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
         restarts=inventory.restarts if r.max_restarts is None else r.max_restarts,
         restart_after=r.restart_after or 0.0, min_nodes=r.min_nodes,
         hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout,
-        hang_auto=inventory.hang_auto, slow_node=inventory.slow_node)
-    return Prepared(inventory, job, templates, backend, name, options, r.dry_run)
+        hang_auto=inventory.hang_auto, slow_node=inventory.slow_node, ledger=ledger)
+    return Prepared(inventory, job, templates, backend, name, options, r.dry_run, notes)
 
 
 def _checked(r: Request) -> tuple[str, ...]:

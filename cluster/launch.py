@@ -19,6 +19,8 @@ from .observe.hang import save as save_hang
 from .observe.hang_timeout import timeout_of
 from .inventory import unset_forwarded
 from .nodes import NodeExit
+from .recovery.ledger import Ledger
+from .recovery.pool import attempt_events, remember
 from .plan import Job, Plan, Templates
 from .runs import RunDir
 from .observe.slow import SlowNodes
@@ -112,6 +114,7 @@ class Options:
     hang_timeout: float | str = 0.0   # no progress anywhere for this long: stacks, then stop
     hang_auto: HangAuto = HangAuto()  # how hang_timeout 'auto' learns it (cluster.observe.hang_timeout)
     slow_node: SlowNode = SlowNode()  # when a node is named slow (cluster.observe.slow)
+    ledger: Ledger | None = field(default=None, compare=False)   # what each node did, kept
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -191,6 +194,9 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
                          on_slow=lambda slow: run.update(slow_nodes=slow)).run()
         timeline.flush()
         _record(run, plan, backend, procs, result, history, console)
+        remember(options.ledger, attempt_events(
+            plan.run_id, result.exits, result.first_failure, result.causes, result.slow,
+            result.ok), console.info)
         timeline.event(tl.ENDED, how=_ending(result))
         retry = _retry(result, plan, options, history)
         if retry is None:

@@ -13,6 +13,8 @@ from . import backends
 from . import inventory as inv_mod
 from .backends import Backend
 from .errors import InputError
+from .recovery.ledger import Ledger, Policy
+from .recovery.pool import pick
 from .request import Request
 from .runs import RunDir
 
@@ -138,6 +140,27 @@ def where(request: Request, secrets: tuple[str, ...] = (),
     inventory = override(inventory, r.nproc_per_node, dict(r.env), environ, r.dry_run)
     inventory = settings(inventory, secrets, r.stop_grace, r.keepalive, r.host_key_policy, r.gate)
     return name, host_settings(inventory, r.python, r.user, r.port, r.identity_file)
+
+
+def picked(request: Request, name: str, inventory: Inventory, secrets: tuple[str, ...] = (),
+           environ: Mapping[str, str] = os.environ) -> tuple[Inventory, Ledger | None, tuple[str, ...]]:
+    """For `cluster up` on nodes it checks: the node ledger of this inventory, and the hosts
+    picked with it (a quarantined node is left out while others are available: with --nodes,
+    from all of the selected hosts, not only the first N), with what the launch says of it."""
+    if not backends.supports(name, backends.NODE_CHECKS):
+        return inventory, None, ()
+    gate = inventory.gate
+    ledger = Ledger.for_inventory(request.inventory_path,
+                                  Policy(gate.quarantine_after, gate.quarantine_window), environ)
+    wider = inventory
+    if request.nodes is not None and request.inventory_path:   # else --nodes made the nodes
+        wider = where(dataclasses.replace(request, nodes=None), secrets, environ)[1]
+    bad = ledger.quarantined(h.name for h in wider.hosts)
+    if not bad:
+        return inventory, ledger, ()
+    chosen = pick(wider.hosts, bad, nodes=request.nodes if request.inventory_path else None,
+                  min_nodes=request.min_nodes)
+    return dataclasses.replace(inventory, hosts=chosen.hosts), ledger, chosen.notes
 
 
 def override(inventory: Inventory, nproc: int | None, extra_env: dict[str, str],

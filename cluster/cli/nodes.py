@@ -14,15 +14,21 @@ from ..backends import NODE_CHECKS, supports
 from ..backends.local import local_inventory
 from ..console import Console
 from ..errors import InputError, PreflightError
-from ..recovery.ledger import STRIKE_KINDS, Ledger, NodeState
+from ..recovery.ledger import STRIKE_KINDS, Ledger, NodeState, Policy
 from ..request import Request
-from ..spec import Inventory
+from ..spec import Gate, Inventory
 from .main import CONTEXT, SafePath, main
 
 if TYPE_CHECKING:
     from ..doctor import Report
 
 SCHEMA = 1
+
+
+def ledger_of(path: str | None, inventory: Inventory | None) -> Ledger:
+    """The inventory's ledger, judged by its gate's quarantine settings."""
+    gate = inventory.gate if inventory is not None else Gate()
+    return Ledger.for_inventory(path, Policy(gate.quarantine_after, gate.quarantine_window))
 
 
 @main.group(context_settings=CONTEXT, invoke_without_command=True)
@@ -36,8 +42,9 @@ def nodes(ctx: click.Context, inventory_path: str | None, as_json: bool) -> None
     ctx.obj = inventory_path              # release's inventory, when given before it
     if ctx.invoked_subcommand is not None:
         return
-    ledger = Ledger.for_inventory(inventory_path)
-    listed, fixed = names_of(resolve.loaded(inventory_path, None))
+    found = resolve.loaded(inventory_path, None)
+    ledger = ledger_of(inventory_path, found)
+    listed, fixed = names_of(found)
     known = ledger.all()
     states = {n: known.get(n) or NodeState(n) for n in [*listed, *sorted(set(known) - set(listed))]}
     # Without a list of hosts (this machine's simulated nodes come and go with --nodes; SLURM
@@ -59,7 +66,7 @@ def release(ctx: click.Context, node: str, inventory_path: str | None, force: bo
     """Let a quarantined NODE back in: only when the deep check (cluster doctor --deep on that
     node) finds nothing failing (exit 3 otherwise, and it stays quarantined)."""
     inventory_path = inventory_path or ctx.obj
-    ledger = Ledger.for_inventory(inventory_path)
+    ledger = ledger_of(inventory_path, resolve.loaded(inventory_path, None))
     state = ledger.node(node)
     console = Console()
     if not state.quarantined:

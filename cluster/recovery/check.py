@@ -18,6 +18,8 @@ from ..errors import PreflightError
 from ..plan import Job, LaunchPlan, Plan, Templates, derived_port
 from .gate import WARN, Finding, evaluate, failures
 from .hardware import GATE_CHECKS
+from .ledger import Ledger
+from .pool import gate_events, remember
 from ..runs import RunDir
 from ..spec import Inventory
 
@@ -33,6 +35,9 @@ class Options(Protocol):
 
     @property
     def detach(self) -> bool: ...
+
+    @property
+    def ledger(self) -> Ledger | None: ...
 
 PORT_ATTEMPTS = 5
 
@@ -50,7 +55,7 @@ def checked_plan(inventory: Inventory, job: Job, templates: Templates, backend: 
     while True:
         try:
             launch_plan, facts = check_nodes(inventory, job, templates, backend, checks, run,
-                                             argv, console, options.preflight)
+                                             argv, console, options.preflight, options.ledger)
             break
         except PreflightError as exc:
             bad = set(exc.nodes)
@@ -69,7 +74,8 @@ def checked_plan(inventory: Inventory, job: Job, templates: Templates, backend: 
 
 def check_nodes(inventory: Inventory, job: Job, templates: Templates,
                 backend: Backend[LaunchPlan], checks: NodeChecks, run: RunDir, argv: list[str],
-                console: Console, preflight: bool = True) -> tuple[LaunchPlan, dict[str, Record]]:
+                console: Console, preflight: bool = True,
+                ledger: Ledger | None = None) -> tuple[LaunchPlan, dict[str, Record]]:
     """Phase one: every node probed at once (connect, python, torch, its run directory, the
     interface that reaches the master, the master port, trying the next derived port when
     it is taken); then, unless --no-preflight, the same torch everywhere and a TCP connection
@@ -100,6 +106,7 @@ def check_nodes(inventory: Inventory, job: Job, templates: Templates,
     try:
         judge(findings, len(plan.nodes), console)
     except PreflightError:
+        remember(ledger, gate_events(plan.run_id, findings), console.info)   # the hardware's
         checks.discard()                 # every staged node lets go, its folder too: nothing starts
         raise
     ifnames = {name: f["network"]["ifname"] for name, f in facts.items()

@@ -1,0 +1,75 @@
+"""Which hosts run (cluster.recovery.pool.pick) and what an attempt's end holds against each
+node (attempt_events, gate_events), by table."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.nodes import NodeExit
+from cluster.recovery.findings import FAIL, Finding
+from cluster.recovery.ledger import NodeState
+from cluster.recovery.pool import attempt_events, gate_events, pick
+from cluster.spec import Host
+
+HOSTS = tuple(Host(name=f"n{i}", address=f"10.0.0.{i}") for i in range(1, 5))
+SICK = {"n2": NodeState("n2", status="quarantined", why=["lost in run r1", "lost in run r2"],
+                        strikes=2)}
+
+
+def names(p) -> list[str]:
+    return [h.name for h in p.hosts]
+
+
+@pytest.mark.parametrize("nodes, min_nodes, want, note", [
+    (None, None, ["n1", "n2", "n3", "n4"], "WARNING: running on quarantined n2"),
+    (3, None, ["n1", "n3", "n4"], "leaving out quarantined n2"),
+    (4, None, ["n1", "n2", "n3", "n4"], "only 3 are healthy"),
+    (None, 3, ["n1", "n3", "n4"], "leaving out quarantined n2"),
+    (None, 4, ["n1", "n2", "n3", "n4"], "WARNING"),
+    (2, None, ["n1", "n3"], "leaving out"),
+])
+def test_pick(nodes, min_nodes, want, note) -> None:
+    p = pick(HOSTS, SICK, nodes=nodes, min_nodes=min_nodes)
+    assert names(p) == want
+    assert len(p.notes) == 1 and note in p.notes[0], p.notes
+    assert "n2 (2 failure(s) in the window, the last: lost in run r2)" in p.notes[0]
+
+
+def test_pick_without_quarantine_is_the_first_n_and_says_nothing() -> None:
+    assert names(pick(HOSTS, {}, nodes=2)) == ["n1", "n2"] and pick(HOSTS, {}).notes == ()
+
+
+def test_a_quarantined_master_is_left_out_too() -> None:
+    sick = {"n1": SICK["n2"]}
+    assert names(pick(HOSTS, sick, nodes=3)) == ["n2", "n3", "n4"]
+
+
+def test_attempt_events_lost_hardware_first_failure_slow_and_clean() -> None:
+    exits = {"n1 0": NodeExit(code=1), "n2 1": NodeExit(code=255, lost=True, reason="timed out"),
+             "n3 2": NodeExit(code=1)}
+    events = attempt_events("r1", exits, ("n3 2", exits["n3 2"]),
+                            {"n3 2": "RuntimeError: CUDA error: uncorrectable ECC error encountered"},
+                            [{"node": "n4 3", "ratio": 1.6, "reference": "the job's median",
+                              "part": "compute"}], ok=False)
+    assert [(e.node, e.kind) for e in events] == [("n2", "lost"), ("n3", "failed_first"),
+                                                 ("n4", "slow")]
+    assert "uncorrectable ECC" in events[1].detail
+
+
+def test_a_programs_own_error_is_held_against_no_node() -> None:
+    exits = {"n1 0": NodeExit(code=1)}
+    cause = {"n1 0": "ZeroDivisionError: division by zero"}
+    assert attempt_events("r1", exits, ("n1 0", exits["n1 0"]), cause, [], ok=False) == []
+
+
+def test_a_finished_run_is_clean_for_every_node() -> None:
+    exits = {"n1 0": NodeExit(code=0), "n2 1": NodeExit(code=0)}
+    assert [(e.node, e.kind) for e in attempt_events("r1", exits, None, {}, [], ok=True)] == [
+        ("n1", "clean"), ("n2", "clean")]
+
+
+def test_gate_events_only_for_the_hardware() -> None:
+    findings = [Finding("n2", "ecc", FAIL, "GPU 5: 3 uncorrectable ECC error(s)"),
+                Finding("n3", "gpu memory", FAIL, "GPU 3: PID 42 holds 70 GiB"),
+                Finding("n3", "disk", FAIL, "1 GiB free")]
+    assert [(e.node, e.kind, e.detail) for e in gate_events("r1", findings)] == [
+        ("n2", "gate", "ecc: GPU 5: 3 uncorrectable ECC error(s)")]
