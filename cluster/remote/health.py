@@ -104,10 +104,10 @@ def finish_queries(asked, driver_dir):
     errors = [failure(code, said, fields)] if code != 0 else []
     code, apps_said = finish(apps_proc, deadline)
     by_uuid = {g["uuid"]: g["index"] for g in gpus}
-    apps = [app_entry(row, by_uuid) for row in rows(apps_said, APP_FIELDS)]
+    listed = [app_entry(row, by_uuid) for row in rows(apps_said, APP_FIELDS)]
     if code != 0:                    # what it listed still holds memory; none listed: not known
         errors.append(failure(code, apps_said, APP_FIELDS))
-        apps = apps or None
+    apps = listed if code == 0 or listed else None
     return {"gpus": gpus, "apps": apps, "error": "; ".join(e for e in errors if e) or None,
             "refused": refused, "driver_gpus": nvidia_gpus(driver_dir)}
 
