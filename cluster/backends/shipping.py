@@ -97,7 +97,7 @@ BOOT = ("import sys,posix\ntry:w=posix.getcwd()\nexcept OSError:w=''\n"
 SUPERVISOR_FILES = ("options", "family", "workers", "rundir", "containers", "stopping", "spawning",
                     "supervisor")
 # Each node-side program of cluster/remote with the modules it imports, in load order.
-PROGRAMS = {"probe": ("options", "containers", "torchfind", "probe"),
+PROGRAMS = {"probe": ("options", "containers", "torchfind", "health", "probe"),
             "status": ("options", "status"),
             "execute": (*SUPERVISOR_FILES, "execute"),
             "clean": (*SUPERVISOR_FILES, "clean")}

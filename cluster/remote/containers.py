@@ -23,10 +23,13 @@ def runtime_start(argv, own_session=True):
         return exc.strerror or str(exc)
 
 
-def runtime_kill(proc):
+def runtime_kill(proc, wait=None):
     """End a runtime command: its process group when it leads one of its own (not yet waited
     for, so the id cannot have been reused), else the command alone. Its pipes are not read
-    again: a process it left could hold them open."""
+    again: a process it left could hold them open. Whether it ended within `wait` seconds
+    (None: waited for however long): one blocked in a driver ends only when the driver lets
+    it, and is left behind then."""
+    import subprocess
     try:
         if os.getpgid(proc.pid) == proc.pid:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -34,9 +37,14 @@ def runtime_kill(proc):
             proc.kill()
     except OSError:
         pass
-    proc.wait()
-    proc.stdout.close()
-    proc.stderr.close()
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        return False
+    finally:
+        proc.stdout.close()
+        proc.stderr.close()
+    return True
 
 
 def runtime_result(proc, timeout):

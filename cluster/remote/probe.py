@@ -6,7 +6,7 @@ Standard library only, Python 3.8+, because it runs on whatever interpreter the 
     probe.py facts --dir D [--workdir W] [--own ADDR --master ADDR] [--ifname IF]
                    [--port P] [--connect ADDR:PORT [--connect-on-word]]
                    [--container-runtime R --container-image I]
-                   [--script PATH] [--deep]
+                   [--script PATH] [--deep] [--health [--health-dir PATH]]
         JSON: python, torch (found without importing it), the run directory (made, 0700),
         the GPUs the NVIDIA driver has and CUDA_VISIBLE_DEVICES,
         the network interface that reaches the master, InfiniBand devices, whether the master
@@ -16,7 +16,9 @@ Standard library only, Python 3.8+, because it runs on whatever interpreter the 
         says it listens: the probe starts meanwhile, not after it); the container runtime's version and the image's id
         on this node; --deep adds what importing torch and nvidia-smi tell (CUDA, cuDNN, NCCL,
         driver, GPUs and their use), /dev/shm, free disk, open-file limit, and for an image that
-        is not here whether its registry has it. Then it returns None: in a launch's check,
+        is not here whether its registry has it; --health what health.py reports (the GPUs'
+        faults, their foreign processes, Xid lines, free disk of the workdir and of
+        --health-dir, free memory). Then it returns None: in a launch's check,
         the launcher's next bundle on the same input is this node's start (the stage).
     probe.py listen --port P [--seconds S]
         Listen on P (as torchrun's store will), answer {"listening": true}, accept and close every
@@ -35,6 +37,7 @@ import _socket
 import time
 
 import containers  # noqa: E402  (loaded before this module by the bootloader)
+import health  # noqa: E402
 import options  # noqa: E402
 import torchfind  # noqa: E402
 
@@ -59,8 +62,9 @@ def main(argv):
 COMMANDS = {
     "facts": ({"dir": str, "workdir": str, "own": str, "master": str, "ifname": str, "port": int,
                "container-runtime": str, "container-image": str, "script": str, "connect": str,
-               "connect-timeout": 8.0, "listen": int, "listen-seconds": 60.0},
-              ("deep", "connect-on-word"), ()),
+               "connect-timeout": 8.0, "listen": int, "listen-seconds": 60.0,
+               "health-dir": str},
+              ("deep", "connect-on-word", "health"), ()),
     "listen": ({"port": int, "seconds": 60.0}, (), ("port",)),
     "connect": ({"addr": str, "port": int, "timeout": 8.0}, (), ("addr", "port")),
     "forget": ({"dir": str}, (), ("dir",)),
@@ -93,7 +97,7 @@ def facts(args):
         out["network"] = network(args.own or _socket.gethostname(), args.master, args.ifname)
     out["ib_devices"] = sorted(os.listdir("/sys/class/infiniband")) \
         if os.path.isdir("/sys/class/infiniband") else []
-    out["nvidia_gpus"] = nvidia_gpus()
+    out["nvidia_gpus"] = health.nvidia_gpus()
     out["cuda_visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     if args.port:
         out["port_free"] = port_free(args.port)
@@ -105,19 +109,14 @@ def facts(args):
     if args.container_runtime:
         out["container"] = containers.container_facts(args.container_runtime,
                                                       args.container_image, args.deep)
+    if args.health:     # one --health-dir: a comma-separated list could not hold every path
+        extra = [args.health_dir] if args.health_dir else []
+        out["health"] = health.health_facts(args.workdir or ".", extra)
     if args.deep:
-        out.update(deep_facts(out.get("workdir") or out.get("dir") or "."))
+        nvidia = out["health"]["nvidia"] if args.health else health.nvidia_facts()
+        out.update(deep_facts(out.get("workdir") or out.get("dir") or ".", nvidia))
     out["time_start"], out["time"] = started, time.time()
     return out
-
-
-def nvidia_gpus(folder="/proc/driver/nvidia/gpus"):
-    """How many GPUs the NVIDIA driver has (one folder each), None without the driver: one
-    directory listing, not nvidia-smi's seconds."""
-    try:
-        return len(os.listdir(folder))
-    except OSError:
-        return None
 
 
 def word():
@@ -321,8 +320,9 @@ def manual_names(spec):
 
 # --- deep facts (cluster doctor) -----------------------------------------------------------------
 
-def deep_facts(workdir):
-    out = {"gpus": nvidia_smi(), "shm_bytes": None, "disk_free_bytes": None, "nofile": None}
+def deep_facts(workdir, nvidia):
+    out = {"gpus": health.deep_gpus(nvidia), "shm_bytes": None, "disk_free_bytes": None,
+           "nofile": None}
     for key, path in (("shm_bytes", "/dev/shm"), ("disk_free_bytes", workdir)):
         try:
             st = os.statvfs(path)
@@ -358,44 +358,6 @@ def torch_runtime():
     except Exception as exc:
         info["error"] = "%s: %s" % (type(exc).__name__, exc)
     return info
-
-
-def nvidia_smi():
-    """One entry per GPU: model, driver, memory used and total (MiB), processes using it."""
-    query = "index,name,driver_version,memory.used,memory.total,uuid"
-    import subprocess        # here, not above: cluster doctor's only
-    try:
-        res = subprocess.run(["nvidia-smi", "--query-gpu=" + query, "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if res.returncode != 0:
-        return {"error": (res.stderr or res.stdout).strip()[-300:]}
-    gpus = []
-    for line in res.stdout.splitlines():
-        f = [x.strip() for x in line.split(",")]
-        if len(f) >= 6:
-            gpus.append({"index": int(f[0]), "name": f[1], "driver": f[2],
-                         "memory_used_mib": _num(f[3]), "memory_total_mib": _num(f[4]),
-                         "uuid": f[5], "processes": 0})
-    try:
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid",
-                               "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-        for line in apps.stdout.splitlines():
-            uuid = line.split(",")[0].strip()
-            for g in gpus:
-                if g["uuid"] == uuid:
-                    g["processes"] += 1
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return gpus
-
-
-def _num(text):
-    try:
-        return float(text)
-    except ValueError:
-        return None
 
 
 # --- reachability ------------------------------------------------------------------------------

@@ -618,8 +618,8 @@ def test_the_probe_counts_the_drivers_gpus(tmp_path) -> None:
     import sys
     for pci in ("0000:18:00.0", "0000:2a:00.0"):
         (tmp_path / pci).mkdir()
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import probe; "
-            "print(probe.nvidia_gpus(sys.argv[2]), probe.nvidia_gpus(sys.argv[2] + '/none'))")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import health; "
+            "print(health.nvidia_gpus(sys.argv[2]), health.nvidia_gpus(sys.argv[2] + '/none'))")
     out = subprocess.run([sys.executable, "-c", code, str(REMOTE), str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["2", "None"], out.stderr

@@ -54,7 +54,8 @@ def test_the_flag_reaches_the_interpreter_through_setup_lines(tmp_path: Path) ->
 
 def test_every_node_program_loads_without_site_packages() -> None:
     """They are standard library only: every module of cluster/remote loads under -S."""
-    modules = (*shipping.SUPERVISOR_FILES, "execute", "clean", "status", "torchfind", "probe")
+    modules = (*shipping.SUPERVISOR_FILES, "execute", "clean", "status", "torchfind", "health",
+               "probe")
     every = {p.stem for p in shipping.REMOTE.glob("*.py")} - {"__init__", "collective"}
     assert set(modules) == every        # collective.py runs under torchrun, with torch
     b = shipping.bundle(["probe", "connect", "--addr", "127.0.0.1", "--port", "9",
