@@ -13,8 +13,8 @@ from . import backends
 from . import inventory as inv_mod
 from .backends import Backend
 from .errors import InputError
-from .recovery.ledger import Ledger, Policy
-from .recovery.pool import pick
+from .recovery.ledger import Ledger
+from .recovery.pool import ledger_for, pick
 from .request import Request
 from .runs import RunDir
 
@@ -149,9 +149,7 @@ def picked(request: Request, name: str, inventory: Inventory, secrets: tuple[str
     from all of the selected hosts, not only the first N), with what the launch says of it."""
     if not backends.supports(name, backends.NODE_CHECKS):
         return inventory, None, ()
-    gate = inventory.gate
-    ledger = Ledger.for_inventory(request.inventory_path,
-                                  Policy(gate.quarantine_after, gate.quarantine_window), environ)
+    ledger = ledger_for(request.inventory_path, inventory.gate, environ)
     wider = inventory
     if request.nodes is not None and request.inventory_path:   # else --nodes made the nodes
         wider = where(dataclasses.replace(request, nodes=None), secrets, environ)[1]

@@ -231,7 +231,8 @@ class RunDir:
             source=data.get("source"), backend=data.get("backend", "ssh"),
             ssh=spec.ssh_from_dict(data.get("ssh") or {}),
             slurm=spec.slurm_from_dict(data.get("slurm") or {}),
-            stop_grace=float(data.get("stop_grace") or spec.DEFAULT_STOP_GRACE))
+            stop_grace=float(data.get("stop_grace") or spec.DEFAULT_STOP_GRACE),
+            gate=spec.Gate(**data.get("gate") or {}))
 
     def _inventory_record(self) -> dict[str, Any]:
         path = self.path / "inventory.yaml"

@@ -73,6 +73,10 @@ class SupervisedNode:
                      "--container-image", node.host.container.image]
         if deep:
             args.append("--deep")
+        if deep or plan.gate.level != "off":       # the health gate's facts (remote/health.py)
+            args.append("--health")
+            if plan.gate.checkpoint_dir:
+                args += ["--health-dir", plan.gate.checkpoint_dir]
         if connect:
             args += ["--connect", f"{connect[0]}:{connect[1]}",
                      "--connect-timeout", f"{reach_budget(len(plan.nodes)):g}"]

@@ -11,6 +11,8 @@ from ..backends import NODE_CHECKS, supports
 from .main import CONTEXT, SafePath, host_options, main
 from ..errors import InputError
 from ..plan import Templates
+from ..recovery.findings import WARN, Finding
+from ..recovery.pool import ledger_for, quarantined_lines
 from ..request import Request
 
 if TYPE_CHECKING:
@@ -90,9 +92,13 @@ def examine(request: Request, *, deep: bool, tune_nccl: bool = False,
                                            10, show_steps=False),
             tuning.Cache(tuning.cache_path()), shown=shown)
     try:
-        return doc.diagnose(inventory, backend, templates, deep=deep,
-                            run_deep=lambda run_id: measure({}, run_id=run_id),
-                            run_tune=tune if tune_nccl else None, started=started)
+        report = doc.diagnose(inventory, backend, templates, deep=deep,
+                              run_deep=lambda run_id: measure({}, run_id=run_id),
+                              run_tune=tune if tune_nccl else None, started=started)
+        ledger = ledger_for(request.inventory_path, inventory.gate)
+        report.findings += [Finding(node, "ledger", WARN, line)
+                            for node, line in quarantined_lines(ledger, report.nodes)]
+        return report
     finally:
         progress.close()
         backend.close()

@@ -14,7 +14,8 @@ from ..backends import NODE_CHECKS, supports
 from ..backends.local import local_inventory
 from ..console import Console
 from ..errors import InputError, PreflightError
-from ..recovery.ledger import STRIKE_KINDS, Ledger, NodeState, Policy
+from ..recovery.ledger import STRIKE_KINDS, Ledger, NodeState
+from ..recovery.pool import ledger_for
 from ..request import Request
 from ..spec import Gate, Inventory
 from .main import CONTEXT, SafePath, main
@@ -27,8 +28,7 @@ SCHEMA = 1
 
 def ledger_of(path: str | None, inventory: Inventory | None) -> Ledger:
     """The inventory's ledger, judged by its gate's quarantine settings."""
-    gate = inventory.gate if inventory is not None else Gate()
-    return Ledger.for_inventory(path, Policy(gate.quarantine_after, gate.quarantine_window))
+    return ledger_for(path, inventory.gate if inventory is not None else Gate())
 
 
 @main.group(context_settings=CONTEXT, invoke_without_command=True)

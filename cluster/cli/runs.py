@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from .. import backends
+from ..backends import NODE_CHECKS, supports
 from ..api import LogErrors, detached_error, first_failed
 from .main import CONTEXT, complete_run, main
 from ..errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
@@ -46,11 +47,23 @@ def status(run: str | None, draw: bool) -> None:
         for a in attempts:
             out.print(f"attempt {a['attempt'] + 1} ({', '.join(a['nodes'])}): {a['ended']}",
                       markup=False, highlight=False)
-    for line in run_notes(meta, started=bool(rows)) + launcher_gone(meta, rows):
+    for line in run_notes(meta, started=bool(rows)) + launcher_gone(meta, rows) + quarantine(rd):
         out.print(line, markup=False, highlight=False)
     if draw:
         from ..observe import timeline_png
         timeline_png.write(rd, Console())
+
+
+def quarantine(rd: RunDir) -> list[str]:
+    """The run's nodes that the node ledger holds in quarantine now (nodes the launcher
+    checks; a scheduler chooses its own)."""
+    if not supports(rd.meta().get("backend") or "", NODE_CHECKS):
+        return []
+    from ..recovery.pool import ledger_for, quarantined_lines
+    inventory = rd.inventory()
+    names = [n["name"] for n in rd.meta().get("nodes") or []]
+    return [line for _, line in quarantined_lines(ledger_for(inventory.source, inventory.gate),
+                                                  names)]
 
 
 def run_notes(meta: dict, started: bool) -> list[str]:

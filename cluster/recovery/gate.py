@@ -275,7 +275,7 @@ def deep_findings(node: Any, f: Mapping[str, Any], clock: Clock | None) -> list[
     busy = [g for g in gpus if g.get("processes") or (g.get("memory_used_mib") or 0) > 1024]
     if busy:
         out.append(Finding(name, "gpus busy", WARN, "; ".join(
-            f"GPU {g['index']}: {g.get('processes')} process(es), {g.get('memory_used_mib'):.0f} MiB used"
+            f"GPU {g['index']}: {g.get('processes')} process(es), {g.get('memory_used_mib') or 0:.0f} MiB used"
             for g in busy), "another job holds these GPUs: wait, or stop it"))
     out += threshold(name, "/dev/shm", f.get("shm_bytes"), 1 * GIB, None,
                      "DataLoader workers and NCCL use shared memory: mount a larger /dev/shm "

@@ -10,16 +10,17 @@ ledger; every node of a run that finished, a clean run.
 """
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ClusterError
-from ..spec import Host
+from ..spec import Gate, Host
 from .findings import Finding
 from .hardware import hardware_failures
-from .ledger import Event, Ledger, NodeState
+from .ledger import Event, Ledger, NodeState, Policy
 
 # A worker's own error that says the GPU or its links failed, not the program (CUDA's and
 # NCCL's words for it; the failure classes will grow from this table).
@@ -62,6 +63,24 @@ def describe(state: NodeState) -> str:
     """'2 failure(s) in 24 h, the last: lost in run R' for a launch's line."""
     last = state.why[-1] if state.why else ""
     return f"{state.strikes} failure(s) in the window{', the last: ' + last if last else ''}"
+
+
+def quarantined_lines(ledger: Ledger, names: Iterable[str]) -> list[tuple[str, str]]:
+    """For status and doctor: (node, line) for each of `names` the ledger holds in quarantine,
+    and why. A ledger that cannot be read is said ("all"), never their failure."""
+    try:
+        bad = ledger.quarantined(names)
+    except (OSError, ClusterError) as exc:
+        return [("all", f"the node ledger could not be read ({ledger.path}): {exc}")]
+    return [(name, f"{name} is quarantined: {describe(state)} (`cluster nodes release {name}` "
+                   f"after a repair)") for name, state in bad.items()]
+
+
+def ledger_for(source: str | None, gate: Gate,
+               environ: Mapping[str, str] = os.environ) -> Ledger:
+    """The ledger of an inventory file (None: a run without one), judged by its gate."""
+    return Ledger.for_inventory(source, Policy(gate.quarantine_after, gate.quarantine_window),
+                                environ)
 
 
 def attempt_events(run_id: str, exits: Mapping[str, Any], first_failure: tuple[str, Any] | None,
