@@ -312,7 +312,8 @@ class Gate:
     SHORTHAND: ClassVar[str] = "level"       # `gate: deep` is `gate: {level: deep}`
     level: str = key("basic", "off; basic: each node's GPUs (all there, none held by another "
                      "process, ECC, XID), free disk and memory, at every start and restart; "
-                     "deep: the same at every start, as doctor --deep judges (--gate)",
+                     "deep: and first doctor --deep's collective, each node's bandwidth against "
+                     "the job's median (--gate)",
                      "gate_level", kind="off, basic or deep")
     min_free_disk_gib: float = key(10.0, "free space the workdir, and checkpoint_dir, must each "
                                    "have (GiB)", "number", 0)
