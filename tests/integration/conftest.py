@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,22 @@ def canary() -> Path:
         yield folder / "canary"
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def cli_for(tmp_path: Path, nodes: SshNodes) -> Iterator[Cli]:
+    """A Cli in tmp_path/work whose HOME knows the host keys of `nodes` (a test module's own
+    nodes); its processes are stopped after."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True, mode=0o700)
+    shutil.copy(nodes.known_hosts_path, home / ".ssh" / "known_hosts")
+    work = tmp_path / "work"
+    work.mkdir()
+    c = Cli(work, home)
+    try:
+        yield c
+    finally:
+        c.cleanup()
 
 
 @pytest.fixture

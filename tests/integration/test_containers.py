@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 try:
-    from tests.integration.conftest import (PROGRAMS, Cli, Proc, node_leftovers,
+    from tests.integration.conftest import (PROGRAMS, Cli, Proc, cli_for, node_leftovers,
                                             skip_unless_ssh_nodes, wait_until)
     from tests.integration.fixtures import SshNodes, processes_with_env
     from tests.integration.fixtures.podman import PodmanImage, missing_tools
 except ImportError:  # run with tests/integration on sys.path
-    from conftest import (PROGRAMS, Cli, Proc, node_leftovers,  # type: ignore
+    from conftest import (PROGRAMS, Cli, Proc, cli_for, node_leftovers,  # type: ignore
                           skip_unless_ssh_nodes, wait_until)
     from fixtures import SshNodes, processes_with_env  # type: ignore
     from fixtures.podman import PodmanImage, missing_tools  # type: ignore
@@ -47,16 +47,9 @@ def box_nodes():
 
 @pytest.fixture
 def cli(tmp_path: Path, box_nodes: SshNodes):
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True, mode=0o700)
-    shutil.copy(box_nodes.known_hosts_path, home / ".ssh" / "known_hosts")
-    work = tmp_path / "work"
-    work.mkdir()
-    c = Cli(work, home)
-    try:
+    with cli_for(tmp_path, box_nodes) as c:
         yield c
-    finally:
-        c.cleanup()
+
 
 SECRET = "tok-$(touch {canary}) 'q' \"dq\" 7f3a9c1e"     # the test's canary filled in
 PLAIN = "plain-value-with spaces-$(id)-58e2b7"

@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 
 try:
-    from tests.integration.conftest import PROGRAMS, Cli, node_leftovers, skip_unless_ssh_nodes
+    from tests.integration.conftest import (PROGRAMS, Cli, cli_for, node_leftovers,
+                                            skip_unless_ssh_nodes)
     from tests.integration.fixtures import SshNodes
 except ImportError:  # run with tests/integration on sys.path
-    from conftest import PROGRAMS, Cli, node_leftovers, skip_unless_ssh_nodes  # type: ignore
+    from conftest import (PROGRAMS, Cli, cli_for, node_leftovers,  # type: ignore
+                          skip_unless_ssh_nodes)
     from fixtures import SshNodes  # type: ignore
 
 pytestmark = [pytest.mark.integration]
@@ -65,17 +67,9 @@ def nodes3(gpu_dir, small_disk):
 
 @pytest.fixture
 def gpu_cli(tmp_path: Path, nodes3: SshNodes):
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True, mode=0o700)
-    shutil.copy(nodes3.known_hosts_path, home / ".ssh" / "known_hosts")
-    work = tmp_path / "work"
-    work.mkdir()
-    c = Cli(work, home)
-    c.env["XDG_STATE_HOME"] = str(tmp_path / "state")      # this test's own ledger
-    try:
+    with cli_for(tmp_path, nodes3) as c:
+        c.env["XDG_STATE_HOME"] = str(tmp_path / "state")      # this test's own ledger
         yield c
-    finally:
-        c.cleanup()
 
 
 def scenario(gpu_dir: Path, name: str) -> None:
