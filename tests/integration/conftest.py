@@ -60,12 +60,17 @@ def ssh_nodes4():
         yield nodes
 
 
+def home_for(tmp_path: Path, nodes: SshNodes) -> Path:
+    """tmp_path/home, whose known_hosts has the host keys of `nodes`."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True, mode=0o700, exist_ok=True)
+    shutil.copy(nodes.known_hosts_path, home / ".ssh" / "known_hosts")
+    return home
+
+
 @pytest.fixture
 def ssh_home(tmp_path: Path, ssh_nodes4: SshNodes) -> Path:
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True, mode=0o700)
-    shutil.copy(ssh_nodes4.known_hosts_path, home / ".ssh" / "known_hosts")
-    return home
+    return home_for(tmp_path, ssh_nodes4)
 
 
 class Proc:
@@ -190,12 +195,9 @@ def canary() -> Path:
 def cli_for(tmp_path: Path, nodes: SshNodes) -> Iterator[Cli]:
     """A Cli in tmp_path/work whose HOME knows the host keys of `nodes` (a test module's own
     nodes); its processes are stopped after."""
-    home = tmp_path / "home"
-    (home / ".ssh").mkdir(parents=True, mode=0o700)
-    shutil.copy(nodes.known_hosts_path, home / ".ssh" / "known_hosts")
     work = tmp_path / "work"
     work.mkdir()
-    c = Cli(work, home)
+    c = Cli(work, home_for(tmp_path, nodes))
     try:
         yield c
     finally:
@@ -203,14 +205,9 @@ def cli_for(tmp_path: Path, nodes: SshNodes) -> Iterator[Cli]:
 
 
 @pytest.fixture
-def cli(tmp_path: Path, ssh_home: Path):
-    work = tmp_path / "work"
-    work.mkdir()
-    c = Cli(work, ssh_home)
-    try:
+def cli(tmp_path: Path, ssh_nodes4: SshNodes, ssh_home: Path):
+    with cli_for(tmp_path, ssh_nodes4) as c:
         yield c
-    finally:
-        c.cleanup()
 
 
 def node_leftovers(ssh_nodes: SshNodes, *nodes: int) -> dict[str, list[str]]:
