@@ -121,6 +121,7 @@ class SupervisedNode:
             args += ["--listen", str(listen[0]), "--listen-seconds", f"{listen[1]:g}"]
         files = [(f"{TOOLS_DIR}/{name}", data, 0o600) for name, data in (tools or {}).items()]
         probe = shipping.program("probe", "facts", *args, dir=node.host.workdir, files=files)
+        sent = time.time()
         ch = self.transport.spawn(shipping.boot_command(self.exe, probe))
         ch.write(probe.data)
         lines = self._answers(ch)
@@ -134,6 +135,9 @@ class SupervisedNode:
             except ClusterError:
                 pass      # it ended before reading (no such python): its output says why
         facts = next(lines)
+        # When this machine asked and had the answer, by its clock: the gate's clock estimate
+        # (recovery.gate.clock_offset) from these and the node's own two readings.
+        facts["asked"] = {"sent": sent, "received": time.time()}
         self.staged = ch
         return self._facts(facts)
 

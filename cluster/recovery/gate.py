@@ -84,6 +84,10 @@ def node_findings(node: Any, f: Mapping[str, Any], plan: LaunchPlan) -> list[Fin
     if "health" in f:                      # the health gate's facts (remote/health.py)
         out += health_findings(name, f["health"], plan.gate, declared_gpus=node.host.gpus,
                                visible=cuda_visible(node, f))
+        asked = f.get("asked") or {}
+        if "sent" in asked and "time" in f:   # the check's own round trip, timed both ends
+            out.append(clock_finding(name, clock_offset(
+                asked["sent"], asked["received"], f.get("time_start", f["time"]), f["time"])))
     if "port_free" in f:
         out.append(Finding(name, "master port", PASS if f["port_free"] else FAIL,
                            f"port {plan.master_port} is {'free' if f['port_free'] else 'in use'} here",

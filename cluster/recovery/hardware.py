@@ -36,7 +36,7 @@ XID_WARN = {
 # The checks whose failure is the hardware's: they count against the node in the ledger. The
 # others (another job's process, a full disk) are the operator's to clear and count for nothing.
 HARDWARE_CHECKS = frozenset({"gpu health", "ecc", "xid"})
-GATE_CHECKS = HARDWARE_CHECKS | {"gpu memory", "disk", "memory"}
+GATE_CHECKS = HARDWARE_CHECKS | {"gpu memory", "disk", "memory", "clock"}
 RESET_FIX = ("drain the node and reset the GPU (nvidia-smi -r, or reboot it), then "
              "`cluster nodes release NODE`; or leave it out (--exclude NODE)")
 

@@ -116,3 +116,21 @@ def test_cuda_visible_devices_by_index_uuid_and_a_gap() -> None:
     assert [g["index"] for g in job_gpus(gpus, "2,GPU-0000")] == [2, 0]
     assert [g["index"] for g in job_gpus(gpus, "1,,3")] == [1]
     assert job_gpus(gpus, "") == [] and len(job_gpus(gpus, None)) == 4
+
+
+def test_the_check_judges_the_gate_and_the_clock_from_its_own_round_trip() -> None:
+    from cluster import inventory
+    from cluster.plan import Job, Templates, render
+    from cluster.recovery.gate import evaluate
+    plan = render(inventory.parse_yaml("hosts: [a, b]\n", "x.yaml"), Job(run_id="r", script="t.py"),
+                  Templates())
+    base = {"torch": {"run_py": "/x", "version": "2.13"}, "network": {"ifname": "eth0", "how": "x"}}
+    healthy = {"nvidia": None, "disk": {"/w": 500 * GIB}, "memory_available_bytes": 64 * GIB}
+    facts = {"a": {**base, "health": healthy, "asked": {"sent": 1000.0, "received": 1000.2},
+                   "time_start": 1000.05, "time": 1000.1},
+             "b": {**base, "health": node(disk=GIB), "asked": {"sent": 1000.0, "received": 1000.2},
+                   "time_start": 1120.05, "time": 1120.1}}       # b's clock is two minutes ahead
+    found = failed(evaluate(plan, facts))
+    assert ("clock", "+119.975 s from this machine, give or take 0.075 s (half the round trip)") \
+        in found, found
+    assert [c for c, _ in found] == ["disk", "clock"], "a passes; b fails on its disk and clock"
