@@ -15,7 +15,7 @@ from .backends import Backend, NodeProcess, Record, node_checks
 from .recovery.check import checked_plan
 from .console import Console
 from .errors import InputError, Interrupted, NodeLost, RunFailed
-from .observe.hang import save as save_hang
+from .observe.hang import odd_node, save as save_hang
 from .observe.hang_timeout import timeout_of
 from .inventory import unset_forwarded
 from .nodes import NodeExit
@@ -196,7 +196,7 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
         _record(run, plan, backend, procs, result, history, console)
         remember(options.ledger, attempt_events(
             plan.run_id, result.exits, result.first_failure, result.causes, result.slow,
-            result.ok), console.info)
+            result.ok, odd_node(result.hang.stacks) if result.hang else None), console.info)
         timeline.event(tl.ENDED, how=_ending(result))
         retry = _retry(result, plan, options, history)
         if retry is None:

@@ -103,6 +103,17 @@ def summary(stacks: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
     return lines
 
 
+def odd_node(stacks: Mapping[str, Sequence[Mapping[str, Any]]]) -> tuple[str, str] | None:
+    """(node, where its ranks are) when every rank elsewhere than the largest group is on that
+    one node: the hang's odd one out, which the node ledger holds against it."""
+    found = groups(stacks)
+    odd = found[1:]
+    nodes = {n for g in odd for n in g.nodes}
+    if len(nodes) != 1:
+        return None
+    return nodes.pop(), "; ".join(g.text() for g in odd)
+
+
 def _ranges(ranks: Sequence[int]) -> str:
     """0,1,2,5 -> '0-2,5'."""
     runs: list[list[int]] = []          # [first, last] of each run of consecutive ranks

@@ -85,9 +85,12 @@ def ledger_for(source: str | None, gate: Gate,
 
 def attempt_events(run_id: str, exits: Mapping[str, Any], first_failure: tuple[str, Any] | None,
                    causes: Mapping[str, str], slow: Iterable[Mapping[str, Any]],
-                   ok: bool) -> list[Event]:
-    """What one attempt's end holds against each node (labels 'node2 1' name node2)."""
+                   ok: bool, hang_odd: tuple[str, str] | None = None) -> list[Event]:
+    """What one attempt's end holds against each node (labels 'node2 1' name node2);
+    hang_odd: the hang's odd one out, (node, where its ranks were)."""
     events = []
+    if hang_odd is not None:
+        events.append(Event(hang_odd[0], "hang", run_id, f"the hang's odd one out: {hang_odd[1]}"))
     for label, ex in exits.items():
         if getattr(ex, "lost", False):
             events.append(Event(node_of(label), "lost", run_id, ex.describe()))

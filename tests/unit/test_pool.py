@@ -73,3 +73,17 @@ def test_gate_events_only_for_the_hardware() -> None:
                 Finding("n3", "disk", FAIL, "1 GiB free")]
     assert [(e.node, e.kind, e.detail) for e in gate_events("r1", findings)] == [
         ("n2", "gate", "ecc: GPU 5: 3 uncorrectable ECC error(s)")]
+
+
+def test_the_hangs_odd_one_out_is_held_against_its_node() -> None:
+    from cluster.observe.hang import odd_node
+    stack = 'Current thread 0x1 (most recent call first):\n  File "/x/train.py", line {} in {}\n'
+    stacks = {"n1 0": [{"rank": 0, "text": stack.format(9, "all_reduce")}],
+              "n2 1": [{"rank": 1, "text": stack.format(9, "all_reduce")}],
+              "n3 2": [{"rank": 2, "text": stack.format(40, "load_batch")}]}
+    odd = odd_node(stacks)
+    assert odd is not None and odd[0] == "n3" and "load_batch" in odd[1]
+    events = attempt_events("r1", {}, None, {}, [], ok=False, hang_odd=odd)
+    assert [(e.node, e.kind) for e in events] == [("n3", "hang")]
+    stacks["n2 1"] = [{"rank": 1, "text": stack.format(50, "save")}]
+    assert odd_node(stacks) is None, "odd ones on two nodes: no one node to blame"
