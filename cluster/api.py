@@ -100,7 +100,8 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     secrets = _checked(r)
     templates = Templates(r.templates_dir, cache_root(environ) / "templates")
     name, inventory = resolve.where(r, secrets, environ)
-    inventory, ledger, notes = resolve.picked(r, name, inventory, secrets, environ)
+    chosen = resolve.picked(r, name, inventory, secrets, environ)
+    inventory = chosen.inventory
     if not supports(name, RESTARTS) and (r.max_restarts or r.min_nodes or r.hang_timeout
                                          or inventory.restarts or inventory.hang_timeout):
         raise InputError(f"--max-restarts, --min-nodes and --hang-timeout are for "
@@ -109,6 +110,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     inventory = backends.entry(name).load().configure(inventory, r)
     if supports(name, EXEC) and not r.no_tuning:      # measured by `cluster doctor`, which execs
         inventory = tuning.applied(inventory, tuning.Cache(tuning.cache_path(environ)))
+    spares = tuning.extended(chosen.spares, inventory)     # a spare runs as the others do
     if not r.dry_run:     # a dry run needs no secret's value: it names the missing ones
         launch.secret_values(inventory, environ)  # a missing secret stops here: nothing is created
     if (r.sync_dir or r.sync_exclude or r.sync_delete) and not supports(name, SYNC):
@@ -133,8 +135,9 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
         restarts=inventory.restarts if r.max_restarts is None else r.max_restarts,
         restart_after=r.restart_after or 0.0, min_nodes=r.min_nodes,
         hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout,
-        hang_auto=inventory.hang_auto, slow_node=inventory.slow_node, ledger=ledger)
-    return Prepared(inventory, job, templates, backend, name, options, r.dry_run, notes)
+        hang_auto=inventory.hang_auto, slow_node=inventory.slow_node, ledger=chosen.ledger,
+        spares=spares)
+    return Prepared(inventory, job, templates, backend, name, options, r.dry_run, chosen.notes)
 
 
 def _checked(r: Request) -> tuple[str, ...]:

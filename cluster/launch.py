@@ -20,11 +20,11 @@ from .observe.hang_timeout import timeout_of
 from .inventory import unset_forwarded
 from .nodes import NodeExit
 from .recovery.ledger import Ledger
-from .recovery.pool import attempt_events, remember
+from .recovery.pool import attempt_events, culprits, remember, replace
 from .plan import Job, Plan, Templates
 from .runs import RunDir
 from .observe.slow import SlowNodes
-from .spec import HangAuto, Inventory, SlowNode
+from .spec import HangAuto, Host, Inventory, SlowNode
 from .observe import timeline as tl
 from .observe import timeline_png
 from .observe.watch import Watcher, WatchResult
@@ -115,6 +115,8 @@ class Options:
     hang_auto: HangAuto = HangAuto()  # how hang_timeout 'auto' learns it (cluster.observe.hang_timeout)
     slow_node: SlowNode = SlowNode()  # when a node is named slow (cluster.observe.slow)
     ledger: Ledger | None = field(default=None, compare=False)   # what each node did, kept
+    spares: tuple[Host, ...] = ()     # hosts that take the place of one set aside (--nodes N)
+    replace_slow: bool = False        # a node named slow is set aside too (--replace-slow)
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -160,12 +162,13 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
     if hasattr(backend, "note"):        # what the backend tells the user goes where the run's does
         backend.note = console.info
     history: list[Record] = []
+    spares = list(options.spares)          # taken from as nodes are set aside
     while True:
         job = dataclasses.replace(job, attempt=len(history))
         timeline.attempt = job.attempt
         timeline.event(tl.CHECK)
         inventory, plan = checked_plan(inventory, job, templates, backend, run, argv, console,
-                                       options, history)
+                                       options, history, spares)
         timeline.event(tl.CHECKED)
         if options.stop is not None and options.stop.is_set():
             checks = node_checks(backend)
@@ -194,16 +197,18 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
                          on_slow=lambda slow: run.update(slow_nodes=slow)).run()
         timeline.flush()
         _record(run, plan, backend, procs, result, history, console)
-        remember(options.ledger, attempt_events(
-            plan.run_id, result.exits, result.first_failure, result.causes, result.slow,
-            result.ok, odd_node(result.hang.stacks) if result.hang else None), console.info)
+        events = attempt_events(plan.run_id, result.exits, result.first_failure, result.causes,
+                                result.slow, result.ok,
+                                odd_node(result.hang.stacks) if result.hang else None)
+        remember(options.ledger, events, console.info)
         timeline.event(tl.ENDED, how=_ending(result))
         retry = _retry(result, plan, options, history)
         if retry is None:
             return _outcome(result, plan, console)
         console.info(retry)
         timeline.event(tl.RESTART, why=retry, **_cause_of(result))
-        inventory = _without_lost(inventory, result, options)
+        inventory = _next_hosts(inventory, culprits(events, options.replace_slow), spares,
+                                options, console)
 
 
 def _record(run: RunDir, plan: Plan, backend: Backend[Any], procs: list[NodeProcess],
@@ -292,12 +297,17 @@ def joined(result: WatchResult) -> set[str]:
     return set(result.exits) if proof else set()
 
 
-def _without_lost(inventory: Inventory, result: WatchResult, options: Options) -> Inventory:
-    lost = {label.rsplit(" ", 1)[0] for label, ex in result.exits.items() if ex.lost}
-    keep = tuple(h for h in inventory.hosts if h.name not in lost)
-    if lost and options.min_nodes and len(keep) >= options.min_nodes:
-        return dataclasses.replace(inventory, hosts=keep)
-    return inventory
+def _next_hosts(inventory: Inventory, held: dict[str, str], spares: list[Host],
+               options: Options, console: Console) -> Inventory:
+    """The next attempt's hosts: each node the failure is held against set aside, a spare in
+    its place (taken from `spares`), or left out while --min-nodes remain (cluster.recovery.pool)."""
+    if not held:
+        return inventory
+    out = replace(inventory.hosts, held, spares, min_nodes=options.min_nodes)
+    spares[:] = out.spares
+    for line in out.lines:
+        console.info(line)
+    return dataclasses.replace(inventory, hosts=out.hosts)
 
 
 def _evidence(result: WatchResult, label: str) -> str:

@@ -18,7 +18,7 @@ from .recovery.pool import ledger_for, pick
 from .request import Request
 from .runs import RunDir
 
-from .spec import ENV_KEY, Inventory, check_text, reserved_env
+from .spec import ENV_KEY, Host, Inventory, check_text, reserved_env
 
 if TYPE_CHECKING:
     from .backends.supervised import SupervisedBackend
@@ -142,23 +142,34 @@ def where(request: Request, secrets: tuple[str, ...] = (),
     return name, host_settings(inventory, r.python, r.user, r.port, r.identity_file)
 
 
+@dataclasses.dataclass(frozen=True)
+class Picked:
+    inventory: Inventory                 # its hosts: those that run
+    ledger: Ledger | None = None
+    spares: tuple[Host, ...] = ()        # the selected hosts --nodes left waiting, healthy
+    notes: tuple[str, ...] = ()          # said in the launch's first lines
+
+
 def picked(request: Request, name: str, inventory: Inventory, secrets: tuple[str, ...] = (),
-           environ: Mapping[str, str] = os.environ) -> tuple[Inventory, Ledger | None, tuple[str, ...]]:
-    """For `cluster up` on nodes it checks: the node ledger of this inventory, and the hosts
+           environ: Mapping[str, str] = os.environ) -> Picked:
+    """For `cluster up` on nodes it checks: the node ledger of this inventory, the hosts
     picked with it (a quarantined node is left out while others are available: with --nodes,
-    from all of the selected hosts, not only the first N), with what the launch says of it."""
+    from all of the selected hosts, not only the first N), the rest of them as spares, and
+    what the launch says of it."""
     if not backends.supports(name, backends.NODE_CHECKS):
-        return inventory, None, ()
+        return Picked(inventory)
     ledger = ledger_for(request.inventory_path, inventory.gate, environ)
     wider = inventory
     if request.nodes is not None and request.inventory_path:   # else --nodes made the nodes
         wider = where(dataclasses.replace(request, nodes=None), secrets, environ)[1]
     bad = ledger.quarantined(h.name for h in wider.hosts)
-    if not bad:
-        return inventory, ledger, ()
     chosen = pick(wider.hosts, bad, nodes=request.nodes if request.inventory_path else None,
                   min_nodes=request.min_nodes)
-    return dataclasses.replace(inventory, hosts=chosen.hosts), ledger, chosen.notes
+    running = {h.name for h in chosen.hosts}
+    spares = tuple(h for h in wider.hosts if h.name not in running and h.name not in bad)
+    notes = chosen.notes + ((f"spares: {', '.join(h.name for h in spares)} wait to take the "
+                             f"place of a node that fails",) if spares else ())
+    return Picked(dataclasses.replace(inventory, hosts=chosen.hosts), ledger, spares, notes)
 
 
 def override(inventory: Inventory, nproc: int | None, extra_env: dict[str, str],

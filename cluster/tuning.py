@@ -175,6 +175,13 @@ def applied(inventory: Inventory, cache: Cache) -> Inventory:
     return dataclasses.replace(inventory, hosts=hosts, tuning=note)
 
 
+def extended(hosts: Sequence[Host], inventory: Inventory) -> tuple[Host, ...]:
+    """Hosts that may join the inventory's nodes later (spares), with the setting applied()
+    gave them."""
+    env = (inventory.tuning or {}).get("env") or {}
+    return tuple(_with(h, env) for h in hosts) if env else tuple(hosts)
+
+
 def _with(host: Host, env: Mapping[str, str]) -> Host:
     own = dict(host.env)
     extra = [(k, str(v)) for k, v in sorted(env.items()) if k not in own and k not in host.secret_env]

@@ -19,9 +19,9 @@ from ..plan import Job, LaunchPlan, Plan, Templates, derived_port
 from .gate import WARN, Finding, evaluate, failures
 from .hardware import GATE_CHECKS
 from .ledger import Ledger
-from .pool import gate_events, remember
+from .pool import gate_events, remember, replace
 from ..runs import RunDir
-from ..spec import Inventory
+from ..spec import Host, Inventory
 
 
 class Options(Protocol):
@@ -44,9 +44,10 @@ PORT_ATTEMPTS = 5
 
 def checked_plan(inventory: Inventory, job: Job, templates: Templates, backend: Backend[Any],
                  run: RunDir, argv: list[str], console: Console, options: Options,
-                 history: list[Record]) -> tuple[Inventory, Plan]:
+                 history: list[Record], spares: list[Host] | None = None) -> tuple[Inventory, Plan]:
     """The plan that will start, recorded, its nodes checked where the backend checks them;
-    the inventory, less any node left out."""
+    the inventory, less any node left out. A node that fails the check is replaced by a spare
+    (taken from `spares`) before anything starts, and checked again with the others."""
     checks = node_checks(backend)
     if checks is None:
         plan: Plan = backend.plan(inventory, job, templates)
@@ -59,6 +60,14 @@ def checked_plan(inventory: Inventory, job: Job, templates: Templates, backend: 
             break
         except PreflightError as exc:
             bad = set(exc.nodes)
+            if bad and spares:
+                out = replace(inventory.hosts, {n: "failed the check" for n in sorted(bad)},
+                              spares)
+                spares[:] = out.spares
+                for line in out.lines:
+                    console.info(line)
+                inventory = dataclasses.replace(inventory, hosts=out.hosts)
+                continue
             keep = tuple(h for h in inventory.hosts if h.name not in bad)
             if not history or not bad or not options.min_nodes or len(keep) < options.min_nodes:
                 raise

@@ -59,6 +59,49 @@ def pick(hosts: Sequence[Host], quarantined: Mapping[str, NodeState], *,
                          f"(--nodes N or --min-nodes M lets cluster leave it out)",))
 
 
+@dataclass(frozen=True)
+class Replaced:
+    hosts: tuple[Host, ...]              # the next attempt's, survivors in their places
+    spares: tuple[Host, ...]             # those still waiting
+    lines: tuple[str, ...] = ()          # each node set aside, and what became of its place
+
+
+def replace(hosts: Sequence[Host], culprits: Mapping[str, str], spares: Sequence[Host], *,
+            min_nodes: int | None = None) -> Replaced:
+    """The next attempt's hosts after a failure held against `culprits` (name -> why): each
+    one set aside and a spare put in its place (the survivors keep their node_rank); with no
+    spare left, left out while --min-nodes remain (the job shrinks), else kept (the whole job
+    restarts as it was)."""
+    left, out, lines = list(spares), list(hosts), []
+    for name, why in culprits.items():
+        if name not in [h.name for h in out]:
+            continue
+        i = [h.name for h in out].index(name)
+        if left:
+            spare = left.pop(0)
+            out[i] = spare
+            lines.append(f"{name} set aside ({why}); {spare.name} takes its place")
+        elif min_nodes and len(out) - 1 >= min_nodes:
+            del out[i]
+            lines.append(f"{name} set aside ({why}); no spare left: going on with {len(out)} "
+                         f"node(s) (--min-nodes {min_nodes})")
+        else:
+            lines.append(f"{name} failed ({why}) but no spare is left"
+                         + (f" and {len(out) - 1} node(s) are fewer than --min-nodes {min_nodes}"
+                            if min_nodes else "")
+                         + ": the same nodes start again")
+    return Replaced(tuple(out), tuple(left), tuple(lines))
+
+
+def culprits(events: Iterable[Event], replace_slow: bool = False) -> dict[str, str]:
+    """The nodes an attempt's events hold its failure against (a slow node only when asked)."""
+    out: dict[str, str] = {}
+    for e in events:
+        if e.kind in ("lost", "failed_first", "hang", "gate") or (e.kind == "slow" and replace_slow):
+            out.setdefault(e.node, f"{e.kind}: {e.detail}")
+    return out
+
+
 def describe(state: NodeState) -> str:
     """'2 failure(s) in 24 h, the last: lost in run R' for a launch's line."""
     last = state.why[-1] if state.why else ""

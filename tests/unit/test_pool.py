@@ -87,3 +87,21 @@ def test_the_hangs_odd_one_out_is_held_against_its_node() -> None:
     assert [(e.node, e.kind) for e in events] == [("n3", "hang")]
     stacks["n2 1"] = [{"rank": 1, "text": stack.format(50, "save")}]
     assert odd_node(stacks) is None, "odd ones on two nodes: no one node to blame"
+
+
+SPARES = tuple(Host(name=f"s{i}", address=f"10.0.1.{i}") for i in range(1, 3))
+
+
+@pytest.mark.parametrize("held, spares, min_nodes, want, left, said", [
+    ({"n2": "lost: x"}, SPARES, None, ["n1", "s1", "n3", "n4"], ["s2"],
+     "n2 set aside (lost: x); s1 takes its place"),
+    ({"n2": "lost", "n4": "gate"}, SPARES, None, ["n1", "s1", "n3", "s2"], [], "s2 takes its place"),
+    ({"n2": "lost"}, (), 3, ["n1", "n3", "n4"], [], "no spare left: going on with 3 node(s)"),
+    ({"n2": "lost"}, (), 4, ["n1", "n2", "n3", "n4"], [], "the same nodes start again"),
+    ({"n9": "lost"}, SPARES, None, ["n1", "n2", "n3", "n4"], ["s1", "s2"], None),
+])
+def test_replace(held, spares, min_nodes, want, left, said) -> None:
+    from cluster.recovery.pool import replace
+    out = replace(HOSTS, held, spares, min_nodes=min_nodes)
+    assert names(out) == want and [h.name for h in out.spares] == left
+    assert (said is None and out.lines == ()) or any(said in line for line in out.lines), out.lines

@@ -1,4 +1,4 @@
-"""When a failed job starts again, and on which nodes: launch._retry and _without_lost on
+"""When a failed job starts again, and on which nodes: launch._retry and _next_hosts on
 plain data (the whole flow runs on real nodes in tests/integration/test_faults.py)."""
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 from cluster import api
 from cluster.errors import InputError
 from cluster.inventory import parse_yaml
-from cluster.launch import Options, _retry, _without_lost, joined
+from cluster.console import Console
+from cluster.launch import Options, _next_hosts, _retry, joined
+from cluster.recovery.pool import attempt_events, culprits
 from cluster.nodes import NodeExit
 from cluster.observe.watch import Hang, Watcher, WatchResult
 
@@ -147,12 +149,27 @@ def test_an_interrupted_or_finished_job_never_restarts() -> None:
     assert _retry(done, PLAN, Options(restarts=5), history=[{}]) is None
 
 
-def test_lost_nodes_are_left_out_only_while_min_nodes_remain() -> None:
+def next_hosts(result: WatchResult, options: Options, spares: list | None = None) -> list[str]:
     inv = parse_yaml("hosts: [a, b, c]\n", "inv.yaml")
+    held = culprits(attempt_events("r", result.exits, result.first_failure, result.causes,
+                                   result.slow, result.ok))
+    return [h.name for h in _next_hosts(inv, held, spares if spares is not None else [], options,
+                                        Console()).hosts]
+
+
+def test_lost_nodes_are_left_out_only_while_min_nodes_remain() -> None:
     result = failed(c_2=NodeExit(lost=True))
-    assert [h.name for h in _without_lost(inv, result, Options(min_nodes=2)).hosts] == ["a", "b"]
-    assert [h.name for h in _without_lost(inv, result, Options(min_nodes=3)).hosts] == ["a", "b", "c"]
-    assert [h.name for h in _without_lost(inv, result, Options()).hosts] == ["a", "b", "c"]
+    assert next_hosts(result, Options(min_nodes=2)) == ["a", "b"]
+    assert next_hosts(result, Options(min_nodes=3)) == ["a", "b", "c"]
+    assert next_hosts(result, Options()) == ["a", "b", "c"]
+
+
+def test_a_lost_node_is_replaced_by_a_spare_in_its_place() -> None:
+    spare = parse_yaml("hosts: [d, e]\n", "inv.yaml").hosts
+    result = failed(b_1=NodeExit(lost=True))
+    left = list(spare)
+    assert next_hosts(result, Options(min_nodes=2), left) == ["a", "d", "c"]
+    assert [h.name for h in left] == ["e"], "the spare is taken"
 
 
 def prepared_options(inv: Path, **request) -> Options:
