@@ -159,17 +159,34 @@ def picked(request: Request, name: str, inventory: Inventory, secrets: tuple[str
     if not backends.supports(name, backends.NODE_CHECKS):
         return Picked(inventory)
     ledger = ledger_for(request.inventory_path, inventory.gate, environ)
-    wider = inventory
-    if request.nodes is not None and request.inventory_path:   # else --nodes made the nodes
-        wider = where(dataclasses.replace(request, nodes=None), secrets, environ)[1]
-    bad = ledger.quarantined(h.name for h in wider.hosts)
-    chosen = pick(wider.hosts, bad, nodes=request.nodes if request.inventory_path else None,
-                  min_nodes=request.min_nodes)
+    wider, count = inventory, None
+    if request.inventory_path:                 # else --nodes made the nodes
+        if request.nodes is not None:
+            wider = where(dataclasses.replace(request, nodes=None), secrets, environ)[1]
+        count = running_count(request.nodes, wider)
+    hosts = sorted(wider.hosts, key=lambda h: h.spare)      # spare: true last, else in order
+    bad = ledger.quarantined(h.name for h in hosts)
+    chosen = pick(hosts, bad, nodes=count, min_nodes=request.min_nodes)
     running = {h.name for h in chosen.hosts}
     spares = tuple(h for h in wider.hosts if h.name not in running and h.name not in bad)
     notes = chosen.notes + ((f"spares: {', '.join(h.name for h in spares)} wait to take the "
                              f"place of a node that fails",) if spares else ())
     return Picked(dataclasses.replace(inventory, hosts=chosen.hosts), ledger, spares, notes)
+
+
+def running_count(asked: int | None, inventory: Inventory) -> int | None:
+    """How many hosts run: --nodes, else the inventory's nodes:, else every host not marked
+    spare: true (None: all of them)."""
+    spares = sum(h.spare for h in inventory.hosts)
+    count = asked or inventory.nodes or (len(inventory.hosts) - spares if spares else None)
+    if count is not None and count > len(inventory.hosts):
+        raise InputError(f"Invalid value for {'--nodes' if asked else 'nodes'}: {count} "
+                         f"requested but only {len(inventory.hosts)} host(s) selected from "
+                         f"{inventory.source or 'the inventory'}")
+    if count == 0:
+        raise InputError(f"every host of {inventory.source or 'the inventory'} is spare: true; "
+                         f"mark the ones that run spare: false (or give --nodes N)")
+    return count
 
 
 def override(inventory: Inventory, nproc: int | None, extra_env: dict[str, str],

@@ -238,6 +238,9 @@ class Host:
         "torchrun_args", kind="list of strings")
     gpus: int | None = key(None, "GPUs on the host (what a hostfile's slots= sets)",
                            "integer", 0)
+    spare: bool = key(False, "this host waits as a spare: it runs only in the place of a node "
+                      "set aside, after every other host", "boolean", scope=HOST_ONLY,
+                      kind="true or false")
     container: Container | None = key(None, "run torchrun in an image on the node (runtime, "
                                       "image, python, mounts, options)", "section", Container,
                                       merge=KEY_BY_KEY)
@@ -337,6 +340,8 @@ class Inventory:
                                   kind="list")
     source: str | None = None
     backend: str = key("ssh", "how nodes are reached: ssh, slurm or local", "choice", BACKENDS)
+    nodes: int | None = key(None, "how many of the hosts run (--nodes); the others wait as "
+                            "spares", "integer", 1)
     ssh: SshSettings = key(SshSettings(), "SSH settings (see ssh below)", "section", SshSettings)
     slurm: SlurmSettings = key(SlurmSettings(), "SLURM settings (see slurm below)", "section",
                                SlurmSettings)

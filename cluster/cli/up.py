@@ -103,6 +103,9 @@ class HangTimeout(click.ParamType):
               help="A failure in the first SECONDS of running is configuration: never restarted.")
 @click.option("--min-nodes", type=click.IntRange(1), metavar="M",
               help="Leave a lost node out of the next attempt while M nodes remain.")
+@click.option("--replace-slow", is_flag=True,
+              help="A node named slow is set aside at the next restart, and a spare takes its "
+                   "place (as a lost node's is taken).")
 @click.option("--hang-timeout", type=HangTimeout(), metavar="SECONDS|auto",
               help="No progress on any node for SECONDS: collect every rank's stack, then stop "
                    "(or restart); auto: learned from the job's heartbeats (the inventory's "

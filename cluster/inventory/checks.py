@@ -104,6 +104,12 @@ class Checks:
             raise self.fail(m, key, f"must be one of {', '.join(choices)}, got {value!r}")
         return value
 
+    def boolean(self, m: Map, key: str) -> bool:
+        value = m[key]
+        if not isinstance(value, bool):
+            raise self.fail(m, key, f"must be true or false, got {value!r}")
+        return value
+
     def gate_level(self, m: Map, key: str) -> str:
         """off, basic or deep; YAML 1.1 reads a bare off as false, taken as it was meant."""
         raw = m[key]

@@ -534,9 +534,11 @@ def test_a_failure_before_the_rendezvous_fails_once_not_four_times(ssh_nodes4, c
 
 
 def test_a_lost_node_is_left_out_of_the_next_attempt(ssh_nodes4, cli, reliability):
+    """Three hosts chosen by name (--hosts: none waits as a spare): no spare to take node3's
+    place, so the job shrinks (--min-nodes 2)."""
     inv = settings_inventory(ssh_nodes4, cli)
-    proc = cli.start("up", "-i", inv, "--nodes", "3", "--max-restarts", "1", "--min-nodes", "2",
-                     *SYNC, "--sleep", "20")
+    proc = cli.start("up", "-i", inv, "--hosts", "node[1-3]", "--max-restarts", "1",
+                     "--min-nodes", "2", *SYNC, "--sleep", "20")
     asleep(proc, 3)
     ssh_nodes4.network.set_link(3, up=False)
     try:
@@ -545,11 +547,44 @@ def test_a_lost_node_is_left_out_of_the_next_attempt(ssh_nodes4, cli, reliabilit
         ssh_nodes4.network.set_link(3, up=True)
     assert code == 0, proc.dump()
     assert "restarting the whole job" in proc.stderr and "2 node(s)" in proc.stderr, proc.dump()
+    assert "node3 set aside (lost: " in proc.stderr and "no spare left" in proc.stderr, proc.dump()
     second = [r for r in records(proc) if r.get("restart") == 1 and "sum" in r]
     assert sorted(r["node"] for r in second) == ["node1", "node2"] and {r["world_size"] for r in second} == {2}
     reliability(order=10, fault="a node lost mid-run, --max-restarts 1 --min-nodes 2",
                 does="3-node run; node3's link cut", outcome="node3 is declared lost, the job "
                 "restarts on node1 and node2 (world size 2) and completes", exit=code)
+
+
+def test_a_lost_node_is_replaced_by_the_spare_at_full_size(ssh_nodes4, cli, reliability):
+    """--nodes 3 of four hosts: node4 waits as a spare. node3's link is cut mid-run: it is set
+    aside, node4 takes its place, and the job restarts at world size 3 and completes; node3,
+    once back, has nothing of the run left."""
+    inv = settings_inventory(ssh_nodes4, cli)
+    proc = cli.start("up", "-i", inv, "--nodes", "3", "--max-restarts", "1", *SYNC,
+                     "--sleep", "20")
+    proc.wait_for(lambda p: "spares: node4 wait" in p.stderr, 60, "the spare named")
+    asleep(proc, 3)
+    t0 = time.monotonic()
+    ssh_nodes4.network.set_link(3, up=False)
+    try:
+        proc.wait_for(lambda p: "node4 takes its place" in p.stderr, 180, "the spare taken")
+        replaced = time.monotonic() - t0
+        code = proc.wait(240)
+    finally:
+        ssh_nodes4.network.set_link(3, up=True)
+    assert code == 0, proc.dump()
+    assert "node3 set aside (lost: " in proc.stderr, proc.dump()
+    second = [r for r in records(proc) if r.get("restart") == 1 and "sum" in r]
+    assert sorted(r["node"] for r in second) == ["node1", "node2", "node4"], second
+    assert {r["world_size"] for r in second} == {3}, second
+    # node1 and node2 keep their node_rank; node4 has node3's
+    assert {r["node"]: r["rank"] for r in second} == {"node1": 0, "node2": 1, "node4": 2}, second
+    assert clean(ssh_nodes4, (3,), timeout=60) is not None, "nothing of the run left on node3"
+    reliability(order=10, fault="a node lost mid-run, --nodes 3 of four hosts (one spare)",
+                does="3-node run, node4 waiting; node3's link cut", outcome="node3 is set aside "
+                "and node4 takes its place: the job restarts at world size 3 (node_rank kept "
+                "for node1 and node2) and completes; nothing of it is left on node3",
+                exit=code, figures={"link cut to the spare taken": f"{replaced:.1f} s"})
 
 
 # --- a hang ----------------------------------------------------------------------------------------

@@ -311,3 +311,19 @@ def test_gate_takes_a_level_or_a_mapping_and_names_a_bad_level(tmp_path) -> None
         load(str(tmp_path / "inv.yaml"))
     assert "inv.yaml:2: level:" in str(exc.value), str(exc.value)
     assert "off, basic, deep" in str(exc.value)
+
+
+def test_spare_hosts_and_nodes_say_how_many_run(tmp_path) -> None:
+    from cluster.inventory import load
+    from cluster.resolve import running_count
+    (tmp_path / "inv.yaml").write_text("hosts: [a, b, {name: c, spare: true}]\n")
+    inv = load(str(tmp_path / "inv.yaml"))
+    assert [h.spare for h in inv.hosts] == [False, False, True]
+    assert running_count(None, inv) == 2 and running_count(3, inv) == 3
+    (tmp_path / "inv.yaml").write_text("nodes: 1\nhosts: [a, b]\n")
+    assert running_count(None, load(str(tmp_path / "inv.yaml"))) == 1
+    with pytest.raises(InputError, match="Invalid value for --nodes: 5 requested but only 2"):
+        running_count(5, load(str(tmp_path / "inv.yaml")))
+    (tmp_path / "inv.yaml").write_text("hosts: [{name: a, spare: yes please}]\n")
+    with pytest.raises(InventoryError, match="inv.yaml:1: spare: must be true or false"):
+        load(str(tmp_path / "inv.yaml"))
