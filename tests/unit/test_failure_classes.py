@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from cluster.observe.worker_errors import WorkerErrors
-from cluster.recovery.classes import PATTERNS, Verdict, classify, decide, normalise
+from cluster.recovery.classes import (PATTERNS, Verdict, classify, decide, node_pattern,
+                                      normalise)
+from cluster.recovery.pool import HARDWARE_ERRORS
 from tests.unit.test_layers import ROOT, imports
 
 TEXTS = Path(__file__).parent / "failure_texts"
@@ -92,6 +94,16 @@ def test_a_traceback_is_read_to_its_error_line() -> None:
         read_by_watcher += 1
         assert "\n" not in cause and judged(cause).rule == rule_of(path), (path.name, cause)
     assert read_by_watcher >= 10
+
+
+def test_the_ledgers_hardware_errors_are_the_node_rows() -> None:
+    """pool.HARDWARE_ERRORS (a strike in the ledger) says node exactly where classify does,
+    on every real text."""
+    assert HARDWARE_ERRORS.pattern == node_pattern().pattern
+    for path in texts():
+        header, lines = read(path)
+        assert bool(HARDWARE_ERRORS.search(cause_of(lines))) == (header["class"] == "node"), \
+            path.name
 
 
 @pytest.mark.parametrize("log, expected", [
