@@ -89,7 +89,7 @@ PATTERNS: tuple[Pattern, ...] = (
 
 # cluster's own words (cluster.observe.worker_errors) for a rank that printed no Python
 # error: torchrun's report says how it ended, nothing says why.
-SILENT_EXIT = re.compile(r"^worker rank \d+ (was killed by \S+|exited with code -?\d+)$")
+SILENT_EXIT = re.compile(r"^worker rank \d+ (was killed by \S+|exited with code -?\d+)\Z")
 
 # The rules that are not rows: what classify decides before the table and after it.
 MEANING = {"lost": "the connection to the node was lost",
