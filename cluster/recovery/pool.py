@@ -11,23 +11,20 @@ ledger; every node of a run that finished, a clean run.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ClusterError
 from ..spec import Gate, Host
+from .classes import node_pattern
 from .findings import Finding
 from .hardware import hardware_failures
 from .ledger import Event, Ledger, NodeState, Policy
 
-# A worker's own error that says the GPU or its links failed, not the program (CUDA's and
-# NCCL's words for it; the failure classes will grow from this table).
-HARDWARE_ERRORS = re.compile(
-    r"uncorrectable ECC|ECC error|\bXid\b|GPU is lost|fallen off the bus|"
-    r"CUDA error: unknown error|cudaErrorECCUncorrectable|CUDA_ERROR_ECC_UNCORRECTABLE|"
-    r"NVLink|unhandled cuda error", re.I)
+# A worker's own error that says the GPU or its links failed, not the program: the failure
+# classes' node rows (CUDA's, NCCL's and the driver's words for it).
+HARDWARE_ERRORS = node_pattern()
 
 
 @dataclass(frozen=True)
