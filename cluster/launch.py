@@ -20,6 +20,7 @@ from .observe.hang_timeout import timeout_of
 from .inventory import unset_forwarded
 from .nodes import NodeExit
 from .recovery.ledger import Ledger
+from .recovery.classes import STOP, Verdict, classify, decide
 from .recovery.pool import attempt_events, culprits, remember, replace
 from .plan import Job, Plan, Templates
 from .runs import RunDir
@@ -196,31 +197,47 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
                          timeline=timeline, slow=SlowNodes(options.slow_node),
                          on_slow=lambda slow: run.update(slow_nodes=slow)).run()
         timeline.flush()
-        _record(run, plan, backend, procs, result, history, console)
+        odd = odd_node(result.hang.stacks) if result.hang else None
         events = attempt_events(plan.run_id, result.exits, result.first_failure, result.causes,
-                                result.slow, result.ok,
-                                odd_node(result.hang.stacks) if result.hang else None)
+                                result.slow, result.ok, odd)
+        verdict = _verdict(result, odd)
+        _record(run, plan, backend, procs, result, history, console, verdict)
         remember(options.ledger, events, console.info)
         timeline.event(tl.ENDED, how=_ending(result))
-        retry = _retry(result, plan, options, history)
+        retry = _retry(result, plan, options, history, verdict)
         if retry is None:
             return _outcome(result, plan, console)
         console.info(retry)
-        timeline.event(tl.RESTART, why=retry, **_cause_of(result))
+        timeline.event(tl.RESTART, why=retry, **_cause_of(result),
+                       **({"class": verdict.cls} if verdict else {}))
         inventory = _next_hosts(inventory, culprits(events, options.replace_slow), spares,
                                 options, console)
 
 
+def _verdict(result: WatchResult, odd: tuple[str, str] | None) -> Verdict | None:
+    """The failure's class (cluster.recovery.classes), from the first failure's evidence;
+    None for an attempt that finished or was interrupted."""
+    if result.ok or result.interrupted:
+        return None
+    label, ex = result.first_failure if result.first_failure else ("", None)
+    return classify(result.causes.get(label), lost=bool(ex and ex.lost),
+                    hang=result.hang is not None, gate_failed=False,
+                    odd_one_out=odd[0] if odd else None)
+
+
 def _record(run: RunDir, plan: Plan, backend: Backend[Any], procs: list[NodeProcess],
-            result: WatchResult, history: list[Record], console: Console) -> None:
-    """run.json: this attempt's exits and how it ended; the hang evidence under hang/."""
+            result: WatchResult, history: list[Record], console: Console,
+            verdict: Verdict | None = None) -> None:
+    """run.json: this attempt's exits, how it ended and its failure's class; the hang
+    evidence under hang/."""
     if result.hang is not None:
         save_hang(run, result.hang, console)
     history.append({"attempt": len(history), "nodes": plan.node_names or result.nodes,
                     "master_port": plan.master_port,
                     "ended": _ending(result), **_cause_of(result), "joined": sorted(joined(result)),
                     "seconds": round(time.monotonic() - result.started, 1),
-                    **({"slow_nodes": result.slow} if result.slow else {})})
+                    **({"slow_nodes": result.slow} if result.slow else {}),
+                    **({"class": verdict.cls, "rule": verdict.rule} if verdict else {})})
     run.update(exits={k: dataclasses.asdict(v) for k, v in result.exits.items()},
                interrupted=signal.Signals(result.signum).name if result.interrupted else None,
                attempts=history, slow_nodes=result.slow, **backend.ended(plan, procs, result))
@@ -254,16 +271,26 @@ def _cause_of(result: WatchResult) -> dict[str, str]:
 
 
 def _retry(result: WatchResult, plan: Plan, options: Options,
-           history: list[Record]) -> str | None:
-    """Why the job starts again, or None when it does not."""
+           history: list[Record], verdict: Verdict | None = None) -> str | None:
+    """Why the job starts again, or None when it does not (configuration, or a failure
+    whose class says a restart would fail again: result.not_retried says why)."""
     if result.ok or result.interrupted or len(history) > options.restarts:
         return None
     why_not = _configuration(result, options)
     if why_not:
-        result.not_retried = why_not
+        result.not_retried = (f"{why_not}, which is configuration ({CONFIGURATION}) and would "
+                              f"fail again")
+        return None
+    decision = decide(history[:-1], verdict, step=None) if verdict else None
+    if decision is not None and decision.action == STOP:
+        result.not_retried = decision.why
         return None
     return (f"{_ending(result, with_cause=True)}; restarting the whole job on a fresh rendezvous "
             f"({_attempt_of(len(history), options.restarts)})")
+
+
+# What a failure before the rendezvous completed comes from; it would fail again.
+CONFIGURATION = "a torchrun option, the python, torch, the environment, the master's address"
 
 
 def _attempt_of(attempt: int, restarts: int) -> str:
@@ -346,9 +373,7 @@ def _outcome(result: WatchResult, plan: Plan, console: Console) -> int:
                                        + (f" except {left}" if left else ""))
         raise Interrupted(f"interrupted ({name}); {what}", signum=result.signum)
     not_retried = result.not_retried
-    why_not = (f"; not restarted: {not_retried}, which is configuration (a torchrun option, "
-               f"the python, torch, the environment, the master's address) and would fail "
-               f"again") if not_retried else ""
+    why_not = f"; not restarted: {not_retried}" if not_retried else ""
     if result.hang is not None:
         raise RunFailed(f"run {plan.run_id} hung: no progress on any node for "
                         f"{result.hang.seconds:.0f} s; every node was stopped (stacks: "

@@ -45,7 +45,8 @@ def status(run: str | None, draw: bool) -> None:
     attempts = meta.get("attempts") or []
     if len(attempts) > 1 or meta.get("attempt"):
         for a in attempts:
-            out.print(f"attempt {a['attempt'] + 1} ({', '.join(a['nodes'])}): {a['ended']}",
+            cls = f" (class: {a['class']}, {a.get('rule')})" if a.get("class") else ""
+            out.print(f"attempt {a['attempt'] + 1} ({', '.join(a['nodes'])}): {a['ended']}{cls}",
                       markup=False, highlight=False)
     for line in run_notes(meta, started=bool(rows)) + launcher_gone(meta, rows) + quarantine(rd):
         out.print(line, markup=False, highlight=False)

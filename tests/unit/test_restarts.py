@@ -54,8 +54,9 @@ def test_a_failure_before_the_rendezvous_is_configuration_and_names_no_node() ->
     result = failed(had_workers=())
     result.joined = {"a 0"}                        # what a scan saw decides nothing
     assert _retry(result, PLAN, Options(restarts=3), history=[{}]) is None
-    assert result.not_retried == ("it failed before its rendezvous was complete (no node's "
-                                  "torchrun had started its workers)")
+    assert result.not_retried.startswith("it failed before its rendezvous was complete (no "
+                                         "node's torchrun had started its workers), which is "
+                                         "configuration (")
     assert joined(result) == set()
 
 
@@ -107,7 +108,8 @@ def test_workers_stopped_or_left_or_a_finished_node_prove_the_rendezvous_too() -
 def test_restart_after_widens_the_window_of_configuration_failures() -> None:
     early = failed(seconds_ago=5)
     assert _retry(early, PLAN, Options(restarts=3, restart_after=60), history=[{}]) is None
-    assert early.not_retried == "it failed in its first 60 s (--restart-after)"
+    assert early.not_retried.startswith("it failed in its first 60 s (--restart-after), which is "
+                                        "configuration")
     assert _retry(failed(seconds_ago=90), PLAN, Options(restarts=3, restart_after=60), history=[{}])
 
 
@@ -242,3 +244,29 @@ def test_the_restart_line_names_the_workers_own_error_as_the_final_error_does(
     silent = failed()                                  # no worker's error seen: as before
     assert _retry(silent, PLAN, Options(restarts=1), history=[{}]).startswith(
         "node [b 1] failed: exit code 1; restarting")
+
+
+def test_the_programs_same_error_twice_stops_instead_of_burning_restarts() -> None:
+    from cluster.launch import _verdict
+    first, second = failed(), failed()
+    for r in (first, second):
+        r.causes = {"b 1": "ZeroDivisionError: division by zero"}
+    verdict = _verdict(first, None)
+    assert verdict is not None and verdict.cls == "program"
+    history = [{"attempt": 0, "cause": "ZeroDivisionError: division by zero", "class": "program"}]
+    assert _retry(first, PLAN, Options(restarts=5), history) is not None, "the first time restarts"
+    history.append({"attempt": 1, "cause": "ZeroDivisionError: division by zero"})
+    assert _retry(second, PLAN, Options(restarts=5), history, _verdict(second, None)) is None
+    assert second.not_retried.startswith("the program failed the same way twice")
+
+
+def test_a_node_class_failure_and_a_transient_one_restart() -> None:
+    from cluster.launch import _verdict
+    lost = failed(b_1=NodeExit(lost=True))
+    lost.first_failure = ("b 1", lost.exits["b 1"])
+    assert _verdict(lost, None).cls == "node"
+    history = [{"attempt": 0}]
+    assert _retry(lost, PLAN, Options(restarts=2), history, _verdict(lost, None)) is not None
+    reset = failed()
+    reset.causes = {"b 1": "RuntimeError: Connection reset by peer"}
+    assert _verdict(reset, None).cls == "transient"
