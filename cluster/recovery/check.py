@@ -60,7 +60,7 @@ def checked_plan(inventory: Inventory, job: Job, templates: Templates, backend: 
             break
         except PreflightError as exc:
             bad = set(exc.nodes)
-            if bad and spares:
+            if bad and spares and len(bad) < len(inventory.hosts):   # all failing: configuration
                 out = replace(inventory.hosts, {n: "failed the check" for n in sorted(bad)},
                               spares)
                 spares[:] = out.spares

@@ -367,8 +367,8 @@ def test_master_port_in_use_at_launch(ssh_nodes4, cli, reliability):
     try:
         assert wait_until(lambda: ssh_nodes4.network.tcp_open(ssh_nodes4.nodes[0].address, port), 10)
         t0 = time.monotonic()
-        proc = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "2", "--master-port",
-                       str(port), *SYNC, timeout=120)
+        proc = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--hosts", "node[1-2]",
+                       "--master-port", str(port), *SYNC, timeout=120)     # no spare waits
         took = time.monotonic() - t0
     finally:
         holder.kill()
@@ -409,8 +409,8 @@ def test_remote_disk_full_at_sync(ssh_nodes4, cli, reliability, tmp_path):
         big.mkdir()
         (big / "allreduce.py").write_text((PROGRAMS / "allreduce.py").read_text())
         (big / "weights.bin").write_bytes(os.urandom(256 * 1024))
-        proc = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--nodes", "2", "--sync", str(big),
-                       "--", "allreduce.py", timeout=120)
+        proc = cli.run("up", "-i", inventory(ssh_nodes4, cli), "--hosts", "node[1-2]",
+                       "--sync", str(big), "--", "allreduce.py", timeout=120)   # no spare waits
         left = subprocess.run([*inside, "sh", "-c", f"cat {work2}/weights.bin; echo; ls -A {work2}"],
                               capture_output=True, text=True, check=True).stdout.split()
     finally:

@@ -127,6 +127,17 @@ def test_a_workdir_on_a_small_full_disk_is_named(nodes3, gpu_dir, gpu_cli, small
         in proc.stderr, proc.dump()
 
 
+def test_with_a_spare_the_failing_node_is_set_aside_before_anything_starts(nodes3, gpu_dir,
+                                                                          gpu_cli) -> None:
+    scenario(gpu_dir, "ecc")
+    proc = gpu_cli.run("up", "-i", inventory(nodes3, gpu_cli), "--nodes", "2", *SYNC,
+                       timeout=180)
+    assert proc.popen.returncode == 0, proc.dump()
+    assert "spares: node3 wait" in proc.stderr, proc.dump()
+    assert "node2 set aside (failed the check); node3 takes its place" in proc.stderr, proc.dump()
+    assert "[node2" not in proc.stdout and "[node3 1]" in proc.stdout, proc.dump()
+
+
 def test_gate_off_lets_it_start(nodes3, gpu_dir, gpu_cli) -> None:
     scenario(gpu_dir, "ecc")
     proc = gpu_cli.run("up", "-i", inventory(nodes3, gpu_cli), "--gate", "off", *SYNC,
