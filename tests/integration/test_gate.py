@@ -138,6 +138,15 @@ def test_with_a_spare_the_failing_node_is_set_aside_before_anything_starts(nodes
     assert "[node2" not in proc.stdout and "[node3 1]" in proc.stdout, proc.dump()
 
 
+def test_gate_deep_runs_the_collective_first_then_starts(nodes3, gpu_dir, gpu_cli) -> None:
+    scenario(gpu_dir, "healthy_h200x8")
+    proc = gpu_cli.run("up", "-i", inventory(nodes3, gpu_cli), "--gate", "deep", *SYNC,
+                       timeout=240)
+    assert proc.popen.returncode == 0, proc.dump()
+    assert "gate: deep: checking 3 node(s) as cluster doctor --deep does" in proc.stderr
+    assert "all 3 node(s) finished" in proc.stderr, proc.dump()
+
+
 def test_gate_off_lets_it_start(nodes3, gpu_dir, gpu_cli) -> None:
     scenario(gpu_dir, "ecc")
     proc = gpu_cli.run("up", "-i", inventory(nodes3, gpu_cli), "--gate", "off", *SYNC,

@@ -6,6 +6,8 @@
     --sleep-first sleep only in the first attempt
     --raise-rank R right after the all-reduce that rank raises RuntimeError; the others wait
                   3 s, then fail in the next barrier (their peer is gone)
+    --raise-node N ... the same on node N (CLUSTER_NODE), in every attempt
+    --raise-text T the text of that RuntimeError (default: "rank R gave up")
     --hang-rank R after the all-reduce, rank R sleeps --hang S seconds while the others wait
                   in the next all-reduce (a hang: nobody prints, nobody progresses)
     --env-hash N  add the sha256 of environment variable N to the line (proves a secret
@@ -47,6 +49,8 @@ def main() -> int:
     p.add_argument("--fail-first", action="store_true")
     p.add_argument("--sleep-first", action="store_true")
     p.add_argument("--raise-rank", type=int, default=-1)
+    p.add_argument("--raise-node", default="")
+    p.add_argument("--raise-text", default="")
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang", type=float, default=600.0)
     p.add_argument("--show-env", default="")
@@ -64,9 +68,9 @@ def main() -> int:
     first = os.environ.get("CLUSTER_RESTART_COUNT", "0") == "0"
     if rank == args.fail_rank and (first or not args.fail_first):
         return 3
-    if args.raise_rank >= 0:
-        if rank == args.raise_rank:
-            raise RuntimeError(f"rank {rank} gave up")
+    if args.raise_rank >= 0 or args.raise_node:
+        if rank == args.raise_rank or os.environ.get("CLUSTER_NODE") == args.raise_node:
+            raise RuntimeError(args.raise_text or f"rank {rank} gave up")
         time.sleep(3)                      # the others end later, in the barrier below
     if args.hang_rank >= 0:
         if rank == args.hang_rank:
