@@ -110,7 +110,7 @@ def test_a_firewall_dropping_the_master_port_is_named_in_seconds(ssh_nodes4, cli
     assert f"{master}:{port}" in bad[0]["detail"] and "firewall" in bad[0]["fix"]
 
     t0 = time.monotonic()
-    up = cli.run("up", "-i", inv, "--nodes", "3", "--master-port", str(port), *SYNC, timeout=120)
+    up = cli.run("up", "-i", inv, "--hosts", "node[1-3]", "--master-port", str(port), *SYNC, timeout=120)
     up_s = time.monotonic() - t0
     assert up.popen.returncode == 3, up.dump()
     assert f"node2: reach master: cannot connect to {master}:{port}" in up.stderr, up.dump()
@@ -157,7 +157,7 @@ def test_a_node_without_torch_or_with_another_torch_is_named(ssh_nodes4, cli, od
     data["hosts"][2]["python"] = odd_pythons[which]
     inv = cli.home / "inv.yaml"
     inv.write_text(json.dumps(data))
-    proc = cli.run("up", "-i", str(inv), "--nodes", "3", *SYNC, timeout=120)
+    proc = cli.run("up", "-i", str(inv), "--hosts", "node[1-3]", *SYNC, timeout=120)
     assert proc.popen.returncode == 3, proc.dump()
     assert words in proc.stderr, proc.dump()
     assert "node3" in proc.stderr

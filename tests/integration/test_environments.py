@@ -211,7 +211,7 @@ def test_a_script_missing_on_one_node_stops_the_launch_before_anything_starts(ss
     the path it looked at; no node started anything (read from the nodes' namespaces)."""
     give_node(ssh_nodes4, 1, "only-on-one.py", (PROGRAMS / "allreduce.py").read_text())
     inv = ssh_nodes4.write_inventory(cli.home / "inv.yaml")
-    proc = cli.run("up", "-i", inv, "--nodes", "2", "--", "only-on-one.py")
+    proc = cli.run("up", "-i", inv, "--hosts", "node[1-2]", "--", "only-on-one.py")
     assert proc.popen.returncode == 3, proc.dump()
     missing = f"{ssh_nodes4.workdir(2)}/only-on-one.py"
     assert f"node2: script: only-on-one.py is not a file on this node (looked for {missing}" \

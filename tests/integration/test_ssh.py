@@ -175,7 +175,7 @@ def test_unreachable_node_starts_nothing(ssh_nodes4, cli):
     inv = inventory(ssh_nodes4, cli)
     ssh_nodes4.stop_sshd(3)
     try:
-        proc = cli.run("up", "-i", inv, "--nodes", "3", *ALLREDUCE, timeout=60)
+        proc = cli.run("up", "-i", inv, "--hosts", "node[1-3]", *ALLREDUCE, timeout=60)
     finally:
         ssh_nodes4.start_sshd(3)
     assert proc.popen.returncode == 3, proc.dump()
