@@ -23,6 +23,7 @@ import hostlist
 
 from .errors import ClusterError, PreflightError
 from .plan import Job, LaunchPlan, Templates, container_check, render, shquote
+from .recovery.check import judge
 from .recovery.gate import FAIL, PASS, Clock, Finding, clock_offset, evaluate, fingerprint
 from .backends import REMOTE_NODES, supports
 from .runs import DOCTOR_PREFIX, new_run_id
@@ -116,15 +117,7 @@ def deep_gate(inventory: Inventory, backend: Any, templates: Templates,
     console.info(f"gate: deep: checking {len(inventory.hosts)} node(s) as cluster doctor --deep does")
     report = diagnose(inventory, backend, templates, deep=True,
                       run_deep=lambda run_id: measure({}, run_id=run_id))
-    bad = [f for f in report.findings if f.status == FAIL]
-    if bad:
-        lines = "\n".join(f"  {f.node}: {f.check}: {f.detail}" + (f"\n    fix: {f.fix}" if f.fix else "")
-                          for f in bad)
-        error = PreflightError(f"gate: deep: {len(bad)} check(s) failed on "
-                               f"{', '.join(sorted({f.node for f in bad}))}; nothing was started",
-                               details=lines)
-        error.nodes = sorted({f.node for f in bad} - {"all"})
-        raise error
+    judge(report.findings, len(report.nodes), console)
 
 
 def begin(backend: Any, phase: str, total: int, run: str | None = None) -> None:

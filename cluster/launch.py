@@ -331,10 +331,7 @@ def _next_hosts(inventory: Inventory, held: dict[str, str], spares: list[Host],
     if not held:
         return inventory
     out = replace(inventory.hosts, held, spares, min_nodes=options.min_nodes)
-    spares[:] = out.spares
-    for line in out.lines:
-        console.info(line)
-    return dataclasses.replace(inventory, hosts=out.hosts)
+    return out.applied(inventory, spares, console.info)
 
 
 def _evidence(result: WatchResult, label: str) -> str:

@@ -3,8 +3,9 @@
 with its interface written in and record it; for a scheduler (SLURM), render and record.
 
 A check that fails starts nothing anywhere: every failure is listed with its node, what was
-seen and the fix (cluster.recovery.gate). At a relaunch of a restarted job, a node that fails the
-check is left out while --min-nodes remain.
+seen and the fix (cluster.recovery.gate) - unless a spare can take the failing node's place
+(cluster.recovery.pool), or, at a relaunch of a restarted job, it can be left out while
+--min-nodes remain.
 """
 from __future__ import annotations
 
@@ -60,20 +61,16 @@ def checked_plan(inventory: Inventory, job: Job, templates: Templates, backend: 
             break
         except PreflightError as exc:
             bad = set(exc.nodes)
-            if bad and spares and len(bad) < len(inventory.hosts):   # all failing: configuration
-                out = replace(inventory.hosts, {n: "failed the check" for n in sorted(bad)},
-                              spares)
-                spares[:] = out.spares
-                for line in out.lines:
-                    console.info(line)
-                inventory = dataclasses.replace(inventory, hosts=out.hosts)
-                continue
-            keep = tuple(h for h in inventory.hosts if h.name not in bad)
-            if not history or not bad or not options.min_nodes or len(keep) < options.min_nodes:
+            if not bad or len(bad) >= len(inventory.hosts):    # none named, or all: configuration
                 raise
-            console.info(f"leaving out {', '.join(sorted(bad))}, which failed the check; "
-                         f"{len(keep)} node(s) remain (--min-nodes {options.min_nodes})")
-            inventory = dataclasses.replace(inventory, hosts=keep)
+            # A spare takes each failing node's place; at a relaunch, without one, it is left
+            # out while --min-nodes remain. A failing node that would stay: nothing starts.
+            left = spares if spares is not None else []
+            out = replace(inventory.hosts, dict.fromkeys(sorted(bad), "failed the check"), left,
+                          min_nodes=options.min_nodes if history else None)
+            if any(h.name in bad for h in out.hosts):
+                raise
+            inventory = out.applied(inventory, left, console.info)
     nodes = [dict(rank=n.rank, name=n.host.name, address=n.host.address, run_dir=n.run_dir,
                   dir=facts[n.host.name]["dir"], hostname=facts[n.host.name].get("hostname"))
              for n in launch_plan.nodes]

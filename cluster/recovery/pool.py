@@ -10,13 +10,14 @@ ledger; every node of a run that finished, a clean run.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ClusterError
-from ..spec import Gate, Host
+from ..spec import Gate, Host, Inventory
 from .classes import node_pattern
 from .findings import Finding
 from .hardware import hardware_failures
@@ -61,6 +62,15 @@ class Replaced:
     hosts: tuple[Host, ...]              # the next attempt's, survivors in their places
     spares: tuple[Host, ...]             # those still waiting
     lines: tuple[str, ...] = ()          # each node set aside, and what became of its place
+
+    def applied(self, inventory: Inventory, spares: list[Host],
+                say: Callable[[str], None]) -> Inventory:
+        """The inventory with these hosts; `spares` left with those still waiting; each line
+        said."""
+        spares[:] = self.spares
+        for line in self.lines:
+            say(line)
+        return dataclasses.replace(inventory, hosts=self.hosts)
 
 
 def replace(hosts: Sequence[Host], culprits: Mapping[str, str], spares: Sequence[Host], *,
