@@ -136,7 +136,8 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
         restart_after=r.restart_after or 0.0, min_nodes=r.min_nodes,
         hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout,
         hang_auto=inventory.hang_auto, slow_node=inventory.slow_node, ledger=chosen.ledger,
-        spares=spares, replace_slow=r.replace_slow)
+        spares=spares, replace_slow=r.replace_slow, grow=r.grow,
+        readmit_every=inventory.gate.readmit_every)
     return Prepared(inventory, job, templates, backend, name, options, r.dry_run, chosen.notes)
 
 

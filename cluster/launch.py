@@ -14,13 +14,14 @@ from typing import Any
 from .backends import Backend, NodeProcess, Record, node_checks
 from .recovery.check import checked_plan
 from .console import Console
-from .errors import InputError, Interrupted, NodeLost, RunFailed
+from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
 from .observe.hang import odd_node, save as save_hang
 from .observe.hang_timeout import timeout_of
 from .inventory import unset_forwarded
 from .nodes import NodeExit
 from .recovery.ledger import Ledger
 from .recovery.classes import STOP, Verdict, classify, decide
+from .recovery.grow import Readmission
 from .recovery.pool import attempt_events, culprits, remember, replace
 from .plan import Job, Plan, Templates
 from .runs import RunDir
@@ -118,6 +119,8 @@ class Options:
     ledger: Ledger | None = field(default=None, compare=False)   # what each node did, kept
     spares: tuple[Host, ...] = ()     # hosts that take the place of one set aside (--nodes N)
     replace_slow: bool = False        # a node named slow is set aside too (--replace-slow)
+    grow: bool = False                # a lost node back: restart at full size at a checkpoint
+    readmit_every: float = 30.0       # seconds between two looks at a lost node (gate.readmit_every)
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -164,6 +167,21 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
         backend.note = console.info
     history: list[Record] = []
     spares = list(options.spares)          # taken from as nodes are set aside
+    target = len(inventory.hosts)          # the job's size, which it grows back to
+    readmit = Readmission(getattr(backend, "answers", None), options.readmit_every,
+                          options.grow, console.info)
+    try:
+        return _attempts(inventory, job, templates, backend, run, argv, console, options,
+                         secrets, timeline, history, spares, target, readmit)
+    finally:
+        readmit.close()
+
+
+def _attempts(inventory: Inventory, job: Job, templates: Templates, backend: Backend[Any],
+              run: RunDir, argv: list[str], console: Console, options: Options,
+              secrets: dict[str, dict[str, str]], timeline: tl.Recorder, history: list[Record],
+              spares: list[Host], target: int, readmit: Readmission) -> int:
+    """Each attempt in turn, until one ends without a restart."""
     while True:
         job = dataclasses.replace(job, attempt=len(history))
         timeline.attempt = job.attempt
@@ -181,8 +199,9 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
         timeline.event(tl.START)
         procs = backend.start(plan, detach=options.detach, secrets=secrets, run=run)
         timeline.event(tl.STARTED, nodes=list(plan.log_names))    # each node's label (a lane)
+        spent = _spent(history)
         console.info(backend.start_note(procs, plan)
-                     + (f" ({_attempt_of(job.attempt, options.restarts)})" if job.attempt else ""))
+                     + (f" ({_attempt_of(spent, options.restarts)})" if spent else ""))
         run.update(**backend.started(plan, procs, run),
                    timings={**(run.meta().get("timings") or {}), "start": round(time.monotonic() - t0, 3)})
         if options.detach:
@@ -192,10 +211,12 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
             return 0
         logs = {label: run.path / "logs" / name for label, name in plan.log_names.items()}
         timeout = timeout_of(options.hang_timeout, options.hang_auto, console.info)
+        readmit.attempt(below=len(inventory.hosts) < target)
         result = Watcher(procs, console, logs, settle=plan.stop_grace + 30,
                          hang_timeout=timeout, stop=options.stop,
                          timeline=timeline, slow=SlowNodes(options.slow_node),
-                         on_slow=lambda slow: run.update(slow_nodes=slow)).run()
+                         on_slow=lambda slow: run.update(slow_nodes=slow),
+                         planned=readmit.planned, on_checkpoint=readmit.on_checkpoint).run()
         timeline.flush()
         odd = odd_node(result.hang.stacks) if result.hang else None
         events = attempt_events(plan.run_id, result.exits, result.first_failure, result.causes,
@@ -204,20 +225,29 @@ def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[A
         _record(run, plan, backend, procs, result, history, console, verdict)
         remember(options.ledger, events, console.info)
         timeline.event(tl.ENDED, how=_ending(result))
-        retry = _retry(result, plan, options, history, verdict)
-        if retry is None:
-            return _outcome(result, plan, console)
-        console.info(retry)
-        timeline.event(tl.RESTART, why=retry, **_cause_of(result),
-                       **({"class": verdict.cls} if verdict else {}))
-        inventory = _next_hosts(inventory, culprits(events, options.replace_slow), spares,
-                                options, console)
+        if result.planned:
+            console.info(result.planned)
+            timeline.event(tl.RESTART, why=result.planned, planned=True)
+        else:
+            retry = _retry(result, plan, options, history, verdict)
+            if retry is None:
+                return _outcome(result, plan, console)
+            console.info(retry)
+            timeline.event(tl.RESTART, why=retry, **_cause_of(result),
+                           **({"class": verdict.cls} if verdict else {}))
+            before = inventory.hosts
+            inventory = _next_hosts(inventory, culprits(events, options.replace_slow), spares,
+                                    options, console)
+            lost = {e.node for e in events if e.kind == "lost"}
+            kept = {h.name for h in inventory.hosts}
+            readmit.lost([h for h in before if h.name in lost and h.name not in kept])
+        inventory = _rejoined(inventory, readmit.take_back(), spares, target, options, console)
 
 
 def _verdict(result: WatchResult, odd: tuple[str, str] | None) -> Verdict | None:
     """The failure's class (cluster.recovery.classes), from the first failure's evidence;
     None for an attempt that finished or was interrupted."""
-    if result.ok or result.interrupted:
+    if result.ok or result.interrupted or result.planned:
         return None
     label, ex = result.first_failure if result.first_failure else ("", None)
     return classify(result.causes.get(label), lost=bool(ex and ex.lost),
@@ -237,6 +267,9 @@ def _record(run: RunDir, plan: Plan, backend: Backend[Any], procs: list[NodeProc
                     "ended": _ending(result), **_cause_of(result), "joined": sorted(joined(result)),
                     "seconds": round(time.monotonic() - result.started, 1),
                     **({"slow_nodes": result.slow} if result.slow else {}),
+                    **({"step": result.step} if result.step is not None else {}),
+                    **({"checkpoint": result.checkpoint} if result.checkpoint is not None else {}),
+                    **({"planned": True} if result.planned else {}),
                     **({"class": verdict.cls, "rule": verdict.rule} if verdict else {})})
     run.update(exits={k: dataclasses.asdict(v) for k, v in result.exits.items()},
                interrupted=signal.Signals(result.signum).name if result.interrupted else None,
@@ -251,6 +284,8 @@ def _ending(result: WatchResult, with_cause: bool = False) -> str:
         return f"interrupted ({signal.Signals(result.signum).name})"
     if result.hang is not None:
         return f"hang: no progress for {result.hang.seconds:.0f} s"
+    if result.planned:
+        return f"stopped for a restart: {result.planned}"
     if result.first_failure:
         label, ex = result.first_failure
         return _failed(label, ex, result.causes.get(label) if with_cause else None)
@@ -274,19 +309,29 @@ def _retry(result: WatchResult, plan: Plan, options: Options,
            history: list[Record], verdict: Verdict | None = None) -> str | None:
     """Why the job starts again, or None when it does not (configuration, or a failure
     whose class says a restart would fail again: result.not_retried says why)."""
-    if result.ok or result.interrupted or len(history) > options.restarts:
+    if result.ok or result.interrupted or _spent(history) > options.restarts:
         return None
     why_not = _configuration(result, options)
     if why_not:
         result.not_retried = (f"{why_not}, which is configuration ({CONFIGURATION}) and would "
                               f"fail again")
         return None
-    decision = decide(history[:-1], verdict, step=None) if verdict else None
+    decision = decide(_failures(history)[:-1], verdict, step=result.step) if verdict else None
     if decision is not None and decision.action == STOP:
         result.not_retried = decision.why
         return None
     return (f"{_ending(result, with_cause=True)}; restarting the whole job on a fresh rendezvous "
-            f"({_attempt_of(len(history), options.restarts)})")
+            f"({_attempt_of(_spent(history), options.restarts)})")
+
+
+def _failures(history: list[Record]) -> list[Record]:
+    """The attempts that ended in a failure or a stop, not those the launcher stopped to grow."""
+    return [h for h in history if not h.get("planned")]
+
+
+def _spent(history: list[Record]) -> int:
+    """Restarts the failures so far have spent (the first attempt is none)."""
+    return len(_failures(history))
 
 
 # What a failure before the rendezvous completed comes from; it would fail again.
@@ -332,6 +377,31 @@ def _next_hosts(inventory: Inventory, held: dict[str, str], spares: list[Host],
         return inventory
     out = replace(inventory.hosts, held, spares, min_nodes=options.min_nodes)
     return out.applied(inventory, spares, console.info)
+
+
+def _rejoined(inventory: Inventory, back: list[Host], spares: list[Host], target: int,
+              options: Options, console: Console) -> Inventory:
+    """Lost nodes that answer again (cluster.recovery.grow): each joins the job while it runs
+    below its size (last in node_rank order), else waits as a spare; a node the ledger holds
+    in quarantine stays out. The next check's gate judges them as any node."""
+    if not back:
+        return inventory
+    try:
+        held = set(options.ledger.quarantined([h.name for h in back]) if options.ledger else ())
+    except (OSError, ClusterError) as exc:     # unread, the ledger cannot vouch for them
+        console.info(f"warning: the node ledger could not be read: {exc}")
+        held = {h.name for h in back}
+    hosts = list(inventory.hosts)
+    for host in back:
+        if host.name in held:
+            console.info(f"{host.name} answers again but is quarantined: it stays out")
+        elif len(hosts) < target:
+            hosts.append(host)
+            console.info(f"{host.name} rejoins the job: {len(hosts)} of {target} node(s)")
+        else:
+            spares.append(host)
+            console.info(f"{host.name} answers again: it waits as a spare")
+    return dataclasses.replace(inventory, hosts=tuple(hosts))
 
 
 def _evidence(result: WatchResult, label: str) -> str:

@@ -34,6 +34,7 @@ class Request:
     restart_after: float | None = None
     min_nodes: int | None = None
     replace_slow: bool = False                  # a node named slow is set aside for a spare
+    grow: bool = False                          # a lost node back: full size at a checkpoint
     hang_timeout: float | str | None = None     # seconds (0: off), or 'auto': learned
     gate: str | None = None                     # the health gate: off, basic or deep
     stop_grace: float | None = None

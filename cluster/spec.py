@@ -331,6 +331,9 @@ class Gate:
                                 "that quarantine it (cluster nodes)", "integer", 1)
     quarantine_window: float = key(86400.0, "seconds a node's failures count against it",
                                    "seconds")
+    readmit_every: float = key(30.0, "seconds between two looks at a node the job lost, while "
+                               "it runs: once it answers it rejoins at the next start (at the "
+                               "next checkpoint with --grow)", "seconds")
 
 
 @dataclass(frozen=True)

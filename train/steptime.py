@@ -77,6 +77,8 @@ class StepTimes:
         self.marks: list[tuple[float, int]] = []  # (when, total) at the lines of the last RATE_S
         self.compute = self.data = 0.0
         self.steps = 0
+        self.step: int | None = None         # the training step done (the program's count)
+        self.checkpoint: int | None = None   # the step of the newest checkpoint written
         self._step_data = self._step_compute = 0.0
         self._fwd_at: float | None = None        # this micro-step's forward start ...
         self._grad_at: float | None = None       # ... and its last gradient
@@ -132,11 +134,12 @@ class StepTimes:
         self._step_data += time.perf_counter() - t
         return item
 
-    def end(self) -> None:
+    def end(self, step: int | None = None) -> None:
         """The step is done (its all-reduce queued, on CUDA maybe not run yet): count what is
-        known; write the file now and then."""
+        known; write the file now and then. step: the training step it was (resumes count on)."""
         if self.path is None:
             return
+        self.step = step if step is not None else self.step
         self._close_micro_step()
         if self.cuda:
             if self._spans:
@@ -163,6 +166,26 @@ class StepTimes:
             now = self.clock()
             self._write(now)
             self.window = math.floor(now / self.every_s) if self.every_s > 0 else now
+
+    def saved(self, step: int) -> None:
+        """A checkpoint of `step` is written: said at once (the launcher waits for one before
+        a planned restart), with what is counted so far."""
+        self.checkpoint = step
+        self.mark()
+
+    def mark(self) -> None:
+        """Write the step reached now, without reading a CUDA event: also on the way out of
+        a failed step, where the device may be broken. The launcher reads it after the end."""
+        if self.path is None:
+            return
+        if self.steps:
+            self._write(self.clock())
+        else:
+            self._replace({"rank": self.rank, **self._progress()})
+
+    def _progress(self) -> dict:
+        return {**({"step": self.step} if self.step is not None else {}),
+                **({"checkpoint": self.checkpoint} if self.checkpoint is not None else {})}
 
     def _read_completed(self) -> None:
         """Count the queued steps whose events have all completed, oldest first; past
@@ -199,10 +222,15 @@ class StepTimes:
         line = {"rank": self.rank, "compute": self.compute / self.steps,
                 "data": self.data / self.steps, "steps": self.steps,
                 "seconds": now - (self.since if self.since is not None else now),
-                "rate": self._rate(now)}
+                "rate": self._rate(now), **self._progress()}
         self.compute = self.data = 0.0
         self.steps = 0
         self.since = now
+        self._replace(line)
+
+    def _replace(self, line: dict) -> None:
+        if self.path is None:
+            return
         tmp = f"{self.path}.tmp"
         try:
             with open(tmp, "w") as f:

@@ -584,6 +584,7 @@ def train_epochs(run: Run, progress: Progress) -> None:
                   f" ({type(e).__name__}: {str(e)[:160]}); the last completed step is"
                   f" {run.ledger.newest()['step']}", file=sys.stderr, flush=True)
             stop_now(run, progress)
+        run.step_times.mark()       # the step this attempt failed at, for the launcher
         raise
     finally:
         run.stop.end_training()
@@ -630,7 +631,7 @@ def train_step(run: Run, progress: Progress, batches) -> None:
         p.sched.step()
         progress.pos += 1
         progress.step += 1
-    run.step_times.end()
+    run.step_times.end(progress.step)
 
 
 def after_step(run: Run, progress: Progress) -> None:
@@ -739,6 +740,7 @@ def save_checkpoint(run: Run, progress: Progress) -> None:
     if run.info.is_main:
         with run.heartbeat.section("checkpoint"):
             write_checkpoint(run, progress.point(), training_state(run), rng)
+        run.step_times.saved(progress.step)
     progress.saved_step = progress.step
 
 
@@ -759,6 +761,7 @@ def save_on_stop(run: Run, progress: Progress, wait_s: float) -> None:
     rng = [ckpt_mod.rng_state()] + [None] * (run.info.world_size - 1)
     path = write_checkpoint(run, point, state, rng)
     progress.saved_step = point["step"]
+    run.step_times.saved(point["step"])
     run.log.write({"type": "stop", "step": point["step"], "checkpoint": path})
     run.log.print(f"stop requested (SIGTERM): saved step {point['step']} to {path}")
 

@@ -45,6 +45,10 @@ def listen_seconds(nodes: int) -> float:
     return 90.0 + nodes / 8
 
 
+# Seconds a lost node's `true` may take once it takes a login again.
+ANSWER_TIMEOUT = 10.0
+
+
 class SupervisedBackend:
     """Check all, then start all, over one Transport per node (made by `connect`).
 
@@ -73,6 +77,25 @@ class SupervisedBackend:
         if host.name not in self._transports:
             self._transports[host.name] = self._connect(host)
         return self._transports[host.name]
+
+    def answers(self, host: Host) -> bool:
+        """Whether `host` takes a login now, on a connection of its own (the kept one may have
+        died with the node): the look at a lost node (cluster.recovery.grow). One that answers
+        replaces the kept connection, for the next check."""
+        fresh = self._connect(host)
+        try:
+            fresh.open()
+            ok = fresh.run("true", timeout=ANSWER_TIMEOUT).code == 0
+        except Exception:  # whatever the login raises: the node is not back
+            ok = False
+        if not ok:
+            self._pool.submit(_quietly, fresh.close)
+            return False
+        old = self._transports.pop(host.name, None)
+        self._transports[host.name] = fresh
+        if old is not None:
+            self._pool.submit(_quietly, old.close)   # may wait on a dead link: not here
+        return True
 
     def open_all(self, hosts: Sequence[Host]) -> None:
         """Connect to every host now, in the background (the pool), while the launcher renders

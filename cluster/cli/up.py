@@ -106,6 +106,9 @@ class HangTimeout(click.ParamType):
 @click.option("--replace-slow", is_flag=True,
               help="A node named slow is set aside at the next restart, and a spare takes its "
                    "place (as a lost node's is taken).")
+@click.option("--grow", is_flag=True,
+              help="A job running below its size (--min-nodes) whose lost node answers again "
+                   "restarts at full size at its next checkpoint, instead of at the next failure.")
 @click.option("--hang-timeout", type=HangTimeout(), metavar="SECONDS|auto",
               help="No progress on any node for SECONDS: collect every rank's stack, then stop "
                    "(or restart); auto: learned from the job's heartbeats (the inventory's "

@@ -59,9 +59,10 @@ ENDED = "ended"            # an attempt's watch ended (how: finished, a node fai
 RESTART = "restart"        # the whole job starts again (why, cause)
 OUTCOME = "outcome"        # how the launch ended (ok, error)
 SLOW = "slow"              # a node persistently slower than the others (issue 26 item 1)
+CHECKPOINT = "checkpoint"  # a newer checkpoint was reported (step)
 
 THIN = 5.0                 # seconds between two recorded beats (or output lines) of a node
-FREQUENT = (BEAT, OUTPUT)  # the thinned kinds; every other kind is always kept
+FREQUENT = (BEAT, OUTPUT, CHECKPOINT)  # the thinned kinds; every other kind is always kept
 KEEP = 128                 # at most this many lines of one series (kind, node, attempt)
 
 EVENTS, JSON_NAME, PNG_NAME = "events.jsonl", "timeline.json", "timeline.png"
@@ -98,6 +99,10 @@ class Recorder:
     def output(self, node: str) -> None:
         self._thinned(OUTPUT, node)
 
+    def checkpoint(self, step: int) -> None:
+        """A newer checkpoint reported (the job's, not a node's): thinned as beats are."""
+        self._thinned(CHECKPOINT, None, step=step)
+
     def flush(self) -> None:
         """Write every held (thinned) event: at the end of an attempt."""
         with self.lock:
@@ -112,14 +117,14 @@ class Recorder:
         ev.update(detail)
         return ev
 
-    def _thinned(self, kind: str, node: str) -> None:
+    def _thinned(self, kind: str, node: str | None, **detail: Any) -> None:
         """The first, then at most one each `thin` s; one held back carries the count."""
         if self.sink is None:
             return
         with self.lock:
-            key = (kind, node)
+            key = (kind, node or "")
             held = self.held.get(key)
-            ev = self._stamp(kind, node, {"n": (held["n"] if held else 0) + 1})
+            ev = self._stamp(kind, node, {"n": (held["n"] if held else 0) + 1, **detail})
             last = self.last.get(key)
             if last is not None and ev["m"] - last < self.thin:
                 self.held[key] = ev

@@ -71,10 +71,16 @@ class WatchResult:
     started: float = 0.0                              # monotonic time the watch began
     not_retried: str | None = None   # why a failed run is not restarted (cluster.launch decides)
     slow: list[dict[str, Any]] = field(default_factory=list)   # the slow nodes named (cluster.observe.slow)
+    # The furthest training step any rank reported done, and the newest checkpoint's step
+    # (the program's own counts, docs/failures.md); None where the program reports none.
+    step: int | None = None
+    checkpoint: int | None = None
+    planned: str | None = None     # why the launcher stopped a healthy attempt (a grow)
 
     @property
     def ok(self) -> bool:
-        return self.first_failure is None and not self.interrupted and self.hang is None
+        return (self.first_failure is None and not self.interrupted and self.hang is None
+                and self.planned is None)
 
     def leftovers(self) -> dict[str, list[int]]:
         return {k: v["left"] for k, v in self.stops.items() if v.get("left")}
@@ -83,6 +89,10 @@ class WatchResult:
 def _open_log(path: Path) -> IO[bytes]:
     """Append to a node's log, created private (0600): a program may print a secret."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+
+
+class PlannedStop(Exception):
+    """The launcher stops a healthy attempt to start the next one (a grow at a checkpoint)."""
 
 
 class Watcher:
@@ -96,8 +106,12 @@ class Watcher:
                  clock: Callable[[], float] = time.monotonic, stop: threading.Event | None = None,
                  poll: float = 0.5, timeline: tl.Recorder | None = None,
                  slow: SlowNodes | None = None,
-                 on_slow: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+                 on_slow: Callable[[list[dict[str, Any]]], None] | None = None,
+                 planned: Callable[[], str | None] | None = None,
+                 on_checkpoint: Callable[[int], None] | None = None) -> None:
         self.procs = list(procs)
+        self.planned = planned                 # asked at every look: why to stop for a restart
+        self.on_checkpoint = on_checkpoint     # told each newer checkpoint step, at once
         self.timeline = timeline or tl.Recorder()     # what happened, for runs/<id>/timeline
         self.slow = slow or SlowNodes()        # names a node whose ranks' own work is slower
         self.on_slow = on_slow                 # told every slow node named so far, at once
@@ -153,6 +167,9 @@ class Watcher:
                     self._report_failure(proc.node.label, ex.describe(), len(self.procs) - 1)
                     result.stops = self.stop_all(pending)
                     break
+        except PlannedStop as why:
+            result.planned = str(why)
+            result.stops = self.stop_all(pending)
         except KeyboardInterrupt as exc:
             result.interrupted = True
             result.signum = signum_of(exc)
@@ -245,6 +262,9 @@ class Watcher:
         while True:
             if self.stop is not None and self.stop.is_set():
                 raise StopRequested(signal.SIGTERM)
+            why = self.planned() if self.planned is not None else None
+            if why:
+                raise PlannedStop(why)
             try:
                 return self.events.get(timeout=self.poll)
             except queue.Empty:
@@ -290,6 +310,8 @@ class Watcher:
                 self.timeout.beat(label, self.progress, section if isinstance(section, str) else None,
                                   float(pace) if isinstance(pace, (int, float)) else None)
                 self.timeline.beat(label)
+                if isinstance(record.get("at"), dict):
+                    self._reached(record["at"])
                 if record.get("steps"):
                     named = self._step_times(label, record["steps"])
             elif record.get("workers"):
@@ -300,6 +322,8 @@ class Watcher:
                 self.dumped.add(label)
             elif "nodes" in record:
                 self.result.nodes = list(record["nodes"])
+            elif isinstance(record.get("progress"), dict):   # read by the node after its end
+                self._reached(record["progress"])
         for line in named:
             self.console.info(line)
         if named and self.on_slow is not None:
@@ -308,6 +332,19 @@ class Watcher:
             self.console.info(record["info"])
         if "said" in record:                    # a node's supervisor about itself
             self.console.info(f"[{label}] {record['said']}")
+
+    def _reached(self, at: dict[str, Any]) -> None:
+        """The furthest step and newest checkpoint reported (a node's counts only grow); a
+        newer checkpoint is told to on_checkpoint. Under self.lock."""
+        step, ckpt = at.get("step"), at.get("checkpoint")
+        r = self.result
+        if isinstance(step, int) and (r.step is None or step > r.step):
+            r.step = step
+        if isinstance(ckpt, int) and (r.checkpoint is None or ckpt > r.checkpoint):
+            r.checkpoint = ckpt
+            self.timeline.checkpoint(ckpt)
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(ckpt)
 
     def _step_times(self, label: str, steps: Any) -> list[str]:
         """A node's ranks' own step times ({rank: [compute, data]}, from its supervisor): to

@@ -223,6 +223,10 @@ def run(args, user_umask=0o022):
     final = {key: sorted({pid for r in done + [leftovers] for pid in r[key]})
              for key in ("signalled", "killed")}  # type: dict[str, object]
     final["left"] = leftovers["left"]
+    if not args.detach:
+        reached = workers.progress_of(path(d, "heartbeat"))
+        if reached:                    # the step this attempt reached, read after its end
+            out.record({"progress": reached})
     had = max(r.get("workers", 0) for r in done + [leftovers])
     if had:
         # Workers to stop, or left by a torchrun that died: its rendezvous had completed.

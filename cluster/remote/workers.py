@@ -131,6 +131,7 @@ class Progress(threading.Thread):
         done_joining, last_mtime, last_beat = False, None, 0.0
         pace = Pace()
         seen: dict = {}                 # step-times file -> its mtime when last sent
+        at: dict = {}                   # the furthest "step" and "checkpoint" the ranks named
         scan_every, next_scan = 0.25, 0.0
         while not self.done.wait(0.25):
             if not done_joining and time.time() >= next_scan:
@@ -152,10 +153,11 @@ class Progress(threading.Thread):
             pace.look(mtime)
             if mtime != last_mtime and now - last_beat >= BEAT_EVERY:
                 last_mtime, last_beat = mtime, now
-                steps = step_times(self.heartbeat_file, seen)
+                steps = step_times(self.heartbeat_file, seen, at)
                 section = section_of(self.heartbeat_file)
                 every = pace.report(mtime)
                 self.emit({"beat": mtime, **({"steps": steps} if steps else {}),
+                           **({"at": dict(at)} if at else {}),
                            **({"section": section} if section else {}),
                            **({"pace": round(every, 3)} if every else {})})
 
@@ -302,11 +304,12 @@ def section_of(heartbeat_file):
     return found.group(1) if found else None
 
 
-def step_times(heartbeat_file, seen):
+def step_times(heartbeat_file, seen, at=None):
     """The ranks' own step times written since the last beat: {rank: [compute, data]}, from
     the files `<heartbeat>.steps.<RANK>` (one JSON line each; the protocol is in
     docs/failures.md). A file not rewritten since it was sent is left out (a finished or
-    stuck rank reports nothing new); an unreadable one too."""
+    stuck rank reports nothing new); an unreadable one too. at: given, takes the furthest
+    "step" and "checkpoint" those lines name (note_progress)."""
     folder, base = os.path.split(heartbeat_file)
     try:
         names = [n for n in os.listdir(folder or ".") if n.startswith(base + ".steps.")
@@ -323,10 +326,31 @@ def step_times(heartbeat_file, seen):
             seen[path] = mtime
             with open(path) as f:
                 line = json.loads(f.readline())
+            if at is not None:
+                note_progress(at, line)
             found[str(int(line["rank"]))] = [float(line["compute"]), float(line["data"])]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
     return found
+
+
+def note_progress(at, line):
+    """Into `at`, the furthest training step done ("step") and the step of the newest
+    checkpoint ("checkpoint") a rank's line names: the program's own counts, which only grow
+    within an attempt, so a report that a look missed is in the next one."""
+    for key in ("step", "checkpoint"):
+        value = line.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            at[key] = max(at.get(key, value), value)
+
+
+def progress_of(heartbeat_file):
+    """Every rank's last line read once more, after the workers ended: the step each attempt
+    reached and its newest checkpoint, as {"step": S, "checkpoint": C} (either may be absent:
+    a program that does not write them)."""
+    at = {}  # type: dict
+    step_times(heartbeat_file, {}, at)
+    return at
 
 
 class Tap:
