@@ -25,6 +25,7 @@ to the same save: the failed step never reached its update.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 import os
 import signal
 import socket
@@ -221,6 +222,42 @@ class StepLedger:
                 self.lock.release()
 
 
+class StepPace:
+    """How long a step boundary may still take (GracefulStop's patience): `steps` times the
+    slowest of the last `keep` steps, at least `floor_s`. None (wait the whole --stop-timeout)
+    before the first steps and while something longer than a step runs (a checkpoint written,
+    an evaluation), whose time is not counted as a step's."""
+
+    def __init__(self, steps: float = 3.0, floor_s: float = 1.0, keep: int = 8,
+                 clock: Callable[[], float] = time.monotonic):
+        self.steps, self.floor_s, self.clock = steps, floor_s, clock
+        self.stamps: deque[float] = deque(maxlen=keep + 1)
+        self.busy = 0
+
+    def boundary(self) -> None:
+        self.stamps.append(self.clock())
+
+    @contextlib.contextmanager
+    def long(self):
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+            self.stamps.clear()
+            self.stamps.append(self.clock())     # the next step counts from here
+
+    def patience(self) -> float | None:
+        if self.busy or len(self.stamps) < 3:
+            return None
+        s = list(self.stamps)
+        return max(self.floor_s, self.steps * max(b - a for a, b in zip(s, s[1:])))
+
+
+# How often the stop watchdog asks the patience while it waits for a step boundary.
+PATIENCE_LOOK_S = 0.05
+
+
 def _default_sigterm_in_child() -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -233,7 +270,10 @@ class GracefulStop:
     (nothing to save yet). During training it only sets ``requested``. A watchdog thread wakes
     on the signal; if nobody has claimed the stop after `timeout_s` seconds, it claims it,
     calls the rescue function given to ``begin_training`` (None: nothing to save) and exits
-    the process with 143.
+    the process with 143. Or sooner: `patience` (given to ``begin_training``) says how long
+    a step boundary may still take now, from the job's own step times; one that has not come
+    in a few steps' time will not (the ranks wait in a collective on a peer that has gone,
+    which the launcher stops them for), and waiting out `timeout_s` only delays the restart.
     """
 
     def __init__(self, timeout_s: float):
@@ -241,6 +281,7 @@ class GracefulStop:
         self.requested = threading.Event()
         self._claimed = threading.Lock()
         self._rescue: Callable[[], None] | None = None
+        self._patience: Callable[[], float | None] | None = None
         self._training = False
 
     def install(self) -> None:
@@ -257,13 +298,14 @@ class GracefulStop:
         # a worker would ignore the SIGTERM that DataLoader's shutdown may send it.
         os.register_at_fork(after_in_child=_default_sigterm_in_child)
 
-    def begin_training(self, rescue: Callable[[], None] | None) -> None:
-        self._rescue, self._training = rescue, True
+    def begin_training(self, rescue: Callable[[], None] | None,
+                       patience: Callable[[], float | None] | None = None) -> None:
+        self._rescue, self._patience, self._training = rescue, patience, True
         if self.requested.is_set():  # the signal came between the handler's check and now
             raise SystemExit(STOP_EXIT_CODE)
 
     def end_training(self) -> None:
-        self._rescue, self._training = None, False
+        self._rescue, self._patience, self._training = None, None, False
 
     def claim(self) -> bool:
         """True for the first caller only: that one saves and exits."""
@@ -284,14 +326,26 @@ class GracefulStop:
             if signal.SIGTERM in got:
                 break
         self.requested.set()
-        time.sleep(self.timeout_s)
+        waited = self._wait_for_boundary()
         if not self.claim():
             return  # the main thread is saving or exiting
         rescue = self._rescue
         try:
             if rescue is not None:
                 print(f"stop: the main thread did not reach a step boundary within"
-                      f" {self.timeout_s:g} s; saving from the watchdog", file=sys.stderr, flush=True)
+                      f" {waited:.3g} s; saving from the watchdog", file=sys.stderr, flush=True)
                 rescue()
         finally:
             exit_now(STOP_EXIT_CODE)
+
+    def _wait_for_boundary(self) -> float:
+        """Seconds waited for the main thread: timeout_s, or less where patience says a step
+        boundary would have come by now; a claim by the main thread ends the wait."""
+        t0 = time.monotonic()
+        while True:
+            waited = time.monotonic() - t0
+            patience = self._patience() if self._patience is not None else None
+            limit = self.timeout_s if patience is None else min(self.timeout_s, patience)
+            if waited >= limit or self._claimed.locked():
+                return waited
+            time.sleep(min(PATIENCE_LOOK_S, limit - waited))

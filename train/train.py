@@ -284,6 +284,7 @@ class Run:
     hooks: TestHooks
     t_start: float
     step_times: steptime.StepTimes   # each step's own compute and data time, for the launcher
+    pace: lifecycle.StepPace = field(default_factory=lifecycle.StepPace)  # the stop's patience
 
     def amp(self):
         if self.plan.amp_dtype is None:
@@ -566,14 +567,16 @@ def announce(run: Run, progress: Progress, resumed_from: str | None) -> None:
 def train_epochs(run: Run, progress: Progress) -> None:
     """Epochs until --epochs or --max-steps; a stop request ends the process from inside."""
     rescue = (lambda: save_on_stop(run, progress, wait_s=1.0)) if run.info.is_main else None
-    run.stop.begin_training(rescue)
+    run.stop.begin_training(rescue, run.pace.patience)
     try:
         while progress.epoch < run.args.epochs:
             if max_steps_reached(run, progress):
                 progress.stopped_early = True
                 break
             clock = train_one_epoch(run, progress)
-            if not end_epoch(run, progress, clock):
+            with run.pace.long():
+                full = end_epoch(run, progress, clock)
+            if not full:
                 break
     except Exception:
         # A collective fails when a peer that heard SIGTERM first has left; our own signal is
@@ -645,8 +648,10 @@ def after_step(run: Run, progress: Progress) -> None:
         log_window(run, progress)
     if args.ckpt_every and progress.step % args.ckpt_every == 0 and progress.pos < run.plan.steps_per_epoch:
         run.metrics.flush(run.info, progress.totals)
-        save_checkpoint(run, progress)
+        with run.pace.long():
+            save_checkpoint(run, progress)
     run.heartbeat.beat()
+    run.pace.boundary()
     if run.hooks.hang_after_step == progress.step:
         threading.Event().wait()
     if run.stop.requested.is_set():

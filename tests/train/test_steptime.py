@@ -281,3 +281,32 @@ def test_the_heartbeat_says_its_section_while_a_checkpoint_is_written(tmp_path):
         hb.beat()                                          # another rank's beat meanwhile
     assert path.read_text() == "" and path.stat().st_mtime > 0
     assert [p.name for p in tmp_path.iterdir()] == ["heartbeat"]
+
+
+def test_each_line_names_the_training_step_and_a_checkpoint_is_said_at_once(tmp_path):
+    """CPU. The step the program counts (a resumed run's, not this process's) goes with each
+    line; a checkpoint written is a line of its own at once, and mark() writes the step
+    reached without a step counted since (on the way out of a failed step)."""
+    path = str(tmp_path / "heartbeat")
+    times = steptime.StepTimes(path, 0, torch.device("cpu"), every_s=3600.0)
+    model = Busy()
+    times.watch(model)
+    batches = iter([torch.ones(4, 8)] * 3)
+    for step in (41, 42):                      # resumed at step 40
+        times.begin()
+        model(times.next(batches)).sum().backward()
+        times.end(step)
+    assert report(path)["step"] == 41 and "checkpoint" not in report(path)   # the first only
+    times.saved(42)
+    line = report(path)
+    assert (line["step"], line["checkpoint"], line["steps"]) == (42, 42, 1)
+    times.begin()
+    model(times.next(batches)).sum().backward()
+    times.end(43)
+    os.remove(f"{path}.steps.0")
+    times.mark()
+    line = report(path)
+    assert (line["steps"], line["step"], line["checkpoint"]) == (1, 43, 42) and line["compute"] > 0
+    os.remove(f"{path}.steps.0")
+    times.mark()                               # nothing counted since: the counts alone
+    assert report(path) == {"rank": 0, "step": 43, "checkpoint": 42}

@@ -108,3 +108,28 @@ def test_forked_children_keep_the_default_sigterm_and_cannot_fake_a_stop():
     out = subprocess.run([sys.executable, "-c", FORK_CHECK, str(REPO / "train")], text=True,
                          capture_output=True, timeout=60)
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+
+
+def test_the_stop_waits_a_few_steps_time_for_a_boundary_and_longer_while_a_save_runs():
+    """StepPace: 3x the slowest of the last steps, at least 1 s; unknown (the whole
+    --stop-timeout) before three boundaries and while a checkpoint or an evaluation runs,
+    whose gap is not a step's."""
+    now = [0.0]
+    pace = lifecycle.StepPace(clock=lambda: now[0])
+    for t in (0.0, 0.5):
+        now[0] = t
+        pace.boundary()
+    assert pace.patience() is None
+    for t in (1.2, 1.4):
+        now[0] = t
+        pace.boundary()
+    assert pace.patience() == pytest.approx(3 * 0.7)
+    with pace.long():
+        now[0] = 60.0
+        assert pace.patience() is None
+    now[0] = 60.1
+    pace.boundary()
+    assert pace.patience() is None            # the save's minute is no step: counted anew
+    now[0] = 60.2
+    pace.boundary()
+    assert pace.patience() == pytest.approx(1.0)     # 3 x 0.1 s, at least 1 s

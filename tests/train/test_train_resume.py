@@ -197,6 +197,28 @@ def test_watchdog_saves_when_the_main_thread_is_stuck(tmp_path, device):
     assert saved_on_stop(out, tmp_path) == 12
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_a_stuck_main_thread_gets_a_few_steps_time_not_the_whole_stop_timeout(tmp_path, device):
+    """As above with --stop-timeout 30: the steps took milliseconds, so a boundary that has
+    not come within a few of them (at least 1 s) will not; the watchdog saves step 12 then,
+    not 30 s later (the launcher waits for this stop before it restarts the job)."""
+    proc = start_train(1, ["--epochs", "1", "--log-every", "5", "--ckpt-every", "0", "--no-plot",
+                           "--stop-timeout", "30", "--device", device, "--out", str(tmp_path)],
+                       env={"CLUSTER_TRAIN_TEST_HANG_AFTER_STEP": "12"})
+    try:
+        wait_for(lambda: step_logged(tmp_path, 10), 120, proc, "step 10")
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+        took = time.monotonic() - t0
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 143, out[-3000:]
+    assert "saving from the watchdog" in out and 1.0 <= took < 10.0, (took, out[-2000:])
+    assert saved_on_stop(out, tmp_path) == 12
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sigterm_on_cuda_saves_and_a_relaunch_finishes(tmp_path):

@@ -359,3 +359,21 @@ def test_a_stop_after_a_workers_death_gives_torchrun_only_its_short_grace(tmp_pa
 def test_torchrun_args_that_restart_workers_are_recognised(args, restarts) -> None:
     from cluster.torchrun_options import restarts_its_workers
     assert restarts_its_workers(args) is restarts
+
+
+def test_the_step_and_checkpoint_the_ranks_name_are_the_furthest_and_read_after_the_end(
+        tmp_path) -> None:
+    """Each rank's "step" and "checkpoint" (optional): the furthest of them, from the lines
+    read with the beats and, after the workers ended, from every line once more; a value
+    that is not a whole number >= 0 is left out, and a line of counts alone has no times."""
+    beat = tmp_path / "heartbeat"
+    (tmp_path / "heartbeat.steps.0").write_text(
+        '{"rank": 0, "compute": 0.2, "data": 0.01, "step": 30, "checkpoint": 20}\n')
+    (tmp_path / "heartbeat.steps.1").write_text('{"rank": 1, "step": 31}\n')
+    (tmp_path / "heartbeat.steps.2").write_text('{"rank": 2, "step": true, "checkpoint": -1}\n')
+    (tmp_path / "heartbeat.steps.3").write_text('[1, 2]\n')
+    at: dict = {}
+    assert workers.step_times(str(beat), {}, at) == {"0": [0.2, 0.01]}
+    assert at == {"step": 31, "checkpoint": 20}
+    assert workers.progress_of(str(beat)) == {"step": 31, "checkpoint": 20}
+    assert workers.progress_of(str(tmp_path / "gone" / "heartbeat")) == {}
