@@ -96,7 +96,7 @@ CLUSTER_FAILURES=$(grep -c '^cluster: requeueing job [0-9]* (restart [0-9]* of [
 CLUSTER_FAILURES=${CLUSTER_FAILURES:-0}
 CLUSTER_REQUEUES=$(( ${SLURM_RESTART_COUNT:-0} - CLUSTER_FAILURES ))
 # Where this attempt's lines begin in the output (srun writes its own lines there too).
-CLUSTER_FROM=$(wc -c < "$CLUSTER_OUTPUT" 2>/dev/null) || CLUSTER_FROM=0
+CLUSTER_FROM=$(wc -c 2>/dev/null < "$CLUSTER_OUTPUT") || CLUSTER_FROM=0
 
 cluster_attempt_output() {
   tail -c +$(( ${CLUSTER_FROM:-0} + 1 )) -- "$CLUSTER_OUTPUT" 2>/dev/null
