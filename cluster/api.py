@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from . import backends, doctor, launch, resolve, tuning
-from .backends import EXEC, NODE_CHECKS, REMOTE_NODES, RESTARTS, SHARED_FILESYSTEM, SYNC, Backend, supports
+from .backends import (EXEC, NODE_CHECKS, REMOTE_NODES, REQUEUES, RESTARTS, SHARED_FILESYSTEM, SYNC,
+                       Backend, supports)
 from .backends.slurm_output import TERMINAL
 from .console import Console, LineSplitter, NodeProgress
 from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed, did_you_mean
@@ -102,10 +103,12 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     name, inventory = resolve.where(r, secrets, environ)
     chosen = resolve.picked(r, name, inventory, secrets, environ)
     inventory = chosen.inventory
-    if not supports(name, RESTARTS) and (r.max_restarts or r.min_nodes or r.hang_timeout
-                                         or inventory.restarts or inventory.hang_timeout):
-        raise InputError(f"--max-restarts, --min-nodes and --hang-timeout are for "
-                         f"{' and '.join(_with(RESTARTS))} runs; under {name} a job requeues "
+    restarts = r.max_restarts or inventory.restarts
+    if not supports(name, RESTARTS) and (r.min_nodes or r.hang_timeout or inventory.hang_timeout
+                                         or (restarts and not supports(name, REQUEUES))):
+        raise InputError(f"--min-nodes and --hang-timeout are for "
+                         f"{' and '.join(_with(RESTARTS))} runs (--max-restarts also for "
+                         f"{' and '.join(_with(REQUEUES))}); under {name} a job requeues "
                          f"itself (--max-requeues)")
     inventory = backends.entry(name).load().configure(inventory, r)
     if supports(name, EXEC) and not r.no_tuning:      # measured by `cluster doctor`, which execs
@@ -132,7 +135,9 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
         raise
     options = launch.Options(
         detach=r.detach, preflight=not r.no_preflight,
-        restarts=inventory.restarts if r.max_restarts is None else r.max_restarts,
+        # a backend that REQUEUES restarts the job itself (configure handed it the count)
+        restarts=(inventory.restarts if r.max_restarts is None else r.max_restarts)
+        if supports(name, RESTARTS) else 0,
         restart_after=r.restart_after or 0.0, min_nodes=r.min_nodes,
         hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout,
         hang_auto=inventory.hang_auto, slow_node=inventory.slow_node, ledger=chosen.ledger,

@@ -16,6 +16,9 @@ from .spec import DEFAULT_STOP_GRACE, Inventory, SlurmSettings, control_char
 from .plan import Job, Recording, Templates, derived_port
 
 TEMPLATE = "sbatch.sh.j2"
+# A rank that exits with this code stops the job: no failure requeue (docs/slurm.md). torchrun
+# exits 1 whatever its worker's code, so the batch script reads torchrun's report of it.
+STOP_CODE = 93
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,8 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
         "chdir": cwd, "job-name": job_name, "nodes": nodes, "ntasks-per-node": 1,
         "output": output.replace("%", "%%"), "open-mode": "append", "signal": signal_option,
     }
-    if settings.max_requeues > 0:
+    restarts = inventory.restarts          # failure requeues (--max-restarts)
+    if settings.max_requeues > 0 or restarts > 0:
         opts["requeue"] = None
     else:
         opts["no-requeue"] = None
@@ -167,6 +171,7 @@ def render_sbatch(inventory: Inventory, job: Job, templates: Templates, settings
         python=python, setup=host.setup, torchrun_args=host.torchrun_args,
         script=job.script, args=job.args, signal=signal,
         signal_option=signal_option, max_requeues=settings.max_requeues, container=container,
+        restarts=restarts, stop_code=STOP_CODE, output=output,
         cwd=cwd, pyxis_image=pyxis_image(container.image) if container else None,
         secrets_file=secrets)
 

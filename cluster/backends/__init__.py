@@ -187,6 +187,9 @@ NODE_CHECKS = "node_checks"            # every node is checked (python, run dir,
 # RESTARTS: the launcher watches each attempt and restarts a failed one (--max-restarts,
 # --min-nodes, --hang-timeout); under SLURM a job requeues itself instead.
 RESTARTS = "restarts"
+# REQUEUES: the job restarts a failed attempt itself (--max-restarts): a SLURM job requeues
+# without the node that failed first; the launcher only follows it.
+REQUEUES = "requeues"
 EXEC = "exec"                          # runs cluster's node-side programs on each node: exec, top, clean, doctor
 SHARED_FILESYSTEM = "shared_filesystem"  # every node sees the submitting folder (no copying needed)
 SYNC = "sync"                          # --sync copies a local folder to every node's workdir
@@ -213,7 +216,7 @@ LOCAL = "local"                      # the default with no inventory, and what -
 REGISTRY: dict[str, Entry] = {e.name: e for e in (
     Entry(LOCAL, ".local", frozenset({NODE_CHECKS, RESTARTS, EXEC, SHARED_FILESYSTEM})),
     Entry("ssh", ".ssh", frozenset({NODE_CHECKS, RESTARTS, EXEC, SYNC, REMOTE_NODES})),
-    Entry("slurm", ".slurm", frozenset({SHARED_FILESYSTEM, REMOTE_NODES, ALLOCATES})),
+    Entry("slurm", ".slurm", frozenset({SHARED_FILESYSTEM, REMOTE_NODES, ALLOCATES, REQUEUES})),
 )}
 NAMES = tuple(REGISTRY)
 CAPABILITIES: dict[str, frozenset[str]] = {name: e.capabilities for name, e in REGISTRY.items()}

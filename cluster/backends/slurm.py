@@ -507,13 +507,14 @@ def nodes(inventory: Inventory | None, request: Request) -> Inventory:
 
 
 def configure(inventory: Inventory, request: Request) -> Inventory:
-    """The request's SLURM options over the inventory's (restarts are refused before this:
-    SLURM has no RESTARTS capability; a job requeues itself)."""
+    """The request's SLURM options over the inventory's; --max-restarts too, which the batch
+    script spends on failure requeues (the REQUEUES capability: the launcher restarts nothing)."""
     r = request
     count = None if inventory.slurm.nodelist else r.nodes      # a nodelist fixed the count
     settings = cli_settings(inventory.slurm, nodes=count, partition=r.partition,
                             time=r.time_limit, account=r.account, max_requeues=r.max_requeues)
-    return dataclasses.replace(inventory, slurm=settings)
+    restarts = inventory.restarts if r.max_restarts is None else r.max_restarts
+    return dataclasses.replace(inventory, slurm=settings, restarts=restarts)
 
 
 def create(inventory: Inventory, request: Request,

@@ -98,7 +98,9 @@ class HangTimeout(click.ParamType):
                    "command line; under SLURM in a private file the job removes (repeatable).")
 @click.option("--max-restarts", type=click.IntRange(0), metavar="N",
               help="After a failure, start the whole job again up to N times (default: the "
-                   "inventory's restarts, else 0). Not after a failure before the rendezvous was complete.")
+                   "inventory's restarts, else 0). Not after a failure before the rendezvous was complete. "
+                   "Under SLURM the job requeues itself without the node that failed first; a "
+                   "rank's exit code 93 stops it.")
 @click.option("--restart-after", type=click.FloatRange(min=0), metavar="SECONDS",
               help="A failure in the first SECONDS of running is configuration: never restarted.")
 @click.option("--min-nodes", type=click.IntRange(1), metavar="M",

@@ -117,8 +117,9 @@ class _Parser(Checks):
                                                  f"({top['hang_auto'].floor:g} s) is above the "
                                                  f"cap ({top['hang_auto'].cap:g} s)"))
         if top.get("backend") in ALLOCATING:
-            for key in ("restarts", "hang_timeout"):
-                if top.get(key):     # the launcher's own restarts; a scheduler's job requeues
+            # the launcher's own watchdog; `restarts` a scheduler's batch script spends itself
+            for key in ("hang_timeout",):
+                if top.get(key):
                     self.problems.found.append(self.fail(
                         data, key, f"is for local and ssh runs; under {top['backend']} a job "
                                    f"requeues itself (--max-requeues)"))

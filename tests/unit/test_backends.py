@@ -97,8 +97,7 @@ def test_no_branch_on_a_backend_s_name_outside_the_backends() -> None:
     assert not found, f"ask backends.supports() instead of comparing a backend's name: {found}"
 
 
-@pytest.mark.parametrize("option", [["--max-restarts", "1"], ["--min-nodes", "1"],
-                                    ["--hang-timeout", "60"]])
+@pytest.mark.parametrize("option", [["--min-nodes", "1"], ["--hang-timeout", "60"]])
 def test_a_backend_without_restarts_refuses_what_watches_an_attempt(option, tmp_path, monkeypatch,
                                                                      capsys) -> None:
     """Asked by capability: every backend without RESTARTS refuses the options of cluster's
@@ -114,3 +113,24 @@ def test_a_backend_without_restarts_refuses_what_watches_an_attempt(option, tmp_
         assert code == 2 and option[0] in err and "requeues itself" in err, err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
     assert run_cli(["up", "--local", *option, "--dry-run", "--", "t.py"]) == 0
+
+
+def test_max_restarts_under_a_backend_that_requeues_reaches_its_batch_script(tmp_path, monkeypatch,
+                                                                           capsys) -> None:
+    """SLURM takes --max-restarts (REQUEUES): the batch script spends it on failure requeues;
+    the launcher itself restarts nothing."""
+    from cluster.api import prepare
+    from cluster.backends import REQUEUES, RESTARTS
+    from cluster.request import Request
+    monkeypatch.chdir(tmp_path)
+    assert [n for n in backends.NAMES if supports(n, REQUEUES)] == ["slurm"]
+    assert not supports("slurm", RESTARTS)
+    prepared = prepare(Request(command=("t.py",), backend="slurm", nodes=2, max_restarts=2,
+                               dry_run=True))
+    try:
+        assert prepared.options.restarts == 0
+        assert prepared.inventory.restarts == 2
+        script = prepared.backend.plan(prepared.inventory, prepared.job, prepared.templates).script
+        assert "cluster_after_failure" in script and "#SBATCH --requeue\n" in script
+    finally:
+        prepared.backend.close()

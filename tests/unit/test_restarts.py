@@ -194,8 +194,7 @@ def test_the_inventorys_restarts_and_hang_timeout_reach_the_launch_and_options_w
     assert (prepared_options(inv).restarts, prepared_options(inv).hang_timeout) == (0, 0.0)
 
 
-@pytest.mark.parametrize("key, request_", [("restarts: 1\n", {}), ("hang_timeout: 30\n", {}),
-                                           ("", {"max_restarts": 1}), ("", {"min_nodes": 1})])
+@pytest.mark.parametrize("key, request_", [("hang_timeout: 30\n", {}), ("", {"min_nodes": 1})])
 def test_slurm_refuses_what_it_does_itself(tmp_path: Path, key: str, request_: dict) -> None:
     inv = tmp_path / "slurm.yaml"
     inv.write_text("backend: slurm\n" + key + "hosts: [{name: a, address: 10.0.0.1}]\n")
@@ -203,7 +202,18 @@ def test_slurm_refuses_what_it_does_itself(tmp_path: Path, key: str, request_: d
         prepared_options(inv, **request_)
 
 
-@pytest.mark.parametrize("key", ["restarts", "hang_timeout"])
+@pytest.mark.parametrize("key, request_", [("restarts: 1\n", {}), ("", {"max_restarts": 1})])
+def test_slurm_takes_restarts_for_its_batch_script_and_the_launcher_restarts_nothing(
+        tmp_path: Path, key: str, request_: dict) -> None:
+    inv = tmp_path / "slurm.yaml"
+    inv.write_text("backend: slurm\n" + key + "hosts: [{name: a, address: 10.0.0.1}]\n")
+    prepared = api.prepare(api.Request(inventory_path=str(inv), command=("t.py",), **request_),
+                           {"PATH": "/usr/bin:/bin"})
+    prepared.backend.close()
+    assert prepared.options.restarts == 0 and prepared.inventory.restarts == 1
+
+
+@pytest.mark.parametrize("key", ["hang_timeout"])
 def test_slurm_inventory_names_the_line_of_a_launcher_only_key(tmp_path: Path, key: str) -> None:
     inv = tmp_path / "slurm.yaml"
     inv.write_text(f"backend: slurm\n{key}: 2\n")

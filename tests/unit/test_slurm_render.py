@@ -6,6 +6,7 @@ Regenerate the golden files after an intended change:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -55,6 +56,9 @@ CASES: dict[str, tuple[Inventory, SlurmSettings, Job]] = {
                                             job_name="my long run", output_dir="/scratch/logs"),
                               job("--resume")),
     "no_requeue": (inv(), SlurmSettings(nodes=2, max_requeues=0, signal="USR2"), job()),
+    "failure_restarts": (dataclasses.replace(inv(), restarts=2),
+                         SlurmSettings(nodes=2, max_requeues=1, exclude="node9",
+                                       output_dir="/scratch/it's logs"), job()),
     "container_pyxis": (inv(container=Container(
         image="nvcr.io/nvidia/pytorch:24.05-py3", runtime="docker", python="python",
         mounts=(Mount("/datasets", "/datasets", "ro"), Mount("~/ckpt dir", "/ckpt", "rw,rslave")),

@@ -1,5 +1,6 @@
 """Under torchrun: gloo all_reduce of rank+1; rank 0 checks the sum. Every rank prints one JSON
-line (rank, world, sum, hostname, SLURM_NODEID). `--fail-rank R` makes rank R exit 3 after it;
+line (rank, world, sum, hostname, SLURM_NODEID). `--fail-rank R` makes rank R exit 3 after it (`--fail-code C`: C;
+`--fail-first`: only in the first attempt, SLURM_RESTART_COUNT unset or 0);
 `--env-hash N` adds the sha256 of environment variable N; `--sleep S` waits S seconds after it (for `cluster down` tests); `--sleep-first S` only in the
 first attempt of a SLURM job (SLURM_RESTART_COUNT unset or 0), for requeue tests."""
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch.distributed as dist
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--fail-rank", type=int, default=None)
+    p.add_argument("--fail-code", type=int, default=3)
+    p.add_argument("--fail-first", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--sleep-first", type=float, default=0.0)
     p.add_argument("--env-hash")
@@ -41,9 +44,10 @@ def main() -> int:
         time.sleep(args.sleep)
     if args.sleep_first and int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
         time.sleep(args.sleep_first)
-    if args.fail_rank is not None and rank == args.fail_rank:
+    first = int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0
+    if args.fail_rank is not None and rank == args.fail_rank and (first or not args.fail_first):
         print(f"rank {rank}: failing on purpose", file=sys.stderr, flush=True)
-        return 3
+        return args.fail_code
     dist.destroy_process_group()
     return 0
 
