@@ -104,9 +104,10 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     chosen = resolve.picked(r, name, inventory, secrets, environ)
     inventory = chosen.inventory
     restarts = r.max_restarts or inventory.restarts
-    if not supports(name, RESTARTS) and (r.min_nodes or r.hang_timeout or inventory.hang_timeout
+    if not supports(name, RESTARTS) and (r.min_nodes or r.grow or r.hang_timeout
+                                         or inventory.hang_timeout
                                          or (restarts and not supports(name, REQUEUES))):
-        raise InputError(f"--min-nodes and --hang-timeout are for "
+        raise InputError(f"--min-nodes, --grow and --hang-timeout are for "
                          f"{' and '.join(_with(RESTARTS))} runs (--max-restarts also for "
                          f"{' and '.join(_with(REQUEUES))}); under {name} a job requeues "
                          f"itself (--max-requeues)")
