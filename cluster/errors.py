@@ -19,6 +19,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
+# A rank that exits with this code asks not to be run again: no restart by the launcher, no
+# failure requeue under SLURM (docs/failures.md, docs/slurm.md).
+STOP_CODE = 93
 
 class ClusterError(Exception):
     exit_code = 1

@@ -252,7 +252,7 @@ def _verdict(result: WatchResult, odd: tuple[str, str] | None) -> Verdict | None
     label, ex = result.first_failure if result.first_failure else ("", None)
     return classify(result.causes.get(label), lost=bool(ex and ex.lost),
                     hang=result.hang is not None, gate_failed=False,
-                    odd_one_out=odd[0] if odd else None)
+                    odd_one_out=odd[0] if odd else None, ended=ex.detail if ex else "")
 
 
 def _record(run: RunDir, plan: Plan, backend: Backend[Any], procs: list[NodeProcess],

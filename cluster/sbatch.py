@@ -14,11 +14,11 @@ from . import network
 from .errors import InputError
 from .spec import DEFAULT_STOP_GRACE, Inventory, SlurmSettings, control_char
 from .plan import Job, Recording, Templates, derived_port
+from .errors import STOP_CODE
 
 TEMPLATE = "sbatch.sh.j2"
-# A rank that exits with this code stops the job: no failure requeue (docs/slurm.md). torchrun
-# exits 1 whatever its worker's code, so the batch script reads torchrun's report of it.
-STOP_CODE = 93
+# STOP_CODE (cluster.errors): torchrun exits 1 whatever its worker's code, so the batch script
+# reads torchrun's report of it.
 
 
 @dataclass(frozen=True)

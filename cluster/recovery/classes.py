@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import STOP_CODE
+
 __all__ = ["PATTERNS", "Pattern", "Verdict", "Decision", "classify", "decide", "match",
            "node_pattern", "normalise"]
 
@@ -91,6 +93,10 @@ PATTERNS: tuple[Pattern, ...] = (
 # error: torchrun's report says how it ended, nothing says why.
 SILENT_EXIT = re.compile(r"^worker rank \d+ (was killed by \S+|exited with code -?\d+)\Z")
 
+# A rank that exited with the stop code, as cluster's words for it say it (a node's report of
+# the death, or torchrun's report of the failed worker).
+STOPPED = re.compile(rf"(?:exited with code|died: exit code) {STOP_CODE}\b")
+
 # The rules that are not rows: what classify decides before the table and after it.
 MEANING = {"lost": "the connection to the node was lost",
            "gate": "the health gate failed the node",
@@ -99,6 +105,8 @@ MEANING = {"lost": "the connection to the node was lost",
            "no_python_error": "a rank died without a Python error",
            "no_error": "a rank ended with no error seen",
            "python_error": "the program raised an error",
+           "stop_code": f"a rank exited with {STOP_CODE}, the stop code: the program asked not "
+                        f"to be run again",
            **{p.name: p.what for p in PATTERNS}}
 
 
@@ -127,11 +135,15 @@ def node_pattern() -> re.Pattern[str]:
 
 
 def classify(cause: str | None, lost: bool, hang: bool, gate_failed: bool, *,
-             odd_one_out: str | None = None) -> Verdict:
+             odd_one_out: str | None = None, ended: str = "") -> Verdict:
     """The class of an attempt's end. cause: the first failure's worker's own error (as
     WatchResult.causes has it); lost: that node's connection broke; hang: the watchdog
     stopped the run; gate_failed: the health gate failed the node; odd_one_out: the hang's
-    odd one out, when the caller found one ("node3: where its ranks were")."""
+    odd one out, when the caller found one ("node3: where its ranks were"); ended: how the
+    node said its first rank ended ("rank 1 (pid 7) died: exit code 93")."""
+    for said in (ended, cause or ""):
+        if STOPPED.search(said):
+            return Verdict(PROGRAM, "stop_code", said)
     if lost:
         return Verdict(NODE, "lost", cause or MEANING["lost"])
     if gate_failed:
@@ -156,6 +168,8 @@ def decide(history: Sequence[Mapping[str, Any]], verdict: Verdict, *, step: int 
     `step` (None: not known). history: the attempts BEFORE this one, oldest first, as
     launch.py records them ("cause", and "step" where known); not this attempt's record."""
     said = f"{MEANING.get(verdict.rule, verdict.rule)}{_quoted(verdict)}"
+    if verdict.rule == "stop_code":
+        return Decision(STOP, said)
     if verdict.cls == NODE:
         return Decision(SET_ASIDE, f"{said}: restarting without that node")
     if verdict.cls == TRANSIENT:

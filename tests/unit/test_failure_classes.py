@@ -233,3 +233,20 @@ def test_normalise_keeps_the_words() -> None:
 def test_the_module_imports_nothing_of_cluster_but_errors() -> None:
     found = {name for name, _ in imports(ROOT / "recovery" / "classes.py")}
     assert found <= {"cluster.errors"}
+
+
+@pytest.mark.parametrize("cause, ended", [
+    ("worker rank 1 exited with code 93", ""),                    # torchrun's report
+    (None, "rank 1 (pid 4242) died: exit code 93"),               # the node's, at once
+])
+def test_the_stop_code_stops_the_job_whatever_restarts_are_left(cause, ended) -> None:
+    verdict = classify(cause, lost=False, hang=False, gate_failed=False, ended=ended)
+    assert (verdict.cls, verdict.rule) == ("program", "stop_code")
+    decision = decide([], verdict, step=None)
+    assert decision.action == "stop" and "a rank exited with 93, the stop code" in decision.why
+
+
+def test_an_exit_code_that_only_begins_with_93_is_no_stop_code() -> None:
+    verdict = classify("worker rank 1 exited with code 930", lost=False, hang=False,
+                       gate_failed=False, ended="rank 1 (pid 7) died: exit code 930")
+    assert verdict.rule == "no_python_error"

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from cluster.plan import Job, Templates
-from cluster.sbatch import STOP_CODE, render_sbatch
+from cluster.errors import STOP_CODE
+from cluster.sbatch import render_sbatch
 from cluster.spec import Host, Inventory, SlurmSettings
 
 HERE = Path(__file__).parent
