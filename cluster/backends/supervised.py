@@ -88,8 +88,8 @@ class SupervisedBackend:
             ok = fresh.run("true", timeout=ANSWER_TIMEOUT).code == 0
         except Exception:  # whatever the login raises: the node is not back
             ok = False
-        if not ok:
-            self._pool.submit(_quietly, fresh.close)
+        if not ok or self._closed.is_set():        # closed meanwhile: the run is over
+            _quietly(fresh.close)
             return False
         old = self._transports.pop(host.name, None)
         self._transports[host.name] = fresh

@@ -176,12 +176,17 @@ CUDA = [pytest.mark.cuda,
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-def test_watchdog_saves_when_the_main_thread_is_stuck(tmp_path, device):
+@pytest.mark.parametrize("stop_timeout, at_least, under", [(1, 1.0, 60.0), (30, 1.0, 10.0)])
+def test_watchdog_saves_when_the_main_thread_is_stuck(tmp_path, device, stop_timeout, at_least,
+                                                      under):
     """The main thread blocks after step 12 (as in a collective whose peer has left) and never
-    reaches a boundary: --stop-timeout after SIGTERM the watchdog thread saves step 12 and the
-    process exits with 143."""
+    reaches a boundary: the watchdog thread saves step 12 and the process exits with 143. It
+    waits --stop-timeout at most, and no longer than a few steps' time (at least 1 s): the
+    steps took milliseconds, so a boundary that has not come by then will not, and the
+    launcher waits for this stop before it restarts the job (--stop-timeout 30: not 30 s)."""
     proc = start_train(1, ["--epochs", "1", "--log-every", "5", "--ckpt-every", "0", "--no-plot",
-                           "--stop-timeout", "1", "--device", device, "--out", str(tmp_path)],
+                           "--stop-timeout", str(stop_timeout), "--device", device,
+                           "--out", str(tmp_path)],
                        env={"CLUSTER_TRAIN_TEST_HANG_AFTER_STEP": "12"})
     try:
         wait_for(lambda: step_logged(tmp_path, 10), 120, proc, "step 10")
@@ -193,29 +198,7 @@ def test_watchdog_saves_when_the_main_thread_is_stuck(tmp_path, device):
     finally:
         kill_tree(proc.pid)
     assert proc.returncode == 143, out[-3000:]
-    assert "saving from the watchdog" in out and took >= 1.0
-    assert saved_on_stop(out, tmp_path) == 12
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-def test_a_stuck_main_thread_gets_a_few_steps_time_not_the_whole_stop_timeout(tmp_path, device):
-    """As above with --stop-timeout 30: the steps took milliseconds, so a boundary that has
-    not come within a few of them (at least 1 s) will not; the watchdog saves step 12 then,
-    not 30 s later (the launcher waits for this stop before it restarts the job)."""
-    proc = start_train(1, ["--epochs", "1", "--log-every", "5", "--ckpt-every", "0", "--no-plot",
-                           "--stop-timeout", "30", "--device", device, "--out", str(tmp_path)],
-                       env={"CLUSTER_TRAIN_TEST_HANG_AFTER_STEP": "12"})
-    try:
-        wait_for(lambda: step_logged(tmp_path, 10), 120, proc, "step 10")
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=60)[0]
-        took = time.monotonic() - t0
-    finally:
-        kill_tree(proc.pid)
-    assert proc.returncode == 143, out[-3000:]
-    assert "saving from the watchdog" in out and 1.0 <= took < 10.0, (took, out[-2000:])
+    assert "saving from the watchdog" in out and at_least <= took < under, (took, out[-2000:])
     assert saved_on_stop(out, tmp_path) == 12
 
 

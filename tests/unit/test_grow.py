@@ -116,3 +116,40 @@ def test_the_same_error_at_another_step_restarts_and_at_the_same_step_stops() ->
     assert decide(before, err, step=41).action == "restart"
     stop = decide(before, err, step=40)
     assert stop.action == "stop" and "at step 40 both times" in stop.why
+
+
+class Login:
+    """A transport whose login works or fails, as a node that answers or not."""
+
+    def __init__(self, works: bool) -> None:
+        self.works, self.closed = works, False
+
+    def open(self) -> None:
+        if not self.works:
+            raise OSError("No route to host")
+
+    def run(self, command: str, *, timeout: float | None = None, input: bytes = b""):
+        from cluster.backends.transport import Result
+        return Result(0, b"", b"")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_answers_logs_in_anew_and_keeps_the_new_connection_for_the_next_check() -> None:
+    from cluster.backends.supervised import SupervisedBackend
+    logins = iter([Login(False), Login(True)])
+    backend = SupervisedBackend(lambda host: next(logins))
+    dead = Login(True)
+    backend._transports["n2"] = dead                  # the connection that died with the node
+    host = Host(name="n2", address="n2")
+    try:
+        assert backend.answers(host) is False and backend._transports["n2"] is dead
+        assert backend.answers(host) is True
+        assert backend._transports["n2"] is not dead and backend._transports["n2"].works
+        deadline = time.monotonic() + 5
+        while not dead.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dead.closed
+    finally:
+        backend.close()
