@@ -456,3 +456,38 @@ def test_the_probe_answers_health_in_the_same_round_trip(tmp_path: Path,
     assert [g["index"] for g in h["nvidia"]["gpus"] if g["ecc_uncorrected"]] == [6]
     assert set(h["disk"]) == {str(tmp_path), str(tmp_path / "ckpt")}
     assert "health" not in probe(tmp_path, "--workdir", str(tmp_path))
+
+
+# --- recorded on a real H200 (driver 580.159.04) ---------------------------------------------
+
+
+def test_the_recorded_h200_answers_every_field_asked() -> None:
+    """Recorded: this driver takes remapped_rows.* in --query-gpu (so the whole query is one
+    call), prints [N/A] for retired pages on Hopper and No for the row remaps."""
+    [g] = gpus_of("h200_recorded")
+    assert g == {"index": 0, "uuid": "GPU-7cf785ea-bdf9-4586-6baf-8782d5c13511",
+                 "name": "NVIDIA H200", "bus_id": "00000000:00:06.0", "driver": "580.159.04",
+                 "memory_used_mib": 0, "memory_total_mib": 143771, "ecc_uncorrected": 0,
+                 "retired_pending": None, "remapped_pending": False, "remapped_failure": False,
+                 "lost": False}
+
+
+def test_a_real_process_holding_20_gib_is_named_and_fails_the_gate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recorded while a python3 held 20 GiB on the H200 (its own tensor): the compute apps'
+    row, through the real processes, and the gate's verdict on it. PID 4548 is gone here, so
+    its owner and command are not known (on the machine they were: `cluster up` said
+    `PID 531 (user root, python3 -c import torch,time; ...) holds 20.5 GiB`)."""
+    from cluster.recovery.findings import FAIL
+    from cluster.recovery.hardware import health_findings
+    from cluster.spec import Gate
+    node_path(tmp_path, monkeypatch, "h200_recorded_held")
+    out = facts(tmp_path, "h200_recorded_held")
+    [app] = out["nvidia"]["apps"]
+    assert (app["gpu_index"], app["pid"], app["used_mib"], app["name"]) == (0, 4548, 20998,
+                                                                            "python3")
+    assert out["nvidia"]["refused"] == [] and out["xid"]["events"] == []
+    failed = [(f.check, f.detail) for f in health_findings("h200", out, Gate()) if f.status == FAIL]
+    [(check, detail)] = failed
+    assert check == "gpu memory" and detail.startswith("GPU 0: PID 4548 (user ") \
+        and detail.endswith(") holds 20.5 GiB"), detail         # here: (user unknown, python3)

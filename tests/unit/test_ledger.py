@@ -239,7 +239,9 @@ print(start, time.time())
 def test_two_processes_recording_at_once_lose_nothing(tmp_path: Path) -> None:
     path = tmp_path / "ledger" / "hosts.json"
     go = tmp_path / "go"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The repo first, then where this interpreter finds the project's needs (a --target
+    # folder on PYTHONPATH on some machines): the child imports what the test does.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in sys.path if p])}
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), tag, str(go)], env=env,
                               stdout=subprocess.PIPE, text=True) for tag in ("a", "b")]
     time.sleep(0.3)                # both started and waiting, then both go at once
