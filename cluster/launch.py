@@ -14,14 +14,14 @@ from typing import Any
 from .backends import Backend, NodeProcess, Record, node_checks
 from .recovery.check import checked_plan
 from .console import Console
-from .errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
+from .errors import InputError, Interrupted, NodeLost, RunFailed
 from .observe.hang import odd_node, save as save_hang
 from .observe.hang_timeout import timeout_of
 from .inventory import unset_forwarded
 from .nodes import NodeExit
 from .recovery.ledger import Ledger
 from .recovery.classes import STOP, Verdict, classify, decide
-from .recovery.grow import Readmission
+from .recovery.grow import Readmission, rejoined
 from .recovery.pool import attempt_events, culprits, remember, replace
 from .plan import Job, Plan, Templates
 from .runs import RunDir
@@ -241,7 +241,8 @@ def _attempts(inventory: Inventory, job: Job, templates: Templates, backend: Bac
             lost = {e.node for e in events if e.kind == "lost"}
             kept = {h.name for h in inventory.hosts}
             readmit.lost([h for h in before if h.name in lost and h.name not in kept])
-        inventory = _rejoined(inventory, readmit.take_back(), spares, target, options, console)
+        inventory = rejoined(inventory, readmit.take_back(), spares, target, options.ledger,
+                             console.info)
 
 
 def _verdict(result: WatchResult, odd: tuple[str, str] | None) -> Verdict | None:
@@ -377,31 +378,6 @@ def _next_hosts(inventory: Inventory, held: dict[str, str], spares: list[Host],
         return inventory
     out = replace(inventory.hosts, held, spares, min_nodes=options.min_nodes)
     return out.applied(inventory, spares, console.info)
-
-
-def _rejoined(inventory: Inventory, back: list[Host], spares: list[Host], target: int,
-              options: Options, console: Console) -> Inventory:
-    """Lost nodes that answer again (cluster.recovery.grow): each joins the job while it runs
-    below its size (last in node_rank order), else waits as a spare; a node the ledger holds
-    in quarantine stays out. The next check's gate judges them as any node."""
-    if not back:
-        return inventory
-    try:
-        held = set(options.ledger.quarantined([h.name for h in back]) if options.ledger else ())
-    except (OSError, ClusterError) as exc:     # unread, the ledger cannot vouch for them
-        console.info(f"warning: the node ledger could not be read: {exc}")
-        held = {h.name for h in back}
-    hosts = list(inventory.hosts)
-    for host in back:
-        if host.name in held:
-            console.info(f"{host.name} answers again but is quarantined: it stays out")
-        elif len(hosts) < target:
-            hosts.append(host)
-            console.info(f"{host.name} rejoins the job: {len(hosts)} of {target} node(s)")
-        else:
-            spares.append(host)
-            console.info(f"{host.name} answers again: it waits as a spare")
-    return dataclasses.replace(inventory, hosts=tuple(hosts))
 
 
 def _evidence(result: WatchResult, label: str) -> str:

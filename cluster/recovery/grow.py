@@ -14,11 +14,14 @@ it was set aside for. The node ledger remembers it for the next runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Optional
 
-from ..spec import Host
+from ..errors import ClusterError
+from ..spec import Host, Inventory
+from .ledger import Ledger
 
 # answers(host) -> whether it takes a login now (the backend's `answers` capability).
 Answers = Callable[[Host], bool]
@@ -99,3 +102,28 @@ class Readmission:
             return bool(self.answers and self.answers(host))
         except Exception:  # whatever a login raises, the node is not back
             return False
+
+
+def rejoined(inventory: Inventory, back: list[Host], spares: list[Host], target: int,
+             ledger: Ledger | None, say: Callable[[str], None]) -> Inventory:
+    """Lost nodes that answer again: each joins the job while it runs below its size (last in
+    node_rank order), else waits as a spare (appended to `spares`); a node the ledger holds in
+    quarantine stays out. The next check's gate judges them as any node."""
+    if not back:
+        return inventory
+    try:
+        held = set(ledger.quarantined([h.name for h in back]) if ledger else ())
+    except (OSError, ClusterError) as exc:     # unread, the ledger cannot vouch for them
+        say(f"warning: the node ledger could not be read: {exc}")
+        held = {h.name for h in back}
+    hosts = list(inventory.hosts)
+    for host in back:
+        if host.name in held:
+            say(f"{host.name} answers again but is quarantined: it stays out")
+        elif len(hosts) < target:
+            hosts.append(host)
+            say(f"{host.name} rejoins the job: {len(hosts)} of {target} node(s)")
+        else:
+            spares.append(host)
+            say(f"{host.name} answers again: it waits as a spare")
+    return dataclasses.replace(inventory, hosts=tuple(hosts))

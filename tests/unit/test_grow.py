@@ -7,11 +7,11 @@ from __future__ import annotations
 import threading
 import time
 
-from cluster.launch import Options, _rejoined, _retry, _spent
+from cluster.launch import Options, _retry, _spent
 from cluster.nodes import NodeExit
 from cluster.observe.watch import Watcher, WatchResult
 from cluster.recovery.classes import PROGRAM, Verdict, decide
-from cluster.recovery.grow import Readmission
+from cluster.recovery.grow import Readmission, rejoined
 from cluster.spec import Host, Inventory
 from tests.unit.test_watch import FakeNode, console
 
@@ -92,7 +92,7 @@ def test_a_node_back_joins_a_job_below_its_size_else_waits_as_a_spare() -> None:
     c, _, err = console()
     inv = Inventory(hosts=hosts("n1", "n3"))
     spares: list[Host] = []
-    grown = _rejoined(inv, list(hosts("n2", "n4")), spares, 3, Options(), c)
+    grown = rejoined(inv, list(hosts("n2", "n4")), spares, 3, None, c.info)
     assert [h.name for h in grown.hosts] == ["n1", "n3", "n2"]
     assert [h.name for h in spares] == ["n4"]
     assert "n2 rejoins the job: 3 of 3 node(s)" in err.getvalue()
@@ -153,3 +153,15 @@ def test_answers_logs_in_anew_and_keeps_the_new_connection_for_the_next_check() 
         assert dead.closed
     finally:
         backend.close()
+
+
+def test_a_node_back_that_the_ledger_quarantined_stays_out(tmp_path) -> None:
+    from cluster.recovery.ledger import Event, Ledger
+    ledger = Ledger(tmp_path / "ledger.json")
+    ledger.record([Event("n2", "lost", "r1"), Event("n2", "lost", "r2")])   # 2 in 24 h
+    said: list[str] = []
+    spares: list[Host] = []
+    grown = rejoined(Inventory(hosts=hosts("n1", "n3")), list(hosts("n2")), spares, 3, ledger,
+                     said.append)
+    assert [h.name for h in grown.hosts] == ["n1", "n3"] and spares == []
+    assert said == ["n2 answers again but is quarantined: it stays out"]
