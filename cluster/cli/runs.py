@@ -9,7 +9,7 @@ import click
 
 from .. import backends
 from ..backends import NODE_CHECKS, supports
-from ..api import LogErrors, detached_error, first_failed
+from ..handle import LogErrors, detached_error, first_failed
 from .main import CONTEXT, complete_run, main
 from ..errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
 from ..nodes import NodeStatus, node_row, outcome
