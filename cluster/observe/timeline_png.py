@@ -62,7 +62,7 @@ def draw(data: dict[str, Any], path: Path) -> None:
     ax = fig.subplots()
     _bands(ax, data, end)
     for y, node in enumerate(lanes):
-        _lane(ax, y, data["lanes"][node], data, end, lane / 0.45)
+        _lane(ax, y, node, data["lanes"][node], data, end, lane / 0.45)
     _job(ax, data, len(lanes))
     every = max(1, round(0.15 / lane))          # a name every `every` lanes when they are thin
     ax.set_yticks(range(0, len(lanes), every), lanes[::every],
@@ -121,16 +121,17 @@ def _bands(ax: Any, data: dict[str, Any], end: float) -> None:
                    hatch=None if c["ok"] is not False else "//")
 
 
-def _lane(ax: Any, y: int, items: list[dict[str, Any]], data: dict[str, Any], end: float,
-          size: float) -> None:
+def _lane(ax: Any, y: int, node: str, items: list[dict[str, Any]], data: dict[str, Any],
+          end: float, size: float) -> None:
     """One node: a bar from its start to its exit: blue until its workers joined (or beat,
     which they do only after), green while they ran, then red from its failure (the node that
     failed first) or orange from the stop (the others) to its exit. Its marks, `size` times
-    their size in a full-height lane."""
+    their size in a full-height lane. No bar in an attempt that did not start it (a node set
+    aside, or under another label there: a spare's place, a grown job's new ranks)."""
     for attempt in sorted({a["attempt"] for a in data["attempts"]}):
         mine = [i for i in items if i.get("attempt", 0) == attempt]
         start = _job_x(data, tl.STARTED, attempt) or _job_x(data, tl.START, attempt)
-        if start is None:
+        if start is None or not (mine or _started(data, node, attempt)):
             continue
         ex = next((i for i in mine if i["kind"] == tl.EXIT), None)
         stop = _attempt_end(data, attempt, end) if ex is None else ex["x"]
@@ -196,6 +197,13 @@ def _rate(beats: list[dict[str, Any]]) -> str:
     return f"a beat every {span / count:.1f} s"
 
 
+def _started(data: dict[str, Any], node: str, attempt: int) -> bool:
+    """Whether the attempt's start named this lane (a start that names none: every lane)."""
+    named = next((j.get("nodes") for j in data["job"]
+                  if j["kind"] == tl.STARTED and j.get("attempt", 0) == attempt), None)
+    return not named or node in named
+
+
 def _job_x(data: dict[str, Any], kind: str, attempt: int) -> float | None:
     return next((j["x"] for j in data["job"] if j["kind"] == kind and j.get("attempt", 0) == attempt), None)
 
@@ -207,10 +215,13 @@ def _attempt_end(data: dict[str, Any], attempt: int, end: float) -> float:
 def _job(ax: Any, data: dict[str, Any], lanes: int) -> None:
     """The whole job's moments across every lane: the stop, a hang's stalled stretch, a
     restart, a detach."""
+    grown = {j.get("attempt", 0) for j in data["job"] if j["kind"] == tl.RESTART and j.get("planned")}
     for j in data["job"]:
         if j["kind"] == tl.STOP:
             ax.axvline(j["x"], color=RED, ls="--", lw=1, zorder=3)
-            ax.text(j["x"], -0.5, " stop", color=RED, fontsize=7, va="center")
+            # A planned stop: the job restarts at full size from this checkpoint (--grow).
+            said = " stop to grow" if j.get("attempt", 0) in grown else " stop"
+            ax.text(j["x"], -0.5, said, color=RED, fontsize=7, va="center")
         elif j["kind"] == tl.RESTART:
             ax.axvline(j["x"], color="#555555", ls=":", lw=1, zorder=3)
         elif j["kind"] == tl.DETACHED:

@@ -355,3 +355,17 @@ def test_thinning_again_keeps_the_first_and_last_of_each_series_and_the_counts()
     kept = list(tl.rethin(events, 3.0))
     assert [(e["m"], e["n"]) for e in kept if e.get("attempt") == 1 and e["kind"] == "beat"] == [
         (10.0, 1), (13.0, 3), (15.0, 3)]
+
+
+def test_a_lane_has_a_bar_only_in_the_attempts_that_started_its_node() -> None:
+    """A lost node's lane ends with its attempt; its spare's lane begins with the next; a
+    label no later attempt started has no bar there (the picture read node3 1 as starting
+    until the end of a grown job). The stop before a planned restart says so."""
+    job = [{"kind": tl.STARTED, "attempt": 0, "x": 1.0, "nodes": ["a 0", "b 1"]},
+           {"kind": tl.RESTART, "attempt": 0, "x": 5.0, "why": "lost"},
+           {"kind": tl.STARTED, "attempt": 1, "x": 6.0, "nodes": ["a 0", "c 1"]},
+           {"kind": tl.RESTART, "attempt": 1, "x": 9.0, "why": "grow", "planned": True},
+           {"kind": tl.STARTED, "attempt": 2, "x": 10.0, "nodes": []}]
+    data = {"job": job}
+    assert [timeline_png._started(data, "b 1", a) for a in (0, 1, 2)] == [True, False, True]
+    assert [timeline_png._started(data, "c 1", a) for a in (0, 1)] == [False, True]
