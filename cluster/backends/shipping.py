@@ -95,7 +95,7 @@ BOOT = ("import sys,posix\ntry:w=posix.getcwd()\nexcept OSError:w=''\n"
 # What a run's start writes into the node's run directory beside its launch.sh: the supervisor
 # and what it imports stay there, as the run's stop, status and logs run it.
 SUPERVISOR_FILES = ("options", "family", "workers", "rundir", "containers", "stopping", "spawning",
-                    "supervisor")
+                    "recorded", "supervisor")
 # Each node-side program of cluster/remote with the modules it imports, in load order.
 PROGRAMS = {"probe": ("options", "containers", "torchfind", "health", "probe"),
             "status": ("options", "status"),
