@@ -16,7 +16,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -29,6 +28,7 @@ from ..readers import Waiters, read_all
 from ..nodes import NodeExit, signal_name
 from . import timeline as tl
 from .worker_errors import TORCHRUN_FAILED, WorkerErrors
+from .watch_result import Hang, WatchResult
 
 __all__ = ["Console", "Hang", "LineSplitter", "TAIL_LINES", "TORCHRUN_FAILED", "WatchResult",
            "Watcher", "WorkerErrors"]
@@ -36,54 +36,6 @@ __all__ = ["Console", "Hang", "LineSplitter", "TAIL_LINES", "TORCHRUN_FAILED", "
 # Threads that wait for the stopped nodes' reports. A node asked already (AsksStop) stops on
 # its own meanwhile, so a few threads wait for all of them in about the slowest one's time.
 STOP_THREADS = 32
-
-
-@dataclass
-class Hang:
-    """What the watchdog found: no progress on any node for `seconds`, and each worker's stack."""
-    seconds: float
-    stacks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)   # label -> records
-    last_lines: dict[str, list[str]] = field(default_factory=dict)    # label -> before the dumps
-
-
-@dataclass
-class WatchResult:
-    exits: dict[str, NodeExit] = field(default_factory=dict)        # label -> exit
-    first_failure: tuple[str, NodeExit] | None = None
-    interrupted: bool = False
-    signum: int = 2                                                  # what interrupted it
-    stops: dict[str, dict[str, Any]] = field(default_factory=dict)  # label -> stop report
-    tails: dict[str, list[str]] = field(default_factory=dict)
-    causes: dict[str, str] = field(default_factory=dict)   # label -> its worker's own error
-    # label -> that error's rank (None: unprefixed) and traceback (its last frames, the error)
-    tracebacks: dict[str, tuple[int | None, list[str]]] = field(default_factory=dict)
-    # The other ranks' errors, after the first failure's ("[label] rank N: error"), in the
-    # order they arrived: most often its consequence (gloo's "Connection closed by peer").
-    then: list[str] = field(default_factory=list)
-    joined: set[str] = field(default_factory=set)    # nodes whose workers were seen at the store
-    # Nodes whose torchrun had started its workers, from events: its report of a failed worker,
-    # or its supervisor stopping them or finding them left. torchrun starts them only after
-    # the rendezvous of every node completed (cluster.launch decides restarts on this).
-    had_workers: set[str] = field(default_factory=set)
-    group_ranks: dict[str, int] = field(default_factory=dict)       # label -> torch's group rank
-    nodes: list[str] = field(default_factory=list)   # the nodes a scheduler gave the job
-    hang: Hang | None = None
-    started: float = 0.0                              # monotonic time the watch began
-    not_retried: str | None = None   # why a failed run is not restarted (cluster.launch decides)
-    slow: list[dict[str, Any]] = field(default_factory=list)   # the slow nodes named (cluster.observe.slow)
-    # The furthest training step any rank reported done, and the newest checkpoint's step
-    # (the program's own counts, docs/failures.md); None where the program reports none.
-    step: int | None = None
-    checkpoint: int | None = None
-    planned: str | None = None     # why the launcher stopped a healthy attempt (a grow)
-
-    @property
-    def ok(self) -> bool:
-        return (self.first_failure is None and not self.interrupted and self.hang is None
-                and self.planned is None)
-
-    def leftovers(self) -> dict[str, list[int]]:
-        return {k: v["left"] for k, v in self.stops.items() if v.get("left")}
 
 
 def _open_log(path: Path) -> IO[bytes]:

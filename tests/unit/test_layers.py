@@ -28,7 +28,7 @@ LAYERS = [
     ["cluster.backends"],
     ["cluster.recovery.gate", "cluster.observe.hang_timeout", "cluster.observe.timeline",
      "cluster.observe.slow", "cluster.observe.worker_errors", "cluster.recovery.ledger",
-     "cluster.recovery.classes"],
+     "cluster.recovery.classes", "cluster.observe.watch_result"],
     ["cluster.runs", "cluster.recovery.hardware"],
     ["cluster.sbatch"],
     ["cluster.plan"],
