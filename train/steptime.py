@@ -79,6 +79,7 @@ class StepTimes:
         self.steps = 0
         self.step: int | None = None         # the training step done (the program's count)
         self.checkpoint: int | None = None   # the step of the newest checkpoint written
+        self.last: dict | None = None        # the last line written with times
         self._step_data = self._step_compute = 0.0
         self._fwd_at: float | None = None        # this micro-step's forward start ...
         self._grad_at: float | None = None       # ... and its last gradient
@@ -180,8 +181,8 @@ class StepTimes:
             return
         if self.steps:
             self._write(self.clock())
-        else:
-            self._replace({"rank": self.rank, **self._progress()})
+        else:       # nothing counted since: the last line's times stay, for a reader of them
+            self._replace({**(self.last or {"rank": self.rank}), **self._progress()})
 
     def _progress(self) -> dict:
         return {**({"step": self.step} if self.step is not None else {}),
@@ -226,6 +227,7 @@ class StepTimes:
         self.compute = self.data = 0.0
         self.steps = 0
         self.since = now
+        self.last = line
         self._replace(line)
 
     def _replace(self, line: dict) -> None:

@@ -286,7 +286,9 @@ def test_the_heartbeat_says_its_section_while_a_checkpoint_is_written(tmp_path):
 def test_each_line_names_the_training_step_and_a_checkpoint_is_said_at_once(tmp_path):
     """CPU. The step the program counts (a resumed run's, not this process's) goes with each
     line; a checkpoint written is a line of its own at once, and mark() writes the step
-    reached without a step counted since (on the way out of a failed step)."""
+    reached (on the way out of a failed step); with no step counted since, the last line's
+    times stay in it (`cluster top` reads them: a stopped rank reads as stalled, not as
+    never reported)."""
     path = str(tmp_path / "heartbeat")
     times = steptime.StepTimes(path, 0, torch.device("cpu"), every_s=3600.0)
     model = Busy()
@@ -308,5 +310,8 @@ def test_each_line_names_the_training_step_and_a_checkpoint_is_said_at_once(tmp_
     line = report(path)
     assert (line["steps"], line["step"], line["checkpoint"]) == (1, 43, 42) and line["compute"] > 0
     os.remove(f"{path}.steps.0")
-    times.mark()                               # nothing counted since: the counts alone
-    assert report(path) == {"rank": 0, "step": 43, "checkpoint": 42}
+    times.saved(43)                            # nothing counted since: the last times stay
+    assert report(path) == {**line, "checkpoint": 43}
+    fresh = steptime.StepTimes(str(tmp_path / "other"), 1, torch.device("cpu"))
+    fresh.saved(7)                             # no line yet: the counts alone
+    assert json.loads(open(f"{tmp_path}/other.steps.1").read()) == {"rank": 1, "checkpoint": 7}
