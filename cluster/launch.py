@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,7 +224,8 @@ def _attempts(inventory: Inventory, job: Job, templates: Templates, backend: Bac
         verdict = _verdict(result, odd)
         _record(run, plan, backend, procs, result, history, console, verdict)
         remember(options.ledger, events, console.info)
-        timeline.event(tl.ENDED, how=_ending(result))
+        timeline.event(tl.ENDED, how=_ending(result),
+                       **({"odd_node": odd[0], "odd_frame": odd[1]} if odd else {}))
         if result.planned:
             console.info(result.planned)
             timeline.event(tl.RESTART, why=result.planned, planned=True)
@@ -236,8 +237,9 @@ def _attempts(inventory: Inventory, job: Job, templates: Templates, backend: Bac
             timeline.event(tl.RESTART, why=retry, **_cause_of(result),
                            **({"class": verdict.cls} if verdict else {}))
             before = inventory.hosts
-            inventory = _next_hosts(inventory, culprits(events, options.replace_slow), spares,
-                                    options, console)
+            held = culprits(events, options.replace_slow)
+            inventory = _next_hosts(inventory, held, spares, options, console)
+            _aside(timeline, before, inventory.hosts, held)
             lost = {e.node for e in events if e.kind == "lost"}
             kept = {h.name for h in inventory.hosts}
             readmit.lost([h for h in before if h.name in lost and h.name not in kept])
@@ -378,6 +380,17 @@ def _next_hosts(inventory: Inventory, held: dict[str, str], spares: list[Host],
         return inventory
     out = replace(inventory.hosts, held, spares, min_nodes=options.min_nodes)
     return out.applied(inventory, spares, console.info)
+
+
+def _aside(timeline: tl.Recorder, before: Sequence[Host], after: Sequence[Host],
+           held: Mapping[str, str]) -> None:
+    """An event for each host the next attempt leaves out, why, and the spare in its place."""
+    names = {h.name for h in after}
+    came = [h.name for h in after if h.name not in {b.name for b in before}]
+    for host in before:
+        if host.name not in names:
+            timeline.event(tl.ASIDE, host=host.name, why=held.get(host.name, "set aside"),
+                           **({"spare": came.pop(0)} if came else {}))
 
 
 def _evidence(result: WatchResult, label: str) -> str:

@@ -79,6 +79,7 @@ class StepTimes:
         self.steps = 0
         self.step: int | None = None         # the training step done (the program's count)
         self.checkpoint: int | None = None   # the step of the newest checkpoint written
+        self.saving = 0.0                    # seconds spent saving checkpoints, all of them
         self.last: dict | None = None        # the last line written with times
         self._step_data = self._step_compute = 0.0
         self._fwd_at: float | None = None        # this micro-step's forward start ...
@@ -168,10 +169,12 @@ class StepTimes:
             self._write(now)
             self.window = math.floor(now / self.every_s) if self.every_s > 0 else now
 
-    def saved(self, step: int) -> None:
-        """A checkpoint of `step` is written: said at once (the launcher waits for one before
-        a planned restart), with what is counted so far."""
+    def saved(self, step: int, seconds: float = 0.0) -> None:
+        """A checkpoint of `step` is written, in `seconds`: said at once (the launcher waits
+        for one before a planned restart), with what is counted so far. The seconds add up
+        ("saving"): the launcher's goodput counts them apart from the training."""
         self.checkpoint = step
+        self.saving += max(0.0, seconds)
         self.mark()
 
     def mark(self) -> None:
@@ -186,7 +189,8 @@ class StepTimes:
 
     def _progress(self) -> dict:
         return {**({"step": self.step} if self.step is not None else {}),
-                **({"checkpoint": self.checkpoint} if self.checkpoint is not None else {})}
+                **({"checkpoint": self.checkpoint} if self.checkpoint is not None else {}),
+                **({"saving": round(self.saving, 3)} if self.saving > 0 else {})}
 
     def _read_completed(self) -> None:
         """Count the queued steps whose events have all completed, oldest first; past

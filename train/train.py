@@ -740,12 +740,14 @@ def write_checkpoint(run: Run, point: dict, state: dict, rng: list) -> str:
 
 
 def save_checkpoint(run: Run, progress: Progress) -> None:
-    """Every rank's RNG state goes to rank 0 (one collective), which writes the file."""
+    """Every rank's RNG state goes to rank 0 (one collective), which writes the file. The
+    time it took, the gather's included, is reported with it (goodput's checkpoint saves)."""
+    began = time.monotonic()
     rng = du.all_gather_object(ckpt_mod.rng_state(), run.info)
     if run.info.is_main:
         with run.heartbeat.section("checkpoint"):
             write_checkpoint(run, progress.point(), training_state(run), rng)
-        run.step_times.saved(progress.step)
+        run.step_times.saved(progress.step, time.monotonic() - began)
     progress.saved_step = progress.step
 
 
@@ -764,9 +766,10 @@ def save_on_stop(run: Run, progress: Progress, wait_s: float) -> None:
         run.log.print(f"stop requested (SIGTERM) at step {point['step']}: already checkpointed")
         return
     rng = [ckpt_mod.rng_state()] + [None] * (run.info.world_size - 1)
+    began = time.monotonic()
     path = write_checkpoint(run, point, state, rng)
     progress.saved_step = point["step"]
-    run.step_times.saved(point["step"])
+    run.step_times.saved(point["step"], time.monotonic() - began)
     run.log.write({"type": "stop", "step": point["step"], "checkpoint": path})
     run.log.print(f"stop requested (SIGTERM): saved step {point['step']} to {path}")
 

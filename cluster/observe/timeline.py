@@ -59,7 +59,8 @@ ENDED = "ended"            # an attempt's watch ended (how: finished, a node fai
 RESTART = "restart"        # the whole job starts again (why, cause)
 OUTCOME = "outcome"        # how the launch ended (ok, error)
 SLOW = "slow"              # a node persistently slower than the others (issue 26 item 1)
-CHECKPOINT = "checkpoint"  # a newer checkpoint was reported (step)
+CHECKPOINT = "checkpoint"  # a newer checkpoint was reported (step, saving: seconds saving so far)
+ASIDE = "aside"            # a host set aside for the next attempt (host, why, spare)
 
 THIN = 5.0                 # seconds between two recorded beats (or output lines) of a node
 FREQUENT = (BEAT, OUTPUT, CHECKPOINT)  # the thinned kinds; every other kind is always kept
@@ -70,7 +71,12 @@ EVENTS, JSON_NAME, PNG_NAME = "events.jsonl", "timeline.json", "timeline.png"
 
 class Recorder:
     """Events in, each handed to `sink` (EventsFile, a list's append in tests). Without a
-    sink it records nothing: the watcher's default. Thread-safe (a pump thread per node)."""
+    sink it records nothing: the watcher's default. Thread-safe (a pump thread per node).
+
+    Listeners (listen()) are told every event as it is recorded, the frequent kinds before
+    they are thinned: the live views (metrics, alerts) see each beat, the file keeps a bound.
+    A listener is called under the recorder's lock, so it must only take note (a dict's
+    update, a queue's put); one that raises is left out from then on, never the run's."""
 
     def __init__(self, sink: Callable[[Event], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -84,6 +90,10 @@ class Recorder:
         self.last: dict[tuple[str, str], float] = {}           # (kind, node) -> m recorded
         self.held: dict[tuple[str, str], Event] = {}           # thinned, not yet written
         self.kinds: set[str] = set()                            # the kinds recorded so far
+        self.listeners: list[Callable[[Event], None]] = []
+
+    def listen(self, listener: Callable[[Event], None]) -> None:
+        self.listeners.append(listener)
 
     def event(self, kind: str, node: str | None = None, **detail: Any) -> None:
         if self.sink is None:
@@ -91,17 +101,21 @@ class Recorder:
         with self.lock:
             if kind in (EXIT, HANG, STOP):      # the last beat before an end is a fact too
                 self._flush(node)
-            self.sink(self._stamp(kind, node, detail))
+            ev = self._stamp(kind, node, detail)
+            self._tell(ev)
+            self.sink(ev)
 
-    def beat(self, node: str) -> None:
-        self._thinned(BEAT, node)
+    def beat(self, node: str, **detail: Any) -> None:
+        """A node's heartbeat moved; detail: what it said with it (step, work and data
+        seconds per step), kept on the event."""
+        self._thinned(BEAT, node, **detail)
 
     def output(self, node: str) -> None:
         self._thinned(OUTPUT, node)
 
-    def checkpoint(self, step: int) -> None:
+    def checkpoint(self, step: int, **detail: Any) -> None:
         """A newer checkpoint reported (the job's, not a node's): thinned as beats are."""
-        self._thinned(CHECKPOINT, None, step=step)
+        self._thinned(CHECKPOINT, None, step=step, **detail)
 
     def flush(self) -> None:
         """Write every held (thinned) event: at the end of an attempt."""
@@ -125,6 +139,7 @@ class Recorder:
             key = (kind, node or "")
             held = self.held.get(key)
             ev = self._stamp(kind, node, {"n": (held["n"] if held else 0) + 1, **detail})
+            self._tell(ev)
             last = self.last.get(key)
             if last is not None and ev["m"] - last < self.thin:
                 self.held[key] = ev
@@ -132,6 +147,13 @@ class Recorder:
             self.held.pop(key, None)
             self.last[key] = ev["m"]
             self._write(ev)
+
+    def _tell(self, ev: Event) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(dict(ev))
+            except Exception:  # a view's fault never stops the record (or the run)
+                self.listeners.remove(listener)
 
     def _flush(self, node: str | None) -> None:
         """The held events of `node`, or of every node, in the order they happened."""

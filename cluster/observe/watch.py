@@ -7,6 +7,8 @@ happens, not on a timer.
 """
 from __future__ import annotations
 
+import math
+
 import itertools
 import os
 import queue
@@ -261,7 +263,7 @@ class Watcher:
                 section, pace = record.get("section"), record.get("pace")
                 self.timeout.beat(label, self.progress, section if isinstance(section, str) else None,
                                   float(pace) if isinstance(pace, (int, float)) else None)
-                self.timeline.beat(label)
+                self.timeline.beat(label, **beat_detail(record))
                 if isinstance(record.get("at"), dict):
                     self._reached(record["at"])
                 if record.get("steps"):
@@ -294,7 +296,9 @@ class Watcher:
             r.step = step
         if isinstance(ckpt, int) and (r.checkpoint is None or ckpt > r.checkpoint):
             r.checkpoint = ckpt
-            self.timeline.checkpoint(ckpt)
+            saving = at.get("saving")
+            self.timeline.checkpoint(ckpt, **({"saving": round(float(saving), 3)}
+                                              if isinstance(saving, (int, float)) else {}))
             if self.on_checkpoint is not None:
                 self.on_checkpoint(ckpt)
 
@@ -463,3 +467,22 @@ def selectable_fd(proc: NodeProcess) -> int | None:
         return proc.fileno()
     except (AttributeError, OSError, ValueError):   # a channel without one
         return None
+
+
+def beat_detail(record: dict[str, Any]) -> dict[str, Any]:
+    """What a beat's record said of the node's progress, for its timeline event: the furthest
+    step its ranks named, and its slowest rank's own work and data seconds per step (the
+    slow-node rule's times), where the program reports them."""
+    out: dict[str, Any] = {}
+    at = record.get("at")
+    if isinstance(at, dict) and isinstance(at.get("step"), int):
+        out["step"] = at["step"]
+    try:
+        times = [(float(cd[0]), float(cd[1])) for cd in (record.get("steps") or {}).values()]
+    except (AttributeError, TypeError, ValueError, IndexError):
+        times = []
+    times = [t for t in times if math.isfinite(t[0]) and math.isfinite(t[1])]
+    if times:
+        out["work"] = round(max(c for c, _ in times), 4)
+        out["data"] = round(max(d for _, d in times), 4)
+    return out

@@ -309,7 +309,7 @@ def step_times(heartbeat_file, seen, at=None):
     the files `<heartbeat>.steps.<RANK>` (one JSON line each; the protocol is in
     docs/failures.md). A file not rewritten since it was sent is left out (a finished or
     stuck rank reports nothing new); an unreadable one too. at: given, takes the furthest
-    "step" and "checkpoint" those lines name (note_progress)."""
+    "step" and "checkpoint" those lines name, and the "saving" seconds (note_progress)."""
     folder, base = os.path.split(heartbeat_file)
     try:
         names = [n for n in os.listdir(folder or ".") if n.startswith(base + ".steps.")
@@ -342,6 +342,9 @@ def note_progress(at, line):
         value = line.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             at[key] = max(at.get(key, value), value)
+    saving = line.get("saving")      # seconds spent saving checkpoints so far (rank 0's)
+    if isinstance(saving, (int, float)) and not isinstance(saving, bool) and 0 <= saving < 1e9:
+        at["saving"] = max(at.get("saving", saving), saving)
 
 
 def progress_of(heartbeat_file):

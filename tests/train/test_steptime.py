@@ -299,9 +299,9 @@ def test_each_line_names_the_training_step_and_a_checkpoint_is_said_at_once(tmp_
         model(times.next(batches)).sum().backward()
         times.end(step)
     assert report(path)["step"] == 41 and "checkpoint" not in report(path)   # the first only
-    times.saved(42)
+    times.saved(42, 0.75)
     line = report(path)
-    assert (line["step"], line["checkpoint"], line["steps"]) == (42, 42, 1)
+    assert (line["step"], line["checkpoint"], line["steps"], line["saving"]) == (42, 42, 1, 0.75)
     times.begin()
     model(times.next(batches)).sum().backward()
     times.end(43)
@@ -310,8 +310,8 @@ def test_each_line_names_the_training_step_and_a_checkpoint_is_said_at_once(tmp_
     line = report(path)
     assert (line["steps"], line["step"], line["checkpoint"]) == (1, 43, 42) and line["compute"] > 0
     os.remove(f"{path}.steps.0")
-    times.saved(43)                            # nothing counted since: the last times stay
-    assert report(path) == {**line, "checkpoint": 43}
+    times.saved(43, 0.5)                       # nothing counted since: the last times stay
+    assert report(path) == {**line, "checkpoint": 43, "saving": 1.25}   # the saves add up
     fresh = steptime.StepTimes(str(tmp_path / "other"), 1, torch.device("cpu"))
     fresh.saved(7)                             # no line yet: the counts alone
     assert json.loads(open(f"{tmp_path}/other.steps.1").read()) == {"rank": 1, "checkpoint": 7}

@@ -280,3 +280,16 @@ def test_a_node_class_failure_and_a_transient_one_restart() -> None:
     reset = failed()
     reset.causes = {"b 1": "RuntimeError: Connection reset by peer"}
     assert _verdict(reset, None).cls == "transient"
+
+
+def test_each_host_set_aside_is_an_event_with_why_and_its_spare() -> None:
+    from cluster.launch import _aside
+    from cluster.observe import timeline as tl
+    from cluster.spec import Host
+    events: list[tl.Event] = []
+    rec = tl.Recorder(events.append)
+    a, b, c, s = (Host(name=n, address=n) for n in ("a", "b", "c", "s"))
+    _aside(rec, [a, b, c], [a, s], {"b": "lost", "c": "GPU error"})
+    assert [(e["kind"], e["host"], e["why"], e.get("spare")) for e in events] == \
+        [("aside", "b", "lost", "s"), ("aside", "c", "GPU error", None)]
+    assert all("node" not in e for e in events)          # the job's event: no lane of its own

@@ -65,6 +65,32 @@ def test_beats_are_thinned_and_the_count_kept_then_flushed_at_the_exit() -> None
     assert sum(e["n"] for e in events if e["kind"] == "beat") == 12       # every beat counted
 
 
+def test_a_listener_is_told_every_beat_with_its_detail_and_a_faulty_one_is_left_out() -> None:
+    """The live views (metrics, alerts) see each beat before thinning, with what the node
+    said of its progress; the file keeps its bound; a listener that raises never stops the
+    record."""
+    rec, events, clock = recorder(thin=5)
+    told: list[tl.Event] = []
+    rec.listen(told.append)
+    broken = []
+
+    def faulty(ev: tl.Event) -> None:
+        broken.append(ev)
+        raise RuntimeError("a view's bug")
+    rec.listen(faulty)
+    for second in range(4):
+        clock.now = 100.0 + second
+        rec.beat("a 0", step=second, work=0.2, data=0.01)
+    rec.checkpoint(3, saving=0.4)
+    assert [(e["kind"], e.get("step")) for e in told] == [("beat", 0), ("beat", 1), ("beat", 2),
+                                                         ("beat", 3), ("checkpoint", 3)]
+    assert told[3]["work"] == 0.2 and told[4]["saving"] == 0.4
+    assert len(broken) == 1 and rec.listeners == [told.append]
+    assert [e.get("step") for e in events if e["kind"] == "beat"] == [0]       # thinned
+    rec.flush()
+    assert [e.get("step") for e in events if e["kind"] == "beat"] == [0, 3]    # the latest held
+
+
 def test_output_is_recorded_first_then_thinned_per_node() -> None:
     rec, events, clock = recorder(thin=5)
     rec.output("a 0")

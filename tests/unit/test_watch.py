@@ -449,3 +449,13 @@ def test_the_other_ranks_errors_are_in_the_order_they_arrived_across_nodes(tmp_p
     res = Watcher([late, failing, early], c, {}).run()
     assert res.then == ["[c 2] rank 2: RuntimeError: peer of rank 2 gone",
                         "[a 0] rank 0: RuntimeError: peer of rank 0 gone"], (res.then, order)
+
+
+def test_a_beats_detail_is_the_furthest_step_and_the_slowest_ranks_times() -> None:
+    from cluster.observe.watch import beat_detail
+    assert beat_detail({"beat": 1.0, "at": {"step": 12, "checkpoint": 10},
+                        "steps": {"0": [0.2, 0.01], "1": [0.31, 0.005]}}) == \
+        {"step": 12, "work": 0.31, "data": 0.01}
+    assert beat_detail({"beat": 1.0}) == {}
+    assert beat_detail({"beat": 1.0, "steps": {"0": ["x", 1]}, "at": {"step": "9"}}) == {}
+    assert beat_detail({"beat": 1.0, "steps": {"0": [float("nan"), 0.1]}}) == {}

@@ -161,6 +161,21 @@ def test_step_times_are_read_beside_the_heartbeat_once_each(tmp_path) -> None:
     assert workers.step_times(str(tmp_path / "gone" / "heartbeat"), {}) == {}
 
 
+def test_the_saving_seconds_are_the_furthest_any_rank_named_and_junk_says_nothing(tmp_path) -> None:
+    """progress_of: "saving" (seconds spent saving checkpoints, which only grow) is the
+    largest a rank's line names; a negative, boolean or non-number one is left out."""
+    beat = tmp_path / "heartbeat"
+    (tmp_path / "heartbeat.steps.0").write_text(
+        '{"rank": 0, "compute": 0.2, "data": 0.01, "step": 9, "checkpoint": 8, "saving": 1.25}\n')
+    (tmp_path / "heartbeat.steps.1").write_text(
+        '{"rank": 1, "compute": 0.2, "data": 0.01, "step": 9, "saving": 0.5}\n')
+    assert workers.progress_of(str(beat)) == {"step": 9, "checkpoint": 8, "saving": 1.25}
+    for junk in ('-1', 'true', '"2"', '1e12'):
+        (tmp_path / "heartbeat.steps.0").write_text(f'{{"rank": 0, "compute": 0.2, "data": 0.1, "saving": {junk}}}\n')
+        (tmp_path / "heartbeat.steps.1").unlink(missing_ok=True)
+        assert "saving" not in workers.progress_of(str(beat)), junk
+
+
 def test_a_section_is_read_from_the_heartbeat_file_and_nothing_else_is_one(tmp_path: Path) -> None:
     beat = tmp_path / "heartbeat"
     assert workers.section_of(str(beat)) is None                  # no file yet
