@@ -28,7 +28,7 @@ from .runs import RunDir
 from .observe.slow import SlowNodes
 from .spec import HangAuto, Host, Inventory, SlowNode
 from .observe import timeline as tl
-from .observe import timeline_png
+from .observe import goodput, timeline_png
 from .observe.watch import Watcher, WatchResult
 
 def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
@@ -137,14 +137,34 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
         code = _up(inventory, job, templates, backend, run, argv, console, options, environ,
                    timeline)
     except BaseException as exc:
-        timeline.event(tl.OUTCOME, ok=False, error=str(exc) or type(exc).__name__)
-        if not options.detach and tl.CHECK in timeline.kinds:     # not for a refused command line
+        ran = not options.detach and tl.CHECK in timeline.kinds     # not a refused command line
+        timeline.event(tl.OUTCOME, ok=False, error=str(exc) or type(exc).__name__,
+                       **_goodput(run, timeline, console, ran))
+        if ran:
             _timeline(run, console)
         raise
-    timeline.event(tl.OUTCOME, ok=code == 0, code=code)
+    timeline.event(tl.OUTCOME, ok=code == 0, code=code,
+                   **_goodput(run, timeline, console, not options.detach))
     if not options.detach:
         _timeline(run, console)
     return code
+
+
+def _goodput(run: RunDir, timeline: tl.Recorder, console: Console, said: bool) -> dict[str, Any]:
+    """The run's goodput up to now, from its events: into run.json, said (an attached run),
+    and its headline for the outcome's event ({} when there is none: a detached run)."""
+    try:
+        found = goodput.goodput(tl.read_events(run.path / tl.EVENTS), end=timeline.clock())
+        if found is None:
+            return {}
+        run.update(goodput={k: v for k, v in found.items() if k != "segments"})
+    except Exception as exc:  # a damaged record: the run's outcome matters more
+        console.info(f"goodput not computed: {exc}")
+        return {}
+    if said:
+        console.info(goodput.line(found))
+    return {"goodput": {"fraction": found["fraction"], "wall": found["wall"],
+                        "productive": found["productive"]}}
 
 
 def _timeline(run: RunDir, console: Console) -> None:

@@ -132,6 +132,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 STEP_SLEEP_ENV = "CLUSTER_TRAIN_TEST_STEP_SLEEP"
 HANG_ENV = "CLUSTER_TRAIN_TEST_HANG_AFTER_STEP"
+FAIL_ENV = "CLUSTER_TRAIN_TEST_FAIL_AT_STEP"    # rank 0 raises at this step, in attempt 1 only
 # After a collective fails, how long to wait for the SIGTERM that usually caused it (a peer
 # that heard it first has left) before treating the failure as an error.
 FAILED_COLLECTIVE_WAIT_S = 2.0
@@ -262,11 +263,14 @@ class Progress:
 class TestHooks:
     step_sleep: float = 0.0
     hang_after_step: int | None = None
+    fail_at_step: int | None = None
 
     @classmethod
     def from_env(cls) -> "TestHooks":
-        hang = os.environ.get(HANG_ENV)
-        return cls(float(os.environ.get(STEP_SLEEP_ENV, "0") or 0), int(hang) if hang else None)
+        hang, fail = os.environ.get(HANG_ENV), os.environ.get(FAIL_ENV)
+        first = os.environ.get("CLUSTER_RESTART_COUNT", "0") in ("", "0")
+        return cls(float(os.environ.get(STEP_SLEEP_ENV, "0") or 0), int(hang) if hang else None,
+                   int(fail) if fail and first else None)
 
 
 @dataclass
@@ -654,6 +658,8 @@ def after_step(run: Run, progress: Progress) -> None:
     run.pace.boundary()
     if run.hooks.hang_after_step == progress.step:
         threading.Event().wait()
+    if run.hooks.fail_at_step == progress.step and run.info.is_main:
+        raise RuntimeError(f"test failure at step {progress.step} ({FAIL_ENV})")
     if run.stop.requested.is_set():
         stop_now(run, progress)
 

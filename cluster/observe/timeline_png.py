@@ -4,6 +4,7 @@ cluster itself: imported here, lazily, and only here).
 
 One lane per node: the check, the start, the join, its first output and beats (with the step
 rate), its exit; the first failure, the stop, a hang's stalled stretch; each attempt a band.
+Below the lanes, the goodput band: where the wall time went (cluster.observe.goodput's parts).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from . import goodput
 from . import timeline as tl
 from ..console import Console
 from ..errors import InputError
@@ -32,6 +34,7 @@ def write(run: RunDir, console: Console) -> Path:
     except InputError:          # a damaged record: the timeline is drawn from the events alone
         meta = {}
     data = tl.timeline(tl.read_events(run.path / tl.EVENTS), meta)
+    data["goodput"] = goodput.goodput(tl.read_events(run.path / tl.EVENTS))
     json_path = tl.write_json(run.path, data)
     for note in data["notes"]:
         console.info(f"timeline: {note}")
@@ -57,7 +60,9 @@ def draw(data: dict[str, Any], path: Path) -> None:
     end = max(data["end"], 1.0)
     # 0.45 in a lane, less past 30 nodes: the picture stays under about 17 in (1,500 px) tall
     lane = min(0.45, 14 / max(1, len(lanes)))
-    height = 2.3 + lane * max(1, len(lanes))
+    gp = data.get("goodput")
+    rows = len(lanes) + (1 if gp else 0)
+    height = 2.6 + lane * max(1, rows)
     fig = Figure(figsize=(10, height), dpi=90)
     ax = fig.subplots()
     _bands(ax, data, end)
@@ -65,14 +70,18 @@ def draw(data: dict[str, Any], path: Path) -> None:
         _lane(ax, y, node, data["lanes"][node], data, end, lane / 0.45)
     _job(ax, data, len(lanes))
     every = max(1, round(0.15 / lane))          # a name every `every` lanes when they are thin
-    ax.set_yticks(range(0, len(lanes), every), lanes[::every],
-                  fontsize=min(10, 72 * lane * every * 0.6))
-    ax.set_ylim(len(lanes) - 0.4, -0.9)
+    ticks, names = list(range(0, len(lanes), every)), lanes[::every]
+    if gp:
+        _goodput_band(ax, len(lanes), gp)
+        ticks, names = ticks + [len(lanes)], names + [_goodput_name(gp)]
+    ax.set_yticks(ticks, names, fontsize=min(10, 72 * lane * every * 0.6))
+    ax.set_ylim(rows - 0.4, -0.9)
     ax.set_xlim(-0.01 * end, end * 1.04)
     ax.set_xlabel("seconds since the launch began" + _clock(data))
     ax.set_title(_title(data), fontsize=10, loc="left")
-    fig.legend(handles=_legend(), loc="lower center", ncol=7, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.5 / height, 1, 1))      # room below for the legend's two rows
+    fig.legend(handles=_legend() + (_goodput_legend(gp) if gp else []), loc="lower center",
+               ncol=6, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 1.0 / height, 1, 1))      # room below for the legend's rows
     _save(fig, path)
 
 
@@ -247,3 +256,41 @@ def _legend() -> list[Any]:
             Line2D([], [], marker="s", color="black", ls="", label="exit"),
             Line2D([], [], color=RED, ls="--", label="stop"),
             Line2D([], [], marker="v", color=PURPLE, ls="", label="slow node")]
+
+
+# The goodput band's colours, a part each: training green as the lanes' running.
+PART_COLOURS = {"training": GREEN, "startup": BLUE, "rendezvous": "#c6dbef",
+                "checkpoint": "#fdd0a2", "restart": ORANGE, "redone": "#fb6a4a",
+                "detection": STALLED, "slow": PURPLE, "ending": GREY}
+
+
+def _goodput_band(ax: Any, y: int, gp: dict[str, Any]) -> None:
+    """One row below the lanes: each stretch of the wall time in its part's colour; the
+    training after a slow node was named hatched (only its pace's excess is the cost)."""
+    for x0, x1, part in gp.get("segments") or []:
+        slow = part == "slow"
+        ax.broken_barh([(x0, x1 - x0)], (y - 0.3, 0.6),
+                       facecolor=PART_COLOURS["training" if slow else part],
+                       edgecolor=PURPLE if slow else "none", hatch="//" if slow else None,
+                       lw=0, zorder=2)
+
+
+def _goodput_name(gp: dict[str, Any]) -> str:
+    frac = gp.get("fraction")
+    return f"goodput {frac * 100:.0f}%" if frac is not None else "goodput"
+
+
+def _goodput_legend(gp: dict[str, Any]) -> list[Any]:
+    """The parts the band shows, with their seconds."""
+    from matplotlib.patches import Patch
+    shown = {part for _, _, part in gp.get("segments") or []}
+    return [Patch(facecolor=PART_COLOURS["training" if p == "slow" else p],
+                  edgecolor=PURPLE if p == "slow" else "none", hatch="//" if p == "slow" else None,
+                  lw=0, label=_part_label(p, gp["parts"][p]))
+            for p in goodput.PARTS if p in shown or p == "training"]
+
+
+def _part_label(part: str, seconds: float) -> str:
+    if part == "slow":
+        return f"after a slow node: its cost {seconds:.1f} s"
+    return f"{goodput.NAMES[part]} {seconds:.1f} s"

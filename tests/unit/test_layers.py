@@ -25,7 +25,7 @@ LAYERS = [
     ["cluster.recovery.check"],
     ["cluster.observe.watch", "cluster.observe.hang", "cluster.observe.timeline_png",
      "cluster.recovery.pool", "cluster.recovery.grow"],
-    ["cluster.backends"],
+    ["cluster.backends", "cluster.observe.goodput"],
     ["cluster.recovery.gate", "cluster.observe.hang_timeout", "cluster.observe.timeline",
      "cluster.observe.slow", "cluster.observe.worker_errors", "cluster.recovery.ledger",
      "cluster.recovery.classes", "cluster.observe.watch_result"],

@@ -282,6 +282,7 @@ def test_launch_records_each_step_and_an_attached_run_ends_with_its_timeline(
         assert [k for k, _, _ in kinds] == ["check", "checked", "start", "started", "detached",
                                             "outcome"]
         assert not (run.path / "timeline.json").exists() and "timeline" not in err.getvalue()
+        assert "goodput" not in err.getvalue() and "goodput" not in run.meta()
         return
     for attempt in (0, 1):
         for node in ("local0 0", "local1 1"):
@@ -293,6 +294,14 @@ def test_launch_records_each_step_and_an_attached_run_ends_with_its_timeline(
     assert [a["ended"] for a in data["attempts"]] == [
         "node [local1 1] failed: exit code 1", "finished"]
     assert "timeline: " in err.getvalue()
+    # goodput: said, in run.json and on the outcome's event, its parts the wall time's
+    recorded = run.meta()["goodput"]
+    assert f"goodput {recorded['fraction'] * 100:.1f}% of {recorded['wall']:.1f} s" in err.getvalue()
+    assert abs(sum(recorded["parts"].values()) - recorded["wall"]) < 0.01
+    assert [a["attempt"] for a in recorded["attempts"]] == [0, 1]
+    outcome = list(tl.read_events(run.path / tl.EVENTS))[-1]
+    assert outcome["goodput"]["fraction"] == recorded["fraction"]
+    assert data["goodput"]["segments"]                       # the picture's band
 
 
 def test_a_hang_writes_every_nodes_held_beat_first_in_order() -> None:
