@@ -289,7 +289,8 @@ class Metrics:
         now = self.clock()
         with self.lock:
             nodes = [NodeView(label, n.state, n.step, _rate(n.beats, now), n.work, n.data,
-                              None if n.beat_m is None else max(0.0, now - n.beat_m), n.slow)
+                              None if n.beat_m is None else max(0.0, now - n.beat_m),
+                              n.slow and n.attempt == self.attempt)
                      for label, n in self.nodes.items()]
             view = RunView(self.run_id, nodes, self.attempt, self.restarts, None,
                            self.checkpoint)
@@ -330,15 +331,14 @@ def endpoint(text: str | int, what: str = "--metrics-port") -> Endpoint:
     address, sep, port_text = raw.rpartition(":")
     if not sep:
         address = DEFAULT_ADDRESS
-    address = address.strip()
-    if address.startswith("[") and address.endswith("]"):
-        address = address[1:-1]
+    bracketed = address.startswith("[") and address.endswith("]")
+    address = address[1:-1] if bracketed else address
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise InputError(f"Invalid value for {what}: {raw!r} is not PORT or HOST:PORT with a "
                          f"port from 0 to 65535 (0: any free port), e.g. 9400 or 0.0.0.0:9400")
-    if not address or (":" in address and not _ip(address)):
-        raise InputError(f"Invalid value for {what}: {raw!r} has no address before its port "
-                         f"(an IPv6 address goes in brackets: [::1]:9400)")
+    if not address or (":" in address and not (bracketed and _ip(address))):
+        raise InputError(f"Invalid value for {what}: {raw!r} has no address before its port, "
+                         f"or an IPv6 one out of brackets ([::1]:9400)")
     return address, int(port_text)
 
 
