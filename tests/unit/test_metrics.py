@@ -18,6 +18,7 @@ from cluster.console import Console
 from cluster.errors import InputError, InventoryError
 from cluster.observe import metrics as mx
 from cluster.observe import timeline as tl
+from cluster.observe import top
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 RUN = "20260101-000000-abcd"
@@ -375,3 +376,28 @@ def test_the_textfile_is_written_whole(tmp_path: Path) -> None:
     assert node(s, "cluster_node_step_rate", "a 0") == 1.5
     assert state(s, "a 0") == "running"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.prom"]   # no temp left
+
+
+def test_a_detached_runs_rows_as_the_same_metrics(tmp_path: Path) -> None:
+    """`cluster status --metrics-textfile`: what the nodes say now (cluster top's rows) under
+    the live view's names; what only the launcher's events know is left out."""
+    rows = [top.Row(1, "b", "exited", code=1), top.Row(2, "c", "exited", code=0),
+            top.Row(0, "a", "running", metrics=top.Metrics(step=40),
+                    pace=top.Pace(2.0, 0.3, 1.5, 1.0, 0.25, 0.05)),
+            top.Row(3, "d", "unreachable"), top.Row(4, "e", "cancelled")]
+    meta = {"attempts": [{"attempt": 0}, {"attempt": 1}], "slow_nodes": [{"node": "a 0"}]}
+    path = tmp_path / "run.prom"
+    mx.write_textfile(str(path), top.metrics_view(RUN, rows, meta))
+    s = parse(path.read_text())
+    assert [state(s, n) for n in ("a 0", "b 1", "c 2", "d 3", "e 4")] == \
+        ["running", "failed", "exited", "unknown", "stopped"]
+    assert node(s, "cluster_node_step_rate", "a 0") == 2.0
+    assert node(s, "cluster_node_step", "a 0") == 40
+    assert node(s, "cluster_node_work_seconds_per_step", "a 0") == 0.25
+    assert node(s, "cluster_node_data_seconds_per_step", "a 0") == 0.05
+    assert node(s, "cluster_node_heartbeat_age_seconds", "a 0") == 1.5
+    assert node(s, "cluster_node_step_rate", "b 1") is None
+    assert node(s, "cluster_node_slow", "a 0") == 1 and run_value(s, "cluster_run_slow_nodes") == 1
+    assert run_value(s, "cluster_run_attempt") == 1 == run_value(s, "cluster_run_restarts_total")
+    assert run_value(s, "cluster_run_nodes_running") == 1
+    assert run_value(s, "cluster_run_goodput_ratio") is None
