@@ -103,34 +103,22 @@ def families(view: RunView) -> Iterator[Metric]:
 
 
 def _run_families(view: RunView) -> Iterator[Metric]:
-    run = [view.run]
-    running = GaugeMetricFamily("cluster_run_nodes_running", "Nodes in the running state",
-                                labels=["run"])
-    running.add_metric(run, float(sum(n.state == RUNNING for n in view.nodes)))
-    yield running
-    slow = GaugeMetricFamily("cluster_run_slow_nodes", "Nodes named slow in this attempt",
-                             labels=["run"])
-    slow.add_metric(run, float(sum(n.slow for n in view.nodes)))
-    yield slow
-    if view.attempt is not None:
-        yield _one(GaugeMetricFamily("cluster_run_attempt", "The attempt running (0: the "
-                                     "first start)", labels=["run"]), run, view.attempt)
-    if view.restarts is not None:
-        yield _one(CounterMetricFamily("cluster_run_restarts", "Whole-job restarts so far",
-                                       labels=["run"]), run, view.restarts)
-    if view.goodput is not None:
-        yield _one(GaugeMetricFamily("cluster_run_goodput_ratio", "Goodput so far: the share "
-                                     "of the run's time spent making progress (0..1)",
-                                     labels=["run"]), run, view.goodput)
-    if view.checkpoint is not None:
-        yield _one(GaugeMetricFamily("cluster_run_checkpoint_step", "The newest checkpoint's "
-                                     "step", labels=["run"]), run, view.checkpoint)
-
-
-def _one(family: GaugeMetricFamily | CounterMetricFamily, labels: list[str],
-         value: float) -> Metric:
-    family.add_metric(labels, float(value))
-    return family
+    running = sum(n.state == RUNNING for n in view.nodes)
+    values: list[tuple[str, str, float | None]] = [
+        ("cluster_run_nodes_running", "Nodes in the running state", running),
+        ("cluster_run_slow_nodes", "Nodes named slow in this attempt",
+         sum(n.slow for n in view.nodes)),
+        ("cluster_run_attempt", "The attempt running (0: the first start)", view.attempt),
+        ("cluster_run_restarts", "Whole-job restarts so far", view.restarts),
+        ("cluster_run_goodput_ratio", "Goodput so far: the share of the run's time spent "
+         "making progress (0..1)", view.goodput),
+        ("cluster_run_checkpoint_step", "The newest checkpoint's step", view.checkpoint)]
+    for name, doc, value in values:
+        if value is not None:
+            kind = CounterMetricFamily if name == "cluster_run_restarts" else GaugeMetricFamily
+            family = kind(name, doc, labels=["run"])
+            family.add_metric([view.run], float(value))
+            yield family
 
 
 class Collector:

@@ -291,12 +291,9 @@ def metrics_view(run_id: str, rows: Sequence[Row], meta: dict[str, Any]) -> mx.R
 
 
 def _node_view(row: Row, slow: set[str]) -> mx.NodeView:
-    label = f"{row.node} {row.rank}"
-    if row.state == "exited":
-        state = mx.EXITED if row.code == 0 else mx.FAILED
-    else:
-        state = STATES.get(row.state, mx.UNKNOWN)
-    pace = row.pace
+    label, pace = f"{row.node} {row.rank}", row.pace
+    state = (mx.EXITED if row.code == 0 else mx.FAILED) if row.state == "exited" \
+        else STATES.get(row.state, mx.UNKNOWN)
     return mx.NodeView(label, state, row.metrics.step if row.metrics else None,
                        pace.rate if pace else None, pace.compute if pace else None,
                        pace.data if pace else None, pace.age if pace else None, label in slow)
