@@ -26,6 +26,7 @@ from .backends import (EXEC, NODE_CHECKS, REMOTE_NODES, REQUEUES, RESTARTS, SHAR
 from .console import Console, NodeProgress
 from .errors import ClusterError, InputError, did_you_mean
 from .observe.hang_timeout import valid as valid_hang_timeout
+from .observe import metrics
 from .plan import Job, Templates
 from .request import Request
 from .runs import RunDir, cache_root, new_run_id
@@ -95,6 +96,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
     contacts nothing (the compiled templates reach their cache when the run starts)."""
     r = request
     secrets = _checked(r)
+    served = _served(r)
     templates = Templates(r.templates_dir, cache_root(environ) / "templates")
     name, inventory = resolve.where(r, secrets, environ)
     chosen = resolve.picked(r, name, inventory, secrets, environ)
@@ -139,8 +141,10 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
         hang_timeout=inventory.hang_timeout if r.hang_timeout is None else r.hang_timeout,
         hang_auto=inventory.hang_auto, slow_node=inventory.slow_node, ledger=chosen.ledger,
         spares=spares, replace_slow=r.replace_slow, grow=r.grow,
-        readmit_every=inventory.gate.readmit_every)
-    return Prepared(inventory, job, templates, backend, name, options, r.dry_run, chosen.notes)
+        readmit_every=inventory.gate.readmit_every,
+        metrics=None if r.detach else served or _endpoint(inventory))
+    notes = chosen.notes + _metrics_notes(r, inventory)
+    return Prepared(inventory, job, templates, backend, name, options, r.dry_run, notes)
 
 
 def _checked(r: Request) -> tuple[str, ...]:
@@ -160,6 +164,35 @@ def _checked(r: Request) -> tuple[str, ...]:
     for number, arg in enumerate(r.command[1:], 1):     # written into the node's script too
         check_text(arg, f"the script's argument {number}")
     return secrets
+
+
+def _endpoint(inventory: Inventory) -> metrics.Endpoint | None:
+    """The inventory's metrics: (address, port), or None when it names no port."""
+    m = inventory.metrics
+    return None if m.port is None else (m.address, m.port)
+
+
+# A detached run serves no metrics: the way it has instead.
+DETACHED_METRICS = ("a detached run has no launcher left to serve them; `cluster status RUN "
+                    "--metrics-textfile PATH` writes them for node_exporter (docs/metrics.md)")
+
+
+def _served(r: Request) -> metrics.Endpoint | None:
+    """--metrics-port (metrics_port=) read, before any file is; refused with --detach."""
+    if r.metrics_port is None:
+        return None
+    where = metrics.endpoint(r.metrics_port)
+    if r.detach:
+        raise InputError(f"--metrics-port serves while `cluster up` watches the run, and "
+                         f"--detach leaves it: {DETACHED_METRICS}")
+    return where
+
+
+def _metrics_notes(r: Request, inventory: Inventory) -> tuple[str, ...]:
+    """The inventory's metrics, left unserved by a detached run: said."""
+    if r.detach and inventory.metrics.port is not None:
+        return (f"metrics: not served ({DETACHED_METRICS})",)
+    return ()
 
 
 def _with(capability: str) -> list[str]:

@@ -27,6 +27,7 @@ from .plan import Job, Plan, Templates
 from .runs import RunDir
 from .observe.slow import SlowNodes
 from .spec import HangAuto, Host, Inventory, SlowNode
+from .observe import metrics
 from .observe import timeline as tl
 from .observe import goodput, timeline_png
 from .observe.watch import Watcher, WatchResult
@@ -121,6 +122,7 @@ class Options:
     replace_slow: bool = False        # a node named slow is set aside too (--replace-slow)
     grow: bool = False                # a lost node back: restart at full size at a checkpoint
     readmit_every: float = 30.0       # seconds between two looks at a lost node (gate.readmit_every)
+    metrics: metrics.Endpoint | None = None   # where the live metrics are served (observe.metrics)
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -133,7 +135,10 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
     options.min_nodes remain. Each step goes into runs/<id>/events.jsonl as it happens; an
     attached run ends by writing its timeline (cluster.observe.timeline_png)."""
     timeline = tl.recorder_for(run.path)
-    try:
+    served = metrics.Served()
+    try:          # served before the first event (and before any node is contacted), if asked
+        served = metrics.serve_run(options.metrics, timeline, run.run_id, console.info,
+                                   goodput_of=lambda: _so_far(run, timeline))
         code = _up(inventory, job, templates, backend, run, argv, console, options, environ,
                    timeline)
     except BaseException as exc:
@@ -143,11 +148,19 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
         if ran:
             _timeline(run, console)
         raise
+    finally:
+        served.stop()
     timeline.event(tl.OUTCOME, ok=code == 0, code=code,
                    **_goodput(run, timeline, console, not options.detach))
     if not options.detach:
         _timeline(run, console)
     return code
+
+
+def _so_far(run: RunDir, timeline: tl.Recorder) -> float | None:
+    """The goodput up to now, for a scrape: the events file read again (its size is bounded)."""
+    found = goodput.goodput(tl.read_events(run.path / tl.EVENTS), end=timeline.clock())
+    return found["fraction"] if found else None
 
 
 def _goodput(run: RunDir, timeline: tl.Recorder, console: Console, said: bool) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class Request:
     replace_slow: bool = False                  # a node named slow is set aside for a spare
     grow: bool = False                          # a lost node back: full size at a checkpoint
     hang_timeout: float | str | None = None     # seconds (0: off), or 'auto': learned
+    metrics_port: str | int | None = None       # [HOST:]PORT: the live metrics served there
     gate: str | None = None                     # the health gate: off, basic or deep
     stop_grace: float | None = None
     keepalive: float | None = None

@@ -305,6 +305,19 @@ class SlowNode:
                         "seconds")
 
 
+@dataclass(frozen=True)
+class MetricsEndpoint:
+    """Where `cluster up` serves a run's live metrics while it watches it (cluster.observe.metrics;
+    docs/metrics.md). `metrics: 9400` is `metrics: {port: 9400}`."""
+    SHORTHAND: ClassVar[str] = "port"
+    port: int | None = key(None, "serve the live metrics at http://ADDRESS:PORT/metrics while "
+                           "an attached run is watched (0: any free port; unset: not served; "
+                           "--metrics-port)", "listen_port", kind="port (0-65535)")
+    address: str = key("127.0.0.1", "the address it binds (0.0.0.0: every interface; the "
+                       "metrics have no secret, but anyone who reaches it reads them)",
+                       "bind_address", kind="IP address or host name")
+
+
 GATE_LEVELS = ("off", "basic", "deep")
 
 
@@ -360,6 +373,8 @@ class Inventory:
                               "section", SlowNode)
     gate: Gate = key(Gate(), "the health gate before every start (off, basic or deep; see gate "
                      "below)", "section", Gate)
+    metrics: MetricsEndpoint = key(MetricsEndpoint(), "serve the live metrics over HTTP "
+                                   "(a port, or see metrics below)", "section", MetricsEndpoint)
     text: str = ""                 # the file as read, recorded in the run directory
     hosts_given: bool = True       # False: SLURM chooses the nodes (one placeholder host)
     # NCCL settings `cluster up` took from `cluster doctor --tune-nccl`'s cache (cluster.tuning)
@@ -441,6 +456,7 @@ def dump(inv: Inventory) -> str:
             "hang_auto": dataclasses.asdict(inv.hang_auto),
             "slow_node": dataclasses.asdict(inv.slow_node),
             "gate": dataclasses.asdict(inv.gate),
+            "metrics": dataclasses.asdict(inv.metrics),
             "ssh": dataclasses.asdict(inv.ssh),
             "slurm": {**dataclasses.asdict(inv.slurm), "extra": dict(inv.slurm.extra)},
             "hosts": [host(h) for h in inv.hosts]}

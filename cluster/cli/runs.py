@@ -8,9 +8,9 @@ from typing import Any
 import click
 
 from .. import backends
-from ..backends import NODE_CHECKS, supports
+from ..backends import EXEC, NODE_CHECKS, supports
 from ..handle import LogErrors, detached_error, first_failed
-from .main import CONTEXT, complete_run, main
+from .main import CONTEXT, SafePath, complete_run, main
 from ..errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
 from ..nodes import NodeStatus, node_row, outcome
 from ..runs import RunDir
@@ -21,12 +21,19 @@ from ..console import Console
 @click.argument("run", required=False, shell_complete=complete_run)
 @click.option("--timeline", "draw", is_flag=True,
               help="Also write runs/RUN/timeline.png (timeline.json without matplotlib) and print its path.")
-def status(run: str | None, draw: bool) -> None:
+@click.option("--metrics-textfile", "textfile", type=SafePath(dir_okay=False), metavar="PATH",
+              help="Instead of the table, write the run's metrics (Prometheus text, the names "
+                   "`cluster up --metrics-port` serves) to PATH at once, for node_exporter's "
+                   "textfile collector; quiet, for a timer.")
+def status(run: str | None, draw: bool, textfile: str | None) -> None:
     """Each node of RUN (default: the newest): running / exited with code / stopped / lost."""
     from rich.console import Console as RichConsole
     from rich.table import Table
     rd = RunDir.find(run)
     rd.launched()
+    if textfile is not None:
+        write_metrics(rd, textfile)
+        return
     backend = backends.recorded(rd)
     try:
         rows = backend.status(rd)
@@ -53,6 +60,23 @@ def status(run: str | None, draw: bool) -> None:
     if draw:
         from ..observe import timeline_png
         timeline_png.write(rd, Console())
+
+
+def write_metrics(rd: RunDir, path: str) -> None:
+    """The run's metrics from what its nodes say now, as `cluster top` reads them."""
+    from .. import resolve
+    from ..observe import metrics, top
+    backend = resolve.recorded_backend(rd)
+    try:
+        collect = top.collect if supports(rd.meta()["backend"], EXEC) else top.collect_slurm
+        rows = collect(rd, backend)
+    finally:
+        backend.close()
+    try:
+        metrics.write_textfile(path, top.metrics_view(rd.run_id, rows, rd.meta()))
+    except OSError as exc:
+        raise InputError(f"Invalid value for --metrics-textfile: cannot write {path}: "
+                         f"{exc.strerror or exc}") from None
 
 
 def quarantine(rd: RunDir) -> list[str]:

@@ -115,6 +115,10 @@ class HangTimeout(click.ParamType):
               help="No progress on any node for SECONDS: collect every rank's stack, then stop "
                    "(or restart); auto: learned from the job's heartbeats (the inventory's "
                    "hang_auto). Default: the inventory's hang_timeout, else off.")
+@click.option("--metrics-port", metavar="[HOST:]PORT",
+              help="Serve the run's live metrics (Prometheus text) at http://HOST:PORT/metrics "
+                   "while it is watched; HOST is 127.0.0.1 unless given (0.0.0.0: every "
+                   "interface), PORT 0 any free one (the inventory's metrics).")
 @click.option("--stop-grace", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
               help="SIGTERM to SIGKILL when stopping a node (default 30; the inventory's stop_grace).")
 @click.option("--keepalive", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",

@@ -3,6 +3,7 @@ reader (`check`) and the reader's arguments; each takes the mapping that holds t
 key's name, and returns the key's value or raises InventoryError with the file's line."""
 from __future__ import annotations
 
+import ipaddress
 import re
 import subprocess
 from collections.abc import Sequence
@@ -11,7 +12,8 @@ from typing import Any
 from ..container_options import reserved_run_option
 from ..errors import InventoryError, Problems
 from ..sbatch_options import SBATCH_ALIASES, SBATCH_KEY, SBATCH_OWNED
-from ..spec import ENV_KEY, GATE_LEVELS, Mount, control_char, env_problem, reserved_env, setup_block
+from ..spec import (ENV_KEY, GATE_LEVELS, HOSTNAME, Mount, control_char, env_problem, reserved_env,
+                    setup_block)
 from ..torchrun_options import owned_torchrun_option
 from .loader import List, Map
 
@@ -88,6 +90,26 @@ class Checks:
         value = m[key]
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
             raise self.fail(m, key, f"must be a port number from 1 to 65535, got {value!r}")
+        return value
+
+    def listen_port(self, m: Map, key: str) -> int:
+        """A port to listen on: 0 is any free one."""
+        value = m[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+            raise self.fail(m, key, f"must be a port number from 0 to 65535 (0: any free port), "
+                            f"got {value!r}")
+        return value
+
+    def bind_address(self, m: Map, key: str) -> str:
+        """An address this machine listens on: an IP address (0.0.0.0: every interface) or a
+        host name (localhost)."""
+        value = self.string(m, key)
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            if not HOSTNAME.match(value):
+                raise self.fail(m, key, f"{value!r} is neither an IP address nor a host name",
+                                "e.g. 127.0.0.1, or 0.0.0.0 for every interface") from None
         return value
 
     def nproc(self, m: Map, key: str) -> int | str:

@@ -14,15 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..spec import (Container, Gate, HangAuto, Host, Inventory, Key, Network, SlowNode,
-                    SlurmSettings, SshSettings, keys_of)
+from ..spec import (Container, Gate, HangAuto, Host, Inventory, Key, MetricsEndpoint, Network,
+                    SlowNode, SlurmSettings, SshSettings, keys_of)
 
 BEGIN, END = "<!-- keys:begin -->", "<!-- keys:end -->"
 # Where each model's keys are written in a file, in the table's order.
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("top level", Inventory), ("host", Host), ("network", Network), ("container", Container),
     ("ssh", SshSettings), ("slurm", SlurmSettings), ("hang_auto", HangAuto),
-    ("slow_node", SlowNode), ("gate", Gate))
+    ("slow_node", SlowNode), ("gate", Gate), ("metrics", MetricsEndpoint))
 DEFAULTS_ROW = ("top level", "`defaults`", "mapping", "", "",
                 "host keys for every host; a host's own value wins by its merge rule")
 HEADER = ("where", "key", "type", "default", "on a host", "help")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ..nodes import NodeStatus, end_code, read_answer
 from ..runs import RunDir
 from ..torchrun_options import last_value
+from . import metrics as mx
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -64,6 +65,8 @@ class Pace:
     work: float | None              # s per step of its own work (compute + data), the highest
     age: float                      # seconds since its newest report
     every: float | None = None      # the longest of its ranks' report intervals (s)
+    compute: float | None = None    # s per step of its own compute, the highest of its ranks'
+    data: float | None = None       # ... and of waiting for data
 
     @property
     def stale(self) -> bool:
@@ -80,6 +83,7 @@ class Row:
     metrics: Metrics | None = None            # rank 0's node, when the trainer wrote some
     detail: str = ""
     pace: Pace | None = None                  # None: no rank of the node reported (or not asked)
+    code: int | None = None                   # its exit code, once it has ended
 
 
 # --- what to ask a node, and what its answer means (pure) ---------------------------------------
@@ -164,7 +168,7 @@ def parse_steps(reports: Any) -> Pace | None:
     rate and work, the newest report's age; a report that is not one is skipped."""
     if not isinstance(reports, list):
         return None
-    rates, works, ages, everies = [], [], [], []
+    rates, works, ages, everies, parts = [], [], [], [], []
     for r in reports:
         if not isinstance(r, dict) or not _number(r.get("age")):
             continue
@@ -173,12 +177,15 @@ def parse_steps(reports: Any) -> Pace | None:
             rates.append(float(r["rate"]))
         if _number(r.get("compute")) and _number(r.get("data")):
             works.append(float(r["compute"]) + float(r["data"]))
+            parts.append((float(r["compute"]), float(r["data"])))
         if _number(r.get("seconds")):
             everies.append(float(r["seconds"]))
     if not ages:
         return None
     return Pace(min(rates) if rates else None, max(works) if works else None, min(ages),
-                max(everies) if everies else None)
+                max(everies) if everies else None,
+                max(c for c, _ in parts) if parts else None,
+                max(d for _, d in parts) if parts else None)
 
 
 def _number(value: Any) -> bool:
@@ -199,7 +206,7 @@ def row_from(rec: dict[str, Any], answer: Any) -> Row:
         detail = f"exit code {code}" + (f"; {detail}" if detail else "")
     return Row(rec["rank"], rec["name"], status.get("state", "unknown"), status.get("uptime"),
                parse_gpus(said.get("gpus")), parse_metrics(said.get("metrics")), detail,
-               parse_steps(said.get("steps")))
+               parse_steps(said.get("steps")), code)
 
 
 # --- collecting -------------------------------------------------------------------------------
@@ -242,7 +249,7 @@ def collect_slurm(run: RunDir, backend: Any) -> list[Row]:
     path = metrics_file(meta.get("args") or [], meta.get("cwd") or ".")
     metrics = parse_metrics(tail(Path(path), METRICS_LINES)) if path else None
     return [Row(s.rank, s.name, s.state, s.uptime, None, metrics if s.rank == 0 else None,
-                s.detail) for s in statuses]
+                s.detail, code=s.code) for s in statuses]
 
 
 def tail(path: Path, n: int) -> list[str] | None:
@@ -260,6 +267,36 @@ def tail(path: Path, n: int) -> list[str] | None:
 
 def ended(rows: Sequence[Row]) -> bool:
     return bool(rows) and all(r.state in ENDED for r in rows)
+
+
+# --- as metrics (cluster status --metrics-textfile) -------------------------------------------
+
+
+# A node's state as the live metrics name it (a scheduler's words too); any other: unknown.
+STATES = {"running": mx.RUNNING, "pending": mx.STARTING, "configuring": mx.STARTING,
+          "stopped": mx.STOPPED, "cancelled": mx.STOPPED, "completed": mx.EXITED,
+          "failed": mx.FAILED, "timeout": mx.FAILED, "node_fail": mx.FAILED,
+          "out_of_memory": mx.FAILED, "boot_fail": mx.FAILED, "deadline": mx.FAILED}
+
+
+def metrics_view(run_id: str, rows: Sequence[Row], meta: dict[str, Any]) -> mx.RunView:
+    """The rows as the live metrics' view: what the nodes say now (state, their ranks' step
+    reports, rank 0's trainer step) and the record (attempts, slow nodes). No goodput nor
+    checkpoint: those are the launcher's events, which a detached run does not have."""
+    slow = {str(s.get("node")) for s in meta.get("slow_nodes") or []}
+    attempts = meta.get("attempts") or []
+    attempt = len(attempts) - 1 if attempts else 0
+    return mx.RunView(run_id, [_node_view(r, slow) for r in sorted(rows, key=lambda r: r.rank)],
+                      attempt=attempt, restarts=attempt)
+
+
+def _node_view(row: Row, slow: set[str]) -> mx.NodeView:
+    label, pace = f"{row.node} {row.rank}", row.pace
+    state = (mx.EXITED if row.code == 0 else mx.FAILED) if row.state == "exited" \
+        else STATES.get(row.state, mx.UNKNOWN)
+    return mx.NodeView(label, state, row.metrics.step if row.metrics else None,
+                       pace.rate if pace else None, pace.compute if pace else None,
+                       pace.data if pace else None, pace.age if pace else None, label in slow)
 
 
 # --- showing ----------------------------------------------------------------------------------

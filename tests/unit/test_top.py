@@ -141,9 +141,10 @@ def test_parse_steps_takes_the_slowest_rank_and_the_newest_report() -> None:
                         {"rank": 1, "rate": 3.0, "seconds": 1.2, "compute": 0.3, "data": 0.0, "age": 1.0},
                         {"rank": 2, "rate": None, "seconds": None, "compute": 0.1, "data": 0.0, "age": 0.5},
                         {"rank": 3, "age": "soon"}, "junk"])
-    assert pace == Pace(3.0, 0.3, 0.5, 1.2)
+    assert pace == Pace(3.0, 0.3, 0.5, 1.2, compute=0.3, data=0.1)   # each part's slowest rank
     assert parse_steps([]) is None and parse_steps(None) is None and parse_steps({"0": 1}) is None
-    assert parse_steps([{"rank": 0, "compute": 0.1, "data": 0.0, "age": 1.0}]) == Pace(None, 0.1, 1.0)
+    assert parse_steps([{"rank": 0, "compute": 0.1, "data": 0.0, "age": 1.0}]) == \
+        Pace(None, 0.1, 1.0, compute=0.1, data=0.0)
 
 
 def test_stalled_after_ten_seconds_or_three_report_intervals_when_steps_are_slower() -> None:
