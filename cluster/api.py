@@ -89,11 +89,15 @@ class Prepared:
             self.backend.close()
 
 
-def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepared:
+def prepare(request: Request, environ: Mapping[str, str] = os.environ,
+            launched: float | None = None) -> Prepared:
     """Every check that needs no node, in one pass: the request's own values, the backend
     (chosen once) and its nodes with the command line over the inventory, the backend's own
     options, the secrets' presence, the rendered scripts. Raises InputError; creates and
-    contacts nothing (the compiled templates reach their cache when the run starts)."""
+    contacts nothing (the compiled templates reach their cache when the run starts).
+    launched: time.monotonic() when the command began (the CLI's start), else now: where
+    the run's goodput starts counting."""
+    launched = time.monotonic() if launched is None else launched
     r = request
     secrets = _checked(r)
     served = _served(r)
@@ -142,7 +146,7 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ) -> Prepar
         hang_auto=inventory.hang_auto, slow_node=inventory.slow_node, ledger=chosen.ledger,
         spares=spares, replace_slow=r.replace_slow, grow=r.grow,
         readmit_every=inventory.gate.readmit_every,
-        metrics=None if r.detach else served or _endpoint(inventory))
+        metrics=None if r.detach else served or _endpoint(inventory), launched=launched)
     notes = chosen.notes + _metrics_notes(r, inventory)
     return Prepared(inventory, job, templates, backend, name, options, r.dry_run, notes)
 

@@ -123,6 +123,7 @@ class Options:
     grow: bool = False                # a lost node back: restart at full size at a checkpoint
     readmit_every: float = 30.0       # seconds between two looks at a lost node (gate.readmit_every)
     metrics: metrics.Endpoint | None = None   # where the live metrics are served (observe.metrics)
+    launched: float | None = None     # time.monotonic() when the command began (goodput's start)
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -135,6 +136,8 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
     options.min_nodes remain. Each step goes into runs/<id>/events.jsonl as it happens; an
     attached run ends by writing its timeline (cluster.observe.timeline_png)."""
     timeline = tl.recorder_for(run.path)
+    if options.launched is not None:
+        timeline.launched(options.launched)
     served = metrics.Served()
     try:          # served before the first event (and before any node is contacted), if asked
         served = metrics.serve_run(options.metrics, timeline, run.run_id, console.info,

@@ -12,6 +12,10 @@
     cluster nodes   each node across runs (the node ledger): healthy or quarantined, and release
     cluster completion  the shell completion script (bash, zsh, fish)
 """
+import time
+
+STARTED = time.monotonic()   # the command's start, as near as cluster sees it (goodput counts from it)
+
 from .main import entry, install_stop_handlers, main, run_cli  # each verb's module: at its first use (main.VERBS)
 
 __all__ = ["entry", "install_stop_handlers", "main", "run_cli"]

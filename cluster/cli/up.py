@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from . import STARTED
 from .main import CONTEXT, SafePath, argv, host_options, main
 from .. import api, resolve
 from ..observe import hang_timeout
@@ -143,4 +144,4 @@ def up(env_pairs: tuple[str, ...], env_files: tuple[str, ...], **opts: Any) -> N
     """Start SCRIPT [ARGS...] with torchrun on every node (default: train/train.py; `-- --epochs 3`
     passes options to it)."""
     request = api.Request(env=resolve.parse_env(env_pairs, env_files), **opts)
-    api.prepare(request).run(Console(), argv())
+    api.prepare(request, launched=STARTED).run(Console(), argv())

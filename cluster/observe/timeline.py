@@ -42,6 +42,7 @@ Event = dict[str, Any]
 Series = tuple[str, str, int]          # a frequent kind's events of one node and attempt
 
 # The kinds, a node's (node set) or the whole job's (node None).
+LAUNCH = "launch"          # the command began (its first import): recorded with that moment
 CHECK = "check"            # the check of every node began
 CHECKED = "checked"        # ... and ended (ok)
 START = "start"            # the nodes are being started (attempt)
@@ -102,6 +103,18 @@ class Recorder:
             if kind in (EXIT, HANG, STOP):      # the last beat before an end is a fact too
                 self._flush(node)
             ev = self._stamp(kind, node, detail)
+            self._tell(ev)
+            self.sink(ev)
+
+    def launched(self, m: float) -> None:
+        """The launch's own first moment (the command's start, before this recorder was
+        made), on the recorder's clock: the run's first event."""
+        if self.sink is None:
+            return
+        with self.lock:
+            ev = self._stamp(LAUNCH, None, {})
+            ev["t"] = round(ev["t"] - (ev["m"] - m), 3)
+            ev["m"] = round(m, 3)
             self._tell(ev)
             self.sink(ev)
 

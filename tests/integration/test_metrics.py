@@ -64,6 +64,8 @@ def test_a_running_job_is_scraped_and_the_port_closes_after(ssh_nodes4, cli):
     assert per_node(samples, "cluster_node_state", state="running") == {n: 1.0 for n in labels}
     assert samples[("cluster_run_attempt", frozenset({("run", run)}))] == 0
     assert samples[("cluster_run_nodes_running", frozenset({("run", run)}))] == 3
+    # the goodput so far, from the run's events: steps have been done, so some of it trained
+    assert 0 < samples[("cluster_run_goodput_ratio", frozenset({("run", run)}))] < 1
     assert all(v >= 0 for v in per_node(samples, "cluster_node_work_seconds_per_step").values())
 
     assert proc.wait(600) == 0, proc.dump()

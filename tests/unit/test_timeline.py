@@ -404,3 +404,14 @@ def test_a_lane_has_a_bar_only_in_the_attempts_that_started_its_node() -> None:
     data = {"job": job}
     assert [timeline_png._started(data, "b 1", a) for a in (0, 1, 2)] == [True, False, True]
     assert [timeline_png._started(data, "c 1", a) for a in (0, 1)] == [False, True]
+
+
+def test_the_launch_is_the_first_event_at_the_moment_the_command_began() -> None:
+    """Goodput counts from the command's start (the CLI's first import), before the recorder
+    existed: recorded with that moment on the recorder's clocks."""
+    rec, events, clock = recorder()
+    clock.now = 107.5
+    rec.launched(106.0)
+    rec.event(tl.CHECK)
+    assert events[0] == {"t": 1e9 + 106.0, "m": 106.0, "kind": "launch", "attempt": 0}
+    assert [e["kind"] for e in events] == ["launch", "check"]
