@@ -1,7 +1,9 @@
 """The verbs of a recorded run: `cluster status`, `cluster logs`, `cluster down`."""
 from __future__ import annotations
 
+import shutil
 import signal
+from pathlib import Path
 import time
 from typing import Any
 
@@ -25,10 +27,24 @@ from ..console import Console
               help="Instead of the table, write the run's metrics (Prometheus text, the names "
                    "`cluster up --metrics-port` serves) to PATH at once, for node_exporter's "
                    "textfile collector; quiet, for a timer.")
-def status(run: str | None, draw: bool, textfile: str | None) -> None:
+@click.option("--goodput", "show_goodput", is_flag=True,
+              help="Instead of the nodes, where the wall time went: RUN's attempts, or with no "
+                   "RUN the last runs (of -i INVENTORY), a row each (docs/goodput.md).")
+@click.option("-i", "--inventory", type=click.Path(dir_okay=False, path_type=Path),
+              help="With --goodput: only the runs of this inventory file.")
+@click.option("--last", type=click.IntRange(1, 10000), default=10, show_default=True,
+              help="With --goodput: how many runs.")
+@click.option("--json", "as_json", is_flag=True, help="With --goodput: JSON, not a table.")
+def status(run: str | None, draw: bool, textfile: str | None, show_goodput: bool,
+           inventory: Path | None, last: int, as_json: bool) -> None:
     """Each node of RUN (default: the newest): running / exited with code / stopped / lost."""
     from rich.console import Console as RichConsole
     from rich.table import Table
+    if show_goodput:
+        goodput_report(run, inventory, last, as_json)
+        return
+    if inventory is not None or as_json:
+        raise InputError("-i/--inventory and --json go with --goodput")
     rd = RunDir.find(run)
     rd.launched()
     if textfile is not None:
@@ -55,11 +71,57 @@ def status(run: str | None, draw: bool, textfile: str | None) -> None:
             cls = f" (class: {a['class']}, {a.get('rule')})" if a.get("class") else ""
             out.print(f"attempt {a['attempt'] + 1} ({', '.join(a['nodes'])}): {a['ended']}{cls}",
                       markup=False, highlight=False)
-    for line in run_notes(meta, started=bool(rows)) + launcher_gone(meta, rows) + quarantine(rd):
+    for line in (run_notes(meta, started=bool(rows)) + launcher_gone(meta, rows) + quarantine(rd)
+                 + goodput_lines(rd)):
         out.print(line, markup=False, highlight=False)
     if draw:
         from ..observe import timeline_png
         timeline_png.write(rd, Console())
+
+
+def goodput_lines(rd: RunDir) -> list[str]:
+    """The run's goodput line, and each attempt's when there were several."""
+    from ..observe import goodput
+    g = goodput.of_run(rd)
+    if g is None:
+        return []
+    rows = g.get("attempts") or []
+    return [goodput.line(g)] + ([f"  attempt {a['attempt'] + 1}: {goodput.line(a)}" for a in rows]
+                                if len(rows) > 1 else [])
+
+
+def goodput_report(run: str | None, inventory: Path | None, last: int, as_json: bool) -> None:
+    """`status --goodput`: RUN's attempts, or the last runs, as a table or JSON."""
+    import json
+    from rich.console import Console as RichConsole
+    from rich.table import Table
+    from ..observe import goodput
+    from ..runs import runs_root
+    if run is not None:
+        rd = RunDir.find(run)
+        g = goodput.of_run(rd)
+        if g is None:
+            raise InputError(f"run {rd.run_id} has no goodput: it was detached, a dry run, or "
+                             f"never reached its check")
+        found = [(f"{rd.run_id} attempt {a['attempt'] + 1}", a) for a in g["attempts"]]
+        found.append((f"{rd.run_id} (all)", g))
+    else:
+        found = [(rd.run_id, g) for rd, g in goodput.recent(runs_root(), inventory, last)]
+    if as_json:
+        click.echo(json.dumps([{"run": name, **g} for name, g in found], indent=1))
+        return
+    table = Table(title="goodput: where the wall time went (seconds; docs/goodput.md)")
+    order = ["training"] + [p for p in goodput.PARTS if p != "training"]
+    for col in ("run", "goodput", "wall") + tuple(goodput.SHORT[p] for p in order):
+        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=True)
+    for name, g in found:
+        frac = "" if g.get("fraction") is None else f"{g['fraction'] * 100:.1f}%"
+        table.add_row(name, frac, f"{g['wall']:.1f}",
+                      *(f"{g['parts'].get(p, 0.0):.1f}" for p in order))
+    RichConsole(width=max(140, shutil.get_terminal_size().columns)).print(table)
+    if not found:
+        click.echo("no run with a goodput" + (f" of {inventory}" if inventory else "")
+                   + " (attached runs of `cluster up` record one)")
 
 
 def write_metrics(rd: RunDir, path: str) -> None:

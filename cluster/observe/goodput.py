@@ -32,9 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import timeline as tl
+from ..errors import InputError
+from ..runs import RunDir
 
 Event = dict[str, Any]
 
@@ -44,6 +47,9 @@ PARTS = ("detection", "checkpoint", "redone", "rendezvous", "startup", "restart"
 NAMES = {"training": "training", "startup": "start-up", "rendezvous": "rendezvous",
          "checkpoint": "checkpoint saves", "restart": "restarts", "redone": "work redone",
          "detection": "hang/failure detection", "slow": "slow node", "ending": "ending"}
+SHORT = {"training": "train", "startup": "start", "rendezvous": "rdzv", "checkpoint": "ckpt",
+         "restart": "restart", "redone": "redone", "detection": "detect", "slow": "slow",
+         "ending": "end"}                      # a table's columns
 
 
 @dataclass
@@ -284,3 +290,40 @@ def _ordered(parts: dict[str, float]) -> list[tuple[str, float]]:
     """training first, then the rest largest first."""
     rest = sorted(((p, s) for p, s in parts.items() if p != "training"), key=lambda x: -x[1])
     return [("training", parts.get("training", 0.0))] + rest
+
+
+# -- runs --
+
+def of_run(rd: RunDir) -> dict[str, Any] | None:
+    """A run's goodput: as its launcher recorded it at the end (run.json), else from its
+    events (a launcher that was killed: up to its last event). Without the band's segments."""
+    try:
+        recorded = rd.meta().get("goodput")
+    except InputError:
+        recorded = None
+    found = recorded if isinstance(recorded, dict) else goodput(tl.read_events(rd.path / tl.EVENTS))
+    return None if found is None else {k: v for k, v in found.items() if k != "segments"}
+
+
+def recent(root: Path, inventory: Path | None, last: int) -> list[tuple[RunDir, dict[str, Any]]]:
+    """The newest `last` runs under root with a goodput (launched, attached), newest first;
+    with `inventory`, only the runs of that inventory file."""
+    found: list[tuple[RunDir, dict[str, Any]]] = []
+    for path in sorted(root.glob("*/run.json"), key=lambda p: p.parent.name, reverse=True):
+        rd = RunDir(path.parent)
+        if inventory is not None and _source(rd) != inventory.resolve():
+            continue
+        g = of_run(rd)
+        if g is not None:
+            found.append((rd, g))
+        if len(found) >= last:
+            break
+    return found
+
+
+def _source(rd: RunDir) -> Path | None:
+    try:
+        source, cwd = rd.inventory().source, rd.meta().get("cwd") or "."
+    except InputError:
+        return None
+    return (Path(cwd) / source).resolve() if source else None

@@ -129,3 +129,42 @@ def test_so_far_a_detached_run_or_none_at_all() -> None:
     assert goodput([]) is None
     assert goodput(Run().start(0, 1, 2).at(1, tl.DETACHED).events) is None
     assert set(live["parts"]) == set(PARTS)
+
+
+def _recorded_run(root: Any, run_id: str, source: str | None, events: list[dict[str, Any]],
+                  meta_goodput: bool = False) -> None:
+    import json
+    from cluster.runs import RunDir
+    rd = RunDir.create(run_id, root=root)
+    (rd.path / tl.EVENTS).write_text("".join(json.dumps(e) + "\n" for e in events))
+    (rd.path / "inventory.yaml").write_text(f"source: {json.dumps(source)}\nhosts: []\n")
+    rd.update(cwd="/", **({"goodput": {"fraction": 0.5, "wall": 2.0, "productive": 1.0,
+                                       "parts": {p: 0.0 for p in PARTS} | {"training": 1.0,
+                                                                          "startup": 1.0},
+                                       "attempts": []}} if meta_goodput else {}))
+
+
+def test_status_goodput_lists_the_last_runs_of_an_inventory_as_a_table_and_json(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The launcher's record where it wrote one, else the events (a killed launcher); runs of
+    another inventory, detached runs and dry runs left out; newest first."""
+    import json
+    from cluster.cli import run_cli
+    monkeypatch.setenv("CLUSTER_RUNS_DIR", str(tmp_path / "runs"))
+    clean = Run().start(0, started=1, joined=3).steps(5, 45).at(47, tl.OUTCOME, ok=True).events
+    _recorded_run(tmp_path / "runs", "20261207-010000-aaaa", "/inv/a.yaml", clean)
+    _recorded_run(tmp_path / "runs", "20261207-020000-bbbb", "/inv/a.yaml", [], meta_goodput=True)
+    _recorded_run(tmp_path / "runs", "20261207-030000-cccc", "/inv/b.yaml", clean)
+    _recorded_run(tmp_path / "runs", "20261207-040000-dddd", "/inv/a.yaml",
+                  Run().start(0, 1, 2).at(1, tl.DETACHED).events)
+    assert run_cli(["status", "--goodput", "-i", "/inv/a.yaml", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["run"], r["fraction"]) for r in rows] == [("20261207-020000-bbbb", 0.5),
+                                                         ("20261207-010000-aaaa", round(40 / 47, 4))]
+    assert run_cli(["status", "--goodput", "--last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "20261207-030000-cccc" in out and "85.1%" in out and "aaaa" not in out
+    assert run_cli(["status", "--goodput", "20261207-010000"]) == 0
+    assert "attempt 1" in capsys.readouterr().out
+    assert run_cli(["status", "--goodput", "20261207-040000"]) == 2          # detached
+    assert "has no goodput" in capsys.readouterr().err
