@@ -29,6 +29,7 @@ from .observe.slow import SlowNodes
 from .spec import HangAuto, Host, Inventory, SlowNode
 from .observe import timeline as tl
 from .observe import timeline_png
+from .observe.alerts import Notifier
 from .observe.watch import Watcher, WatchResult
 
 def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
@@ -121,6 +122,7 @@ class Options:
     replace_slow: bool = False        # a node named slow is set aside too (--replace-slow)
     grow: bool = False                # a lost node back: restart at full size at a checkpoint
     readmit_every: float = 30.0       # seconds between two looks at a lost node (gate.readmit_every)
+    notify: tuple[str, ...] = ()      # URLs the run's alerts are POSTed to (observe/alerts.py)
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -133,18 +135,36 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
     options.min_nodes remain. Each step goes into runs/<id>/events.jsonl as it happens; an
     attached run ends by writing its timeline (cluster.observe.timeline_png)."""
     timeline = tl.recorder_for(run.path)
+    notifier = _notifier(timeline, inventory, run, console, options, environ)
     try:
-        code = _up(inventory, job, templates, backend, run, argv, console, options, environ,
-                   timeline)
-    except BaseException as exc:
-        timeline.event(tl.OUTCOME, ok=False, error=str(exc) or type(exc).__name__)
-        if not options.detach and tl.CHECK in timeline.kinds:     # not for a refused command line
+        try:
+            code = _up(inventory, job, templates, backend, run, argv, console, options, environ,
+                       timeline)
+        except BaseException as exc:
+            timeline.event(tl.OUTCOME, ok=False, error=str(exc) or type(exc).__name__)
+            if not options.detach and tl.CHECK in timeline.kinds:   # not for a refused command line
+                _timeline(run, console)
+            raise
+        timeline.event(tl.OUTCOME, ok=code == 0, code=code)
+        if not options.detach:
             _timeline(run, console)
-        raise
-    timeline.event(tl.OUTCOME, ok=code == 0, code=code)
-    if not options.detach:
-        _timeline(run, console)
-    return code
+        return code
+    finally:
+        if notifier is not None:
+            notifier.close()        # a few seconds at most for the finish (alerts.CLOSE_WAIT)
+
+
+def _notifier(timeline: tl.Recorder, inventory: Inventory, run: RunDir, console: Console,
+              options: Options, environ: Mapping[str, str]) -> Notifier | None:
+    """The alerts (docs/alerts.md), told every event from the first; the secrets' values this
+    shell has, to be replaced in whatever is sent (a missing one fails the launch later)."""
+    if not options.notify:
+        return None
+    hosts = (*inventory.hosts, *options.spares)
+    known = [environ[name] for h in hosts for name in h.secret_env if name in environ]
+    notifier = Notifier(options.notify, run.run_id, known, console.info)
+    timeline.listen(notifier.listen)
+    return notifier
 
 
 def _timeline(run: RunDir, console: Console) -> None:

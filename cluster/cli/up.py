@@ -12,6 +12,7 @@ from ..observe import hang_timeout
 from ..backends import NAMES
 from ..console import Console
 from ..errors import InputError
+from ..spec import url_problem
 
 
 class UpCommand(click.Command):
@@ -62,6 +63,17 @@ class HangTimeout(click.ParamType):
         if not hang_timeout.valid(seconds):
             self.fail(f"{value!r} is not 'auto' or a number of seconds >= 0", param, ctx)
         return seconds
+
+
+class NotifyUrl(click.ParamType):
+    """--notify: an http(s) URL, refused with the URL shown redacted (its path is a token)."""
+    name = "url"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        why = url_problem(str(value))
+        if why:
+            self.fail(why, param, ctx)
+        return str(value)
 
 
 @main.command(cls=UpCommand, context_settings={**CONTEXT, "allow_interspersed_args": False})
@@ -130,6 +142,10 @@ class HangTimeout(click.ParamType):
                    "that DIR no longer has (never excluded paths, never what the job wrote).")
 @click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]),
               help="SSH host keys: strict (default) needs known_hosts to match.")
+@click.option("--notify", multiple=True, type=NotifyUrl(), metavar="URL",
+              help="POST each alert of the run (a failure, a hang, a slow node, a restart, a "
+                   "node set aside, the finish) as JSON to URL; a Slack webhook gets a message "
+                   "(repeatable; with the inventory's notify; docs/alerts.md).")
 @click.option("--partition", help="SLURM partition.")
 @click.option("--time", "time_limit", help="SLURM time limit, e.g. 01:00:00.")
 @click.option("--account", help="SLURM account.")

@@ -1,4 +1,4 @@
 """What watches a run and reports on it: the watcher (logs, first failure, stop all), the hang
 watchdog and its learned timeout, the slow-node rule, the workers' own errors, the timeline
-and its picture, and `cluster top`; (next) goodput, metrics and alerts, views of the one
-record the timeline keeps."""
+and its picture, `cluster top`, the alerts (POSTed from the timeline's events); (next) goodput
+and metrics, views of the one record the timeline keeps."""

@@ -24,7 +24,7 @@ LAYERS = [
     ["cluster.launch", "cluster.resolve", "cluster.tuning"],
     ["cluster.recovery.check"],
     ["cluster.observe.watch", "cluster.observe.hang", "cluster.observe.timeline_png",
-     "cluster.recovery.pool", "cluster.recovery.grow"],
+     "cluster.observe.alerts", "cluster.recovery.pool", "cluster.recovery.grow"],
     ["cluster.backends"],
     ["cluster.recovery.gate", "cluster.observe.hang_timeout", "cluster.observe.timeline",
      "cluster.observe.slow", "cluster.observe.worker_errors", "cluster.recovery.ledger",
