@@ -6,13 +6,12 @@ from typing import Any
 
 import click
 
-from .main import CONTEXT, SafePath, argv, host_options, main
+from .main import CONTEXT, NotifyUrl, SafePath, argv, host_options, main
 from .. import api, resolve
 from ..observe import hang_timeout
 from ..backends import NAMES
 from ..console import Console
 from ..errors import InputError
-from ..spec import url_problem
 
 
 class UpCommand(click.Command):
@@ -63,17 +62,6 @@ class HangTimeout(click.ParamType):
         if not hang_timeout.valid(seconds):
             self.fail(f"{value!r} is not 'auto' or a number of seconds >= 0", param, ctx)
         return seconds
-
-
-class NotifyUrl(click.ParamType):
-    """--notify: an http(s) URL, refused with the URL shown redacted (its path is a token)."""
-    name = "url"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        why = url_problem(str(value))
-        if why:
-            self.fail(why, param, ctx)
-        return str(value)
 
 
 @main.command(cls=UpCommand, context_settings={**CONTEXT, "allow_interspersed_args": False})

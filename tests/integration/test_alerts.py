@@ -23,14 +23,14 @@ pytestmark = pytest.mark.skipif(
     reason="torch is not installed for this python")
 
 
-def up(tmp_path: Path, hook: Webhook, *args: str,
-       nodes: int = 2) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def up(tmp_path: Path, hook: Webhook, *args: str, nodes: int = 2,
+       nproc: int = 1) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """`cluster up` on two simulated nodes with --notify, the secret exported; its output and
     the bodies received, each printed (the report of this test)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1", ALERT_CANARY=CANARY)
     env.pop("CLUSTER_RUNS_DIR", None)
     res = subprocess.run([sys.executable, "-m", "cluster", "up", "--local", "--nodes", str(nodes),
-                          "--nproc-per-node", "1", "--secret-env", "ALERT_CANARY",
+                          "--nproc-per-node", str(nproc), "--secret-env", "ALERT_CANARY",
                           "--notify", hook.url, *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=240)
     bodies = list(hook.bodies)
@@ -102,3 +102,31 @@ def test_a_clean_run_sends_only_its_finish(tmp_path: Path) -> None:
     assert kinds(bodies) == [("finish", 0)], bodies
     assert bodies[0]["ok"] is True and bodies[0]["code"] == 0
     assert "not delivered" not in res.stderr
+
+
+def test_a_detached_run_sends_nothing_and_logs_f_sends_its_end(tmp_path: Path) -> None:
+    """The launcher of a detached run leaves before it ends: no finish from it. `cluster logs
+    -f --notify` sends the first failure and the finish once it sees the end. One node of
+    two ranks: its torchrun stops the other rank (of two nodes, no launcher would stop the
+    other node: it would wait out torchrun's exit barrier)."""
+    with Webhook() as hook:
+        res, bodies = up(tmp_path, hook, "--detach", "--", str(PROGRAMS / "alerts_job.py"),
+                         "--mode", "fail", nodes=1, nproc=2)
+        assert res.returncode == 0, res.stderr
+        assert bodies == [] and hook.requests == []
+        env = dict(os.environ, NO_COLOR="1", ALERT_CANARY=CANARY)
+        env.pop("CLUSTER_RUNS_DIR", None)
+        follow = subprocess.run([sys.executable, "-m", "cluster", "logs", "-f", "--notify",
+                                 hook.url], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=180)
+        bodies = list(hook.bodies)
+    for body in bodies:
+        print(json.dumps(body))
+    assert follow.returncode == 4, follow.stderr
+    assert CANARY in follow.stdout                     # the log shows it; the alerts do not
+    assert hook.path not in follow.stdout + follow.stderr
+    assert kinds(bodies) == [("failure", 0), ("finish", 0)], bodies
+    failure, finish = bodies
+    assert failure["node"].endswith(" 0") and failure["run"] == run_id(tmp_path)
+    assert failure["cause"] == "RuntimeError: the store refused token ***", failure
+    assert finish["ok"] is False and "***" in finish["error"] and CANARY not in json.dumps(bodies)
