@@ -30,7 +30,7 @@ from .observe import metrics
 from .plan import Job, Templates
 from .request import Request
 from .runs import RunDir, cache_root, new_run_id
-from .spec import Inventory, check_text, env_problem
+from .spec import Inventory, check_text, env_problem, redacted_url, redacted_words, url_problem
 
 __all__ = ["Prepared", "Request", "Run", "Unanswered", "detached_error", "first_failed",
            "prepare", "up", "LogErrors"]
@@ -55,6 +55,7 @@ class Prepared:
         """Record the run, then check, start and watch it (or only print it, for a dry run).
         created(run_dir) is called once the run directory (and its run.json) exists. An
         error is recorded in run.json too (`error`, `exit_code`): the record says why."""
+        argv = redacted_words(argv, self.options.notify)   # recorded: a webhook's URL is a token
         progress = NodeProgress(stream=console.err)   # drawn only on a terminal, 8+ nodes
         if hasattr(self.backend, "progress"):
             self.backend.progress = progress
@@ -74,6 +75,9 @@ class Prepared:
             if self.inventory.tuning:
                 console.info(tuning.describe(self.inventory.tuning))
             if self.dry_run:
+                if self.options.notify:
+                    console.info(f"dry run: alerts would go to "
+                                 f"{', '.join(map(redacted_url, self.options.notify))}")
                 launch.dry_run(self.inventory, job, self.templates, run, self.backend, argv, console)
                 return 0
             if self.inventory.gate.level == "deep" and supports(self.backend, NODE_CHECKS):
@@ -146,7 +150,8 @@ def prepare(request: Request, environ: Mapping[str, str] = os.environ,
         hang_auto=inventory.hang_auto, slow_node=inventory.slow_node, ledger=chosen.ledger,
         spares=spares, replace_slow=r.replace_slow, grow=r.grow,
         readmit_every=inventory.gate.readmit_every,
-        metrics=None if r.detach else served or _endpoint(inventory), launched=launched)
+        metrics=None if r.detach else served or _endpoint(inventory), launched=launched,
+        notify=tuple(dict.fromkeys(inventory.master.notify + _urls(r.notify))))
     notes = chosen.notes + _metrics_notes(r, inventory)
     return Prepared(inventory, job, templates, backend, name, options, r.dry_run, notes)
 
@@ -161,6 +166,10 @@ def _checked(r: Request) -> tuple[str, ...]:
     if r.hang_timeout is not None and not valid_hang_timeout(r.hang_timeout):
         raise InputError(f"Invalid value for --hang-timeout: {r.hang_timeout!r} is not 'auto' "
                          f"or a number of seconds >= 0")
+    for url in _urls(r.notify):
+        why = url_problem(url)
+        if why:
+            raise InputError(f"Invalid value for --notify (notify=): {why}")
     for what, value in (("--partition", r.partition), ("--time", r.time_limit),
                         ("--account", r.account), ("SCRIPT", r.command[0] if r.command else None)):
         if value is not None:
@@ -197,6 +206,11 @@ def _metrics_notes(r: Request, inventory: Inventory) -> tuple[str, ...]:
     if r.detach and inventory.metrics.port is not None:
         return (f"metrics: not served ({DETACHED_METRICS})",)
     return ()
+
+
+def _urls(notify: str | Sequence[str]) -> tuple[str, ...]:
+    """notify= as the API may give it: one URL, or several."""
+    return (notify,) if isinstance(notify, str) else tuple(notify)
 
 
 def _with(capability: str) -> list[str]:

@@ -30,6 +30,7 @@ from .spec import HangAuto, Host, Inventory, SlowNode
 from .observe import metrics
 from .observe import timeline as tl
 from .observe import goodput, timeline_png
+from .observe.alerts import Notifier
 from .observe.watch import Watcher, WatchResult
 
 def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
@@ -124,6 +125,7 @@ class Options:
     readmit_every: float = 30.0       # seconds between two looks at a lost node (gate.readmit_every)
     metrics: metrics.Endpoint | None = None   # where the live metrics are served (observe.metrics)
     launched: float | None = None     # time.monotonic() when the command began (goodput's start)
+    notify: tuple[str, ...] = ()      # URLs the run's alerts are POSTed to (observe/alerts.py)
     # Set by another thread (the Python API's Run.down) to stop every node, as Ctrl-C does.
     stop: threading.Event | None = field(default=None, compare=False)
 
@@ -138,6 +140,20 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
     timeline = tl.recorder_for(run.path)
     if options.launched is not None:
         timeline.launched(options.launched)
+    notifier = _notifier(timeline, inventory, run, console, options, environ)
+    try:
+        return _served(inventory, job, templates, backend, run, argv, console, options, environ,
+                       timeline)
+    finally:
+        if notifier is not None:
+            notifier.close()        # a few seconds at most for the finish (alerts.CLOSE_WAIT)
+
+
+def _served(inventory: Inventory, job: Job, templates: Templates, backend: Backend[Any],
+            run: RunDir, argv: list[str], console: Console, options: Options,
+            environ: Mapping[str, str], timeline: tl.Recorder) -> int:
+    """The run, its metrics served while it lives; its outcome recorded with its goodput, and
+    its picture drawn (attached)."""
     served = metrics.Served()
     try:          # served before the first event (and before any node is contacted), if asked
         served = metrics.serve_run(options.metrics, timeline, run.run_id, console.info,
@@ -158,6 +174,19 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
     if not options.detach:
         _timeline(run, console)
     return code
+
+
+def _notifier(timeline: tl.Recorder, inventory: Inventory, run: RunDir, console: Console,
+              options: Options, environ: Mapping[str, str]) -> Notifier | None:
+    """The alerts (docs/alerts.md), told every event from the first; the secrets' values this
+    shell has, to be replaced in whatever is sent (a missing one fails the launch later)."""
+    if not options.notify:
+        return None
+    hosts = (*inventory.hosts, *options.spares)
+    known = [environ[name] for h in hosts for name in h.secret_env if name in environ]
+    notifier = Notifier(options.notify, run.run_id, known, console.info)
+    timeline.listen(notifier.listen)
+    return notifier
 
 
 def _so_far(run: RunDir, timeline: tl.Recorder) -> float | None:

@@ -48,6 +48,7 @@ class Request:
     time_limit: str | None = None
     account: str | None = None
     max_requeues: int | None = None
+    notify: tuple[str, ...] = ()                # alerts' URLs, besides the inventory's notify:
 
     @property
     def host_filter(self) -> str | None:

@@ -188,8 +188,10 @@ class RunDir:
 
     def write_inventory(self, inventory: spec.Inventory) -> None:
         write_private(self.path / "inventory.yaml", spec.dump(inventory))
-        if inventory.text:
-            write_private(self.path / "inventory.source", inventory.text)
+        if inventory.text:        # as read, but for notify's URLs: a webhook's path is a token
+            urls = tuple({u for h in inventory.hosts for u in h.notify})
+            write_private(self.path / "inventory.source",
+                          spec.redacted_words([inventory.text], urls)[0])
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         write_private(self.path / "run.json", json.dumps(meta, indent=2) + "\n")

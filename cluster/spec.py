@@ -11,6 +11,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+from urllib.parse import SplitResult, urlsplit
 
 import hostlist
 import yaml
@@ -36,6 +37,54 @@ def control_char(value: str) -> str | None:
     if m is None:
         return None
     return f"{m.group()!r} at position {m.start()}"
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` cannot take an alert (cluster.observe.alerts), or None: http or https, a
+    host, a port that is a number, no control character or space. Said with the URL
+    redacted (redacted_url): a webhook's path is its secret."""
+    bad = control_char(url)
+    if bad:
+        return f"control character {bad} in {redacted_url(url)!r}"
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return f"{redacted_url(url)!r} is not an http:// or https:// URL"
+    if not parts.hostname or " " in url:
+        return f"{redacted_url(url)!r} names no host (e.g. https://hooks.slack.com/services/...)"
+    if _port(parts) is None and ":" in parts.netloc.rsplit("@", 1)[-1].rsplit("]", 1)[-1]:
+        return f"{redacted_url(url)!r} has a port that is not a number from 1 to 65535"
+    return None
+
+
+def redacted_url(url: str) -> str:
+    """scheme://host/... : what is ever shown of a URL (its path, query and user part may
+    hold a token, as a Slack webhook's does)."""
+    parts = urlsplit(url.strip())
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    port = _port(parts)
+    where = f"{host}:{port}" if port else host
+    if not parts.scheme or not parts.scheme.isalnum():
+        return "<a URL>"
+    return f"{parts.scheme}://{where}/..." if host else f"{parts.scheme}://..."
+
+
+def redacted_words(words: list[str], urls: tuple[str, ...]) -> list[str]:
+    """A command line with each of `urls` in it redacted (`--notify URL`, `--notify=URL`):
+    what run.json records."""
+    out = []
+    for word in words:
+        for url in sorted(urls, key=len, reverse=True):
+            word = word.replace(url, redacted_url(url))
+        out.append(word)
+    return out
+
+
+def _port(parts: SplitResult) -> int | None:
+    try:
+        return parts.port
+    except ValueError:
+        return None
 
 
 def setup_block(lines: tuple[str, ...] | list[str], *, to_stderr: bool = False) -> str:
@@ -244,6 +293,10 @@ class Host:
     container: Container | None = key(None, "run torchrun in an image on the node (runtime, "
                                       "image, python, mounts, options)", "section", Container,
                                       merge=KEY_BY_KEY)
+    notify: tuple[str, ...] = key(
+        (), "URLs each of the run's alerts is POSTed to as JSON (Slack's webhooks get a "
+            "message; docs/alerts.md; --notify adds more)", "urls", scope=JOB_WIDE,
+        kind="list of http(s) URLs")
     line: int | None = None       # where it was defined, for later messages
 
     def replace(self, **changes: Any) -> "Host":
@@ -449,6 +502,7 @@ def dump(inv: Inventory) -> str:
         for key in ("secret_env", "env_forward", "setup", "torchrun_args"):
             d[key] = list(getattr(h, key))
         d["container"] = container_dict(h.container)
+        d["notify"] = [redacted_url(u) for u in h.notify]      # a webhook's path is a token
         d.pop("line")
         return d
     data = {"source": inv.source, "backend": inv.backend, "stop_grace": inv.stop_grace,
@@ -488,6 +542,7 @@ def host_from_dict(d: Mapping[str, Any]) -> Host:
     for key in ("secret_env", "env_forward", "setup", "torchrun_args"):
         d[key] = tuple(d.get(key) or ())
     d["container"] = container_from_dict(d.get("container"))
+    d["notify"] = tuple(d.get("notify") or ())
     return Host(**d)
 
 

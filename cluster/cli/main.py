@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from ..errors import ClusterError, StopRequested
-from ..spec import control_char
+from ..spec import control_char, url_problem
 
 if TYPE_CHECKING:
     from click.shell_completion import CompletionItem
@@ -28,6 +28,17 @@ _ARGV: list[str] | None = None      # the command line as given, recorded in the
 
 def argv() -> list[str]:
     return list(_ARGV or ["cluster", *sys.argv[1:]])
+
+
+class NotifyUrl(click.ParamType):
+    """--notify: an http(s) URL, refused with the URL shown redacted (its path is a token)."""
+    name = "url"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        why = url_problem(str(value))
+        if why:
+            self.fail(why, param, ctx)
+        return str(value)
 
 
 class SafePath(click.Path):

@@ -1,10 +1,11 @@
 """The verbs of a recorded run: `cluster status`, `cluster logs`, `cluster down`."""
 from __future__ import annotations
 
+import os
 import shutil
 import signal
-from pathlib import Path
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -12,11 +13,13 @@ import click
 from .. import backends
 from ..backends import EXEC, NODE_CHECKS, supports
 from ..handle import LogErrors, detached_error, first_failed
-from .main import CONTEXT, SafePath, complete_run, main
+from .main import CONTEXT, NotifyUrl, SafePath, complete_run, main
 from ..errors import ClusterError, InputError, Interrupted, NodeLost, RunFailed
 from ..nodes import NodeStatus, node_row, outcome
 from ..runs import RunDir
 from ..console import Console
+from ..observe import timeline as tl
+from ..observe.alerts import Notifier
 
 
 @main.command(context_settings=CONTEXT)
@@ -198,10 +201,15 @@ def slow_note(slow: dict) -> str:
 @click.option("-f", "--follow", is_flag=True,
               help="Keep printing until the run ends, then its outcome (exit 4 if it failed).")
 @click.option("--node", help="Only this node (by name).")
-def logs(run: str | None, follow: bool, node: str | None) -> None:
+@click.option("--notify", multiple=True, type=NotifyUrl(), metavar="URL",
+              help="With -f: POST the run's first failure and its finish to URL when it ends, "
+                   "as cluster up's alerts (a detached run's; docs/alerts.md; repeatable).")
+def logs(run: str | None, follow: bool, node: str | None, notify: tuple[str, ...]) -> None:
     """The output of RUN (default: the newest), prefixed by node. Following, it ends with the
     run's outcome, and its exit code says it: 0 when every node exited 0, 4 when one did not
     (5 when one was lost), so `cluster logs -f && ...` goes on only after a success."""
+    if notify and not follow:
+        raise InputError("--notify goes with -f: what it sends is the end of the run followed")
     rd = RunDir.find(run)
     names = [n["name"] for n in rd.started().get("nodes") or []]
     if node and node not in names:
@@ -222,10 +230,33 @@ def logs(run: str | None, follow: bool, node: str | None) -> None:
                 console.node_line(label, list(splitters).index(label), line)
                 errors.line(label, line)
         if follow:
-            report_outcome(rd, [r for r in backend.status(rd) if not node or r.name == node],
-                           console, errors.causes())
+            rows = [r for r in backend.status(rd) if not node or r.name == node]
+            try:
+                report_outcome(rd, rows, console, errors.causes())
+            except ClusterError as exc:
+                _notify_end(rd, notify, rows, errors.causes(), exc, console)
+                raise
+            _notify_end(rd, notify, rows, errors.causes(), None, console)
     finally:
         backend.close()
+
+
+def _notify_end(rd: RunDir, urls: tuple[str, ...], rows: list, causes: dict[str, str],
+                error: ClusterError | None, console: Console) -> None:
+    """logs -f --notify: the followed run's first failure and its finish, the alerts an
+    attached run's launcher sends (docs/alerts.md), its secrets' values in this shell
+    redacted; a few seconds at most."""
+    if not urls:
+        return
+    secrets = [os.environ[n] for h in rd.hosts() for n in h.secret_env if n in os.environ]
+    notifier = Notifier(urls, rd.run_id, secrets, console.info)
+    now, first = time.time(), first_failed(rows)
+    if first is not None:
+        notifier.listen({"kind": tl.FAILED, "t": now, "node": f"{first.name} {first.rank}",
+                         "what": causes.get(first.name) or f"{first.state} {first.code}"})
+    notifier.listen({"kind": tl.OUTCOME, "t": now, "ok": error is None,
+                     **({"error": error.message} if error else {"code": 0})})
+    notifier.close()
 
 
 def report_outcome(rd: RunDir, rows: list, console: Console,

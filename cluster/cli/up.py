@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from . import STARTED
-from .main import CONTEXT, SafePath, argv, host_options, main
+from .main import CONTEXT, NotifyUrl, SafePath, argv, host_options, main
 from .. import api, resolve
 from ..observe import hang_timeout
 from ..backends import NAMES
@@ -135,6 +135,10 @@ class HangTimeout(click.ParamType):
                    "that DIR no longer has (never excluded paths, never what the job wrote).")
 @click.option("--host-key-policy", type=click.Choice(["strict", "accept-new", "off"]),
               help="SSH host keys: strict (default) needs known_hosts to match.")
+@click.option("--notify", multiple=True, type=NotifyUrl(), metavar="URL",
+              help="POST each alert of the run (a failure, a hang, a slow node, a restart, a "
+                   "node set aside, the finish) as JSON to URL; a Slack webhook gets a message "
+                   "(repeatable; with the inventory's notify; docs/alerts.md).")
 @click.option("--partition", help="SLURM partition.")
 @click.option("--time", "time_limit", help="SLURM time limit, e.g. 01:00:00.")
 @click.option("--account", help="SLURM account.")

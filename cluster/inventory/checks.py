@@ -13,7 +13,7 @@ from ..container_options import reserved_run_option
 from ..errors import InventoryError, Problems
 from ..sbatch_options import SBATCH_ALIASES, SBATCH_KEY, SBATCH_OWNED
 from ..spec import (ENV_KEY, GATE_LEVELS, HOSTNAME, Mount, control_char, env_problem, reserved_env,
-                    setup_block)
+                    setup_block, url_problem)
 from ..torchrun_options import owned_torchrun_option
 from .loader import List, Map
 
@@ -186,6 +186,18 @@ class Checks:
             if why:
                 raise InventoryError(self.source, line, key, why)
         return list(value)
+
+    def urls(self, m: Map, key: str) -> tuple[str, ...]:
+        """http(s) URLs (notify), each shown redacted in a problem: its path may be a token."""
+        value = m[key]
+        example = "e.g. [https://hooks.slack.com/services/T000/B000/XXXX]"
+        if not isinstance(value, List) or not all(isinstance(v, str) for v in value):
+            raise self.fail(m, key, "must be a list of URLs", example)
+        for url, line in zip(value, value.lines):
+            why = url_problem(url)
+            if why:
+                raise InventoryError(self.source, line, key, why, hint=example)
+        return tuple(dict.fromkeys(value))
 
     def setup(self, m: Map, key: str) -> tuple[str, ...]:
         """Shell lines, as written; `bash -n` finds a syntax error at load, with its line."""
