@@ -362,7 +362,7 @@ def test_a_port_in_use_stops_up_before_any_node_starts(project: Path) -> None:
             prepared.run(Console(), ["cluster", "up"])
     run = next((project / "runs").iterdir())
     events = list(tl.read_events(run / tl.EVENTS))
-    assert [e["kind"] for e in events] == [tl.OUTCOME]      # no check, no start
+    assert [e["kind"] for e in events] == [tl.LAUNCH, tl.OUTCOME]      # no check, no start
     assert not (run / "logs").exists() or not os.listdir(run / "logs")
 
 
