@@ -101,6 +101,11 @@ def test_a_clean_run_sends_only_its_finish(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert kinds(bodies) == [("finish", 0)], bodies
     assert bodies[0]["ok"] is True and bodies[0]["code"] == 0
+    # the finish carries the run's goodput, as run.json records it
+    run = next((tmp_path / "runs").iterdir())
+    recorded = json.loads((run / "run.json").read_text())["goodput"]
+    assert bodies[0]["goodput"]["fraction"] == recorded["fraction"] is not None, bodies[0]
+    assert bodies[0]["goodput"]["wall"] == recorded["wall"] > 0
     assert "not delivered" not in res.stderr
 
 
