@@ -138,12 +138,14 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
     options.min_nodes remain. Each step goes into runs/<id>/events.jsonl as it happens; an
     attached run ends by writing its timeline (cluster.observe.timeline_png)."""
     timeline = tl.recorder_for(run.path)
+    facts = goodput.Facts()                 # goodput's, as the events come (cluster.observe.goodput)
+    timeline.listen(facts.add)
     if options.launched is not None:
         timeline.launched(options.launched)
     notifier = _notifier(timeline, inventory, run, console, options, environ)
     try:
         return _served(inventory, job, templates, backend, run, argv, console, options, environ,
-                       timeline)
+                       timeline, facts)
     finally:
         if notifier is not None:
             notifier.close()        # a few seconds at most for the finish (alerts.CLOSE_WAIT)
@@ -151,26 +153,26 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
 
 def _served(inventory: Inventory, job: Job, templates: Templates, backend: Backend[Any],
             run: RunDir, argv: list[str], console: Console, options: Options,
-            environ: Mapping[str, str], timeline: tl.Recorder) -> int:
+            environ: Mapping[str, str], timeline: tl.Recorder, facts: goodput.Facts) -> int:
     """The run, its metrics served while it lives; its outcome recorded with its goodput, and
     its picture drawn (attached)."""
     served = metrics.Served()
     try:          # served before the first event (and before any node is contacted), if asked
         served = metrics.serve_run(options.metrics, timeline, run.run_id, console.info,
-                                   goodput_of=lambda: _so_far(run, timeline))
+                                   goodput_of=lambda: _so_far(facts, timeline))
         code = _up(inventory, job, templates, backend, run, argv, console, options, environ,
                    timeline)
     except BaseException as exc:
         ran = not options.detach and tl.CHECK in timeline.kinds     # not a refused command line
         timeline.event(tl.OUTCOME, ok=False, error=str(exc) or type(exc).__name__,
-                       **_goodput(run, timeline, console, ran))
+                       **_goodput(run, facts, timeline, console, ran))
         if ran:
             _timeline(run, console)
         raise
     finally:
         served.stop()
     timeline.event(tl.OUTCOME, ok=code == 0, code=code,
-                   **_goodput(run, timeline, console, not options.detach))
+                   **_goodput(run, facts, timeline, console, not options.detach))
     if not options.detach:
         _timeline(run, console)
     return code
@@ -189,17 +191,18 @@ def _notifier(timeline: tl.Recorder, inventory: Inventory, run: RunDir, console:
     return notifier
 
 
-def _so_far(run: RunDir, timeline: tl.Recorder) -> float | None:
-    """The goodput up to now, for a scrape: the events file read again (its size is bounded)."""
-    found = goodput.goodput(tl.read_events(run.path / tl.EVENTS), end=timeline.clock())
+def _so_far(facts: goodput.Facts, timeline: tl.Recorder) -> float | None:
+    """The goodput up to now, for a scrape (O(attempts), not a read of the events)."""
+    found = facts.result(end=timeline.clock())
     return found["fraction"] if found else None
 
 
-def _goodput(run: RunDir, timeline: tl.Recorder, console: Console, said: bool) -> dict[str, Any]:
+def _goodput(run: RunDir, facts: goodput.Facts, timeline: tl.Recorder, console: Console,
+             said: bool) -> dict[str, Any]:
     """The run's goodput up to now, from its events: into run.json, said (an attached run),
     and its headline for the outcome's event ({} when there is none: a detached run)."""
     try:
-        found = goodput.goodput(tl.read_events(run.path / tl.EVENTS), end=timeline.clock())
+        found = facts.result(end=timeline.clock())
         if found is None:
             return {}
         run.update(goodput={k: v for k, v in found.items() if k != "segments"})

@@ -30,6 +30,8 @@ first end ("joined"). `measured` says which.
 """
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,9 +69,9 @@ class Attempt:
     failed: float | None = None          # its first failure
     stalled: float | None = None         # a hang: where progress stopped ...
     stopped: float | None = None         # ... and the stop that followed
-    exits: list[float] = field(default_factory=list)
+    exited: float | None = None          # its first node's exit
     saves: list[tuple[float, float]] = field(default_factory=list)    # (m, seconds)
-    checkpoints: list[tuple[float, int]] = field(default_factory=list)  # (m, step)
+    checkpoints: list[float] = field(default_factory=list)  # the newest checkpoints' m
     slow: tuple[float, float] | None = None   # (m named, the job's pace / its pace)
     followed: bool = False               # another attempt came after it
 
@@ -78,23 +80,64 @@ def goodput(events: Iterable[Event], end: float | None = None) -> dict[str, Any]
     """The run's goodput and its parts (seconds), each attempt's, and the band's segments
     (x from the first event). None with no events, or for a detached run (its life after the
     start is not in the launcher's record)."""
-    attempts, measured, first_m, last_m = _facts(events)
-    if not attempts:
-        return None
-    end = last_m if end is None else max(end, last_m)
-    for a, nxt in zip(attempts, attempts[1:]):
-        a.end, a.followed = nxt.start, True
-    attempts[-1].end = end
-    rows, segments = [], []
-    for a in attempts:
-        parts, segs = _cut(a, measured)
-        rows.append(_row(parts, a.end - a.start, attempt=a.number))
-        segments += [(round(x0 - first_m, 3), round(x1 - first_m, 3), part)
-                     for x0, x1, part in segs]
-    total = {p: sum(r["parts"][p] for r in rows) for p in PARTS}
-    out = _row(total, end - first_m)
-    out.update(measured=measured, attempts=rows, segments=_merged(segments))
-    return out
+    facts = Facts()
+    for ev in events:
+        facts.add(ev)
+    return facts.result(end)
+
+
+class Facts:
+    """What goodput needs of the events, taken as they come (a recorder's listener: O(1) an
+    event, memory bounded by the attempts), and the goodput up to any moment (result()): the
+    live metrics ask it at each scrape without reading the events file again."""
+
+    def __init__(self) -> None:
+        self.attempts: dict[int, Attempt] = {}
+        self.first_m: float | None = None
+        self.last_m: float | None = None
+        self.beats = self.steps = self.detached = False
+        self.saving: dict[int, float] = {}           # an attempt's cumulative "saving" so far
+        self.lock = threading.Lock()
+
+    def add(self, ev: Event) -> None:
+        m = ev.get("m")
+        if not isinstance(m, (int, float)) or not isinstance(ev.get("kind"), str):
+            return
+        with self.lock:
+            self.first_m = m if self.first_m is None else min(self.first_m, m)
+            self.last_m = m if self.last_m is None else max(self.last_m, m)
+            n = ev.get("attempt", 0) if isinstance(ev.get("attempt"), int) else 0
+            a = self.attempts.get(n)
+            if a is None:
+                a = self.attempts[n] = Attempt(n, m)
+            a.start = min(a.start, m)
+            self.beats |= ev["kind"] == tl.BEAT
+            self.steps |= ev["kind"] == tl.BEAT and isinstance(ev.get("step"), int)
+            self.detached |= ev["kind"] == tl.DETACHED
+            _note(a, ev, m, self.saving)
+
+    def result(self, end: float | None = None) -> dict[str, Any] | None:
+        """The goodput up to `end` (the launcher's clock; default: the last event)."""
+        with self.lock:
+            if self.first_m is None or self.last_m is None or self.detached:
+                return None
+            attempts = [dataclasses.replace(self.attempts[k]) for k in sorted(self.attempts)]
+            first_m, last_m = self.first_m, self.last_m
+            measured = "steps" if self.steps else "beats" if self.beats else "joined"
+        end = last_m if end is None else max(end, last_m)
+        for a, nxt in zip(attempts, attempts[1:]):
+            a.end, a.followed = nxt.start, True
+        attempts[-1].end = end
+        rows, segments = [], []
+        for a in attempts:
+            parts, segs = _cut(a, measured)
+            rows.append(_row(parts, a.end - a.start, attempt=a.number))
+            segments += [(round(x0 - first_m, 3), round(x1 - first_m, 3), part)
+                         for x0, x1, part in segs]
+        total = {p: sum(r["parts"][p] for r in rows) for p in PARTS}
+        out = _row(total, end - first_m)
+        out.update(measured=measured, attempts=rows, segments=_merged(segments))
+        return out
 
 
 def _row(parts: dict[str, float], wall: float, **extra: Any) -> dict[str, Any]:
@@ -106,34 +149,9 @@ def _row(parts: dict[str, float], wall: float, **extra: Any) -> dict[str, Any]:
 
 # -- the facts --
 
-def _facts(events: Iterable[Event]) -> tuple[list[Attempt], str, float, float]:
-    """Each attempt's facts; whether progress is known from beats that name a step
-    ("steps"), from beats alone ("beats": a program that touches the heartbeat without step
-    lines; its first beat may come before its first step), or only from the joins
-    ("joined"); the first and last event's m."""
-    attempts: dict[int, Attempt] = {}
-    first_m = last_m = None
-    beats = steps = detached = False
-    saving: dict[int, float] = {}
-    for ev in events:
-        m = ev.get("m")
-        if not isinstance(m, (int, float)):
-            continue
-        first_m = m if first_m is None else min(first_m, m)
-        last_m = m if last_m is None else max(last_m, m)
-        n = ev.get("attempt", 0) if isinstance(ev.get("attempt"), int) else 0
-        a = attempts.get(n)
-        if a is None:
-            a = attempts[n] = Attempt(n, m)
-        a.start = min(a.start, m)
-        beats |= ev["kind"] == tl.BEAT
-        steps |= ev["kind"] == tl.BEAT and isinstance(ev.get("step"), int)
-        detached |= ev["kind"] == tl.DETACHED
-        _note(a, ev, m, saving)
-    if first_m is None or last_m is None or detached:
-        return [], "", 0.0, 0.0
-    measured = "steps" if steps else "beats" if beats else "joined"
-    return [attempts[k] for k in sorted(attempts)], measured, float(first_m), float(last_m)
+# An attempt keeps at most this many saves and checkpoints: past it, two neighbouring saves
+# become one (their seconds added, at the later one's time): the total stays exact.
+KEEP_SAVES = 128
 
 
 def _note(a: Attempt, ev: Event, m: float, saving: dict[int, float]) -> None:
@@ -155,8 +173,8 @@ def _note(a: Attempt, ev: Event, m: float, saving: dict[int, float]) -> None:
         a.stalled = m - (quiet if isinstance(quiet, (int, float)) else 0.0)
     elif kind == tl.STOP and a.stopped is None and a.stalled is not None:
         a.stopped = m
-    elif kind == tl.EXIT:
-        a.exits.append(m)
+    elif kind == tl.EXIT and a.exited is None:
+        a.exited = m
     elif kind == tl.CHECKPOINT:
         _checkpoint(a, ev, m, saving)
     elif kind == tl.SLOW and a.slow is None:
@@ -168,13 +186,16 @@ def _note(a: Attempt, ev: Event, m: float, saving: dict[int, float]) -> None:
 
 def _checkpoint(a: Attempt, ev: Event, m: float, saving: dict[int, float]) -> None:
     """A save's seconds: the growth of the attempt's cumulative "saving" since its last."""
-    step = ev.get("step")
-    if isinstance(step, int):
-        a.checkpoints.append((m, step))
+    if isinstance(ev.get("step"), int):
+        a.checkpoints = a.checkpoints[-KEEP_SAVES:] + [m]
     total = ev.get("saving")
     if isinstance(total, (int, float)) and total > saving.get(a.number, 0.0):
         a.saves.append((m, total - saving.get(a.number, 0.0)))
         saving[a.number] = float(total)
+        if len(a.saves) > KEEP_SAVES:
+            pairs = zip(a.saves[::2], a.saves[1::2])
+            a.saves = [(later[0], sooner[1] + later[1]) for sooner, later in pairs] + \
+                a.saves[len(a.saves) // 2 * 2:]
 
 
 def _num(ev: Event, key: str) -> float:
@@ -229,7 +250,7 @@ def _intervals(a: Attempt, measured: str) -> list[Interval]:
     if a.slow is not None and a.slow[0] < last:
         out.append((max(first, a.slow[0]), last, "slow"))
     if a.followed:
-        newest = [m for m, _ in a.checkpoints if first <= m <= last]
+        newest = [m for m in a.checkpoints if first <= m <= last]
         out.append((max(newest) if newest else first, last, "redone"))
     out += [(m - seconds, m, "checkpoint") for m, seconds in a.saves]
     return out + _after(a, last)
@@ -244,7 +265,7 @@ def _progress(a: Attempt, measured: str) -> tuple[float | None, float | None]:
         return a.first, a.last
     if a.joined is None:
         return None, None
-    ends = [x for x in (a.failed, a.stalled) if x is not None] or a.exits or [a.end]
+    ends = [x for x in (a.failed, a.stalled) if x is not None] or [a.exited or a.end]
     return a.joined, max(a.joined, min(ends))
 
 

@@ -168,3 +168,40 @@ def test_status_goodput_lists_the_last_runs_of_an_inventory_as_a_table_and_json(
     assert "attempt 1" in capsys.readouterr().out
     assert run_cli(["status", "--goodput", "20261207-040000"]) == 2          # detached
     assert "has no goodput" in capsys.readouterr().err
+
+
+def test_facts_taken_as_the_events_come_give_what_the_file_gives_and_stay_bounded() -> None:
+    """A recorder's listener (every beat, before thinning) and the thinned file agree; an
+    attempt's saves are held to KEEP_SAVES, their total exact."""
+    from cluster.observe.goodput import KEEP_SAVES, Facts
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+    clock, written = Clock(), []
+    rec = tl.Recorder(written.append, clock=clock, wall=clock)
+    facts = Facts()
+    rec.listen(facts.add)
+    rec.event(tl.CHECK)
+    clock.now = 1.0
+    rec.event(tl.STARTED, nodes=["a 0"])
+    clock.now = 2.0
+    rec.event(tl.JOINED, "a 0")
+    for i in range(1000):                      # a step each 0.5 s, a 0.1 s save each 5 steps
+        clock.now = 3.0 + i * 0.5
+        rec.beat("a 0", step=i + 1)
+        if i % 5 == 4:
+            rec.checkpoint(i + 1, saving=round(0.1 * ((i + 1) // 5), 3))
+    clock.now = 505.0
+    rec.event(tl.EXIT, "a 0", ok=True)
+    rec.flush()
+    rec.event(tl.OUTCOME, ok=True)
+    assert len(written) < 300                                  # the file is thinned ...
+    live, filed = facts.result(), goodput(written)
+    assert live is not None and filed is not None
+    assert live["parts"] == pytest.approx(filed["parts"], abs=0.2)   # ... and says the same
+    assert live["parts"]["checkpoint"] == pytest.approx(20.0, abs=0.01)   # 200 saves of 0.1 s
+    assert len(facts.attempts[0].saves) <= KEEP_SAVES
+    assert sum(live["parts"].values()) == pytest.approx(live["wall"], abs=1e-6)
