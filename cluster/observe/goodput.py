@@ -13,8 +13,8 @@ where two overlap), so the parts add up to the wall time:
     redone       work a restart repeated: from the attempt's newest checkpoint (or its first
                  step, with none) to its last progress, when another attempt followed
     startup      the first attempt's check, start, and its first step (its set-up and load)
-    rendezvous   the start returned to every node's workers joined (torchrun's import, the
-                 rendezvous, the workers' spawn)
+    rendezvous   the start returned to every node's workers joined, or the program's first
+                 heartbeat if sooner (torchrun's import, the rendezvous, the workers' spawn)
     restart      a later attempt's check, start and first step, and a failed attempt's time
                  from its failure to the next check (the stop, the set-aside, the gate)
     training     first step to last progress, less the parts above and the slow node's cost
@@ -239,9 +239,10 @@ def _intervals(a: Attempt, measured: str) -> list[Interval]:
     out: list[Interval] = []
     if a.started is not None:
         out.append((a.start, a.started, setup))
-        joined = a.joined if a.joined is not None else a.started
-        if first is not None:
-            joined = min(joined, first)
+        # the joins are seen by a scan of the node's processes (every 0.25-2 s): the
+        # program's first heartbeat, when sooner, says its workers were up
+        seen = [x for x in (a.joined, a.first, first) if x is not None]
+        joined = min(seen) if seen else a.started
         out.append((a.started, joined, "rendezvous"))
     if first is None or last is None:
         return out + _after(a, a.started or a.start)

@@ -66,6 +66,7 @@ ASIDE = "aside"            # a host set aside for the next attempt (host, why, s
 THIN = 5.0                 # seconds between two recorded beats (or output lines) of a node
 FREQUENT = (BEAT, OUTPUT, CHECKPOINT)  # the thinned kinds; every other kind is always kept
 KEEP = 128                 # at most this many lines of one series (kind, node, attempt)
+FEWEST = 3                 # ... and never fewer: its first, its first step, its last
 
 EVENTS, JSON_NAME, PNG_NAME = "events.jsonl", "timeline.json", "timeline.png"
 
@@ -90,6 +91,7 @@ class Recorder:
         self.lock = threading.Lock()
         self.last: dict[tuple[str, str], float] = {}           # (kind, node) -> m recorded
         self.held: dict[tuple[str, str], Event] = {}           # thinned, not yet written
+        self.stepped: set[Series] = set()                      # series whose first step is written
         self.kinds: set[str] = set()                            # the kinds recorded so far
         self.listeners: list[Callable[[Event], None]] = []
 
@@ -145,7 +147,9 @@ class Recorder:
         return ev
 
     def _thinned(self, kind: str, node: str | None, **detail: Any) -> None:
-        """The first, then at most one each `thin` s; one held back carries the count."""
+        """The first, then at most one each `thin` s; one held back carries the count. A
+        node's first beat that names a step in an attempt is written at once (goodput's first
+        step: the trainer beats once before its set-up)."""
         if self.sink is None:
             return
         with self.lock:
@@ -153,8 +157,8 @@ class Recorder:
             held = self.held.get(key)
             ev = self._stamp(kind, node, {"n": (held["n"] if held else 0) + 1, **detail})
             self._tell(ev)
-            last = self.last.get(key)
-            if last is not None and ev["m"] - last < self.thin:
+            last, pin = self.last.get(key), first_step(ev, self.stepped)
+            if last is not None and ev["m"] - last < self.thin and not pin:
                 self.held[key] = ev
                 return
             self.held.pop(key, None)
@@ -183,7 +187,7 @@ class Recorder:
         key = series(ev)
         self.lines[key] = self.lines.get(key, 0) + 1
         began = self.began.setdefault(key, ev["m"])
-        while self.lines.get(key, 0) > self.keep:
+        while self.lines.get(key, 0) > max(self.keep, FEWEST):
             # at least double; enough to halve the full series at once (one rewrite, not one
             # per doubling up to the spacing it already has)
             self.thin = max(2 * self.thin, 2 * (ev["m"] - began) / self.keep)
@@ -252,6 +256,15 @@ def series(ev: Event) -> Series:
     return (ev["kind"], str(ev.get("node")), attempt if isinstance(attempt, int) else 0)
 
 
+def first_step(ev: Event, stepped: set[Series]) -> bool:
+    """Whether ev is its series' first beat that names a step (noted in `stepped`): never
+    thinned away, so the moment training began stays in the record."""
+    if ev["kind"] != BEAT or not isinstance(ev.get("step"), int) or series(ev) in stepped:
+        return False
+    stepped.add(series(ev))
+    return True
+
+
 def _n(ev: Event) -> int:
     """How many it stands for (a line of another hand's making: 1)."""
     n = ev.get("n", 1)
@@ -271,6 +284,7 @@ def rethin(events: Iterable[Event], thin: float) -> Iterator[Event]:
     Recorder's held events)."""
     kept_at: dict[Series, float] = {}
     held: dict[Series, Event] = {}
+    stepped: set[Series] = set()
     for ev in events:
         if ev["kind"] not in FREQUENT:
             yield ev
@@ -278,8 +292,8 @@ def rethin(events: Iterable[Event], thin: float) -> Iterator[Event]:
         key = series(ev)
         left_out = held.pop(key, None)
         ev = {**ev, "n": (left_out["n"] if left_out else 0) + _n(ev)}
-        m = _m(ev)
-        if key in kept_at and m - kept_at[key] < thin:
+        m, pin = _m(ev), first_step(ev, stepped)
+        if key in kept_at and m - kept_at[key] < thin and not pin:
             held[key] = ev
             continue
         kept_at[key] = m
@@ -298,6 +312,7 @@ def bounded(events: Iterable[Event], keep: int = KEEP) -> tuple[list[Event], int
     kept_at: dict[Series, float] = {}
     began: dict[Series, float] = {}
     lines: dict[Series, int] = {}
+    stepped: set[Series] = set()
     read = 0
     for ev in events:
         read += 1
@@ -307,14 +322,15 @@ def bounded(events: Iterable[Event], keep: int = KEEP) -> tuple[list[Event], int
         key = series(ev)
         left_out = held.pop(key, None)
         ev = {**ev, "n": (left_out["n"] if left_out else 0) + _n(ev)}
-        if key in kept_at and _m(ev) - kept_at[key] < thin:
+        pin = first_step(ev, stepped)
+        if key in kept_at and _m(ev) - kept_at[key] < thin and not pin:
             held[key] = ev
             continue
         kept.append(ev)
         kept_at[key] = _m(ev)
         began.setdefault(key, kept_at[key])
         lines[key] = lines.get(key, 0) + 1
-        while lines.get(key, 0) > keep:
+        while lines.get(key, 0) > max(keep, FEWEST):
             thin = max(2 * thin, THIN, 2 * (kept_at[key] - began[key]) / keep)
             kept = list(rethin(kept, thin))
             lines = {}

@@ -415,3 +415,27 @@ def test_the_launch_is_the_first_event_at_the_moment_the_command_began() -> None
     rec.event(tl.CHECK)
     assert events[0] == {"t": 1e9 + 106.0, "m": 106.0, "kind": "launch", "attempt": 0}
     assert [e["kind"] for e in events] == ["launch", "check"]
+
+
+def test_a_nodes_first_beat_that_names_a_step_is_never_thinned_away() -> None:
+    """The trainer beats once before its set-up: thinning kept that one and held back its
+    first step for THIN s, and goodput counted the steps before as start-up. The first step
+    of each node and attempt is written at once, and kept when the file is thinned again."""
+    rec, events, clock = recorder(thin=5)
+    rec.beat("a 0")                            # set-up's beat, no step
+    for i in range(1, 20):
+        clock.now = 100.0 + i * 0.5
+        rec.beat("a 0", step=i)
+    rec.flush()
+    beats = [(e["m"], e.get("step")) for e in events if e["kind"] == "beat"]
+    assert beats[:2] == [(100.0, None), (100.5, 1)]
+    again = list(tl.rethin(events, 50.0))
+    assert [(e["m"], e.get("step")) for e in again if e["kind"] == "beat"][:2] == beats[:2]
+    kept, _ = tl.bounded(events, keep=2)
+    assert (100.5, 1) in [(e["m"], e.get("step")) for e in kept if e["kind"] == "beat"]
+    rec.attempt = 1                            # each attempt has its own first step
+    clock.now = 200.0
+    rec.beat("a 0")
+    clock.now = 201.0
+    rec.beat("a 0", step=20)
+    assert (events[-1]["attempt"], events[-1]["step"]) == (1, 20)
