@@ -50,6 +50,9 @@ def test_a_run_with_one_restart_adds_up_to_its_wall_time(ssh_nodes4, cli):
     assert first["parts"]["restart"] > 0 and second["parts"]["restart"] > 0
     assert parts["checkpoint"] > 0 and parts["startup"] > 0 and parts["rendezvous"] > 0
     assert 0.3 < recorded["fraction"] < 1 and recorded["measured"] == "steps"
+    # an outside measure of the training: 60 steps kept (4 epochs of 15), each at least its
+    # 0.2 s sleep; the first of each attempt is the start's (its beat ends it)
+    assert recorded["productive"] >= (60 - 2) * 0.2, recorded["productive"]
     timeline = json.loads((run / "timeline.json").read_text())
     assert {s[2] for s in timeline["goodput"]["segments"]} >= {"startup", "rendezvous", "training",
                                                                "redone", "restart", "ending"}
