@@ -79,9 +79,10 @@ def draw(data: dict[str, Any], path: Path) -> None:
     ax.set_xlim(-0.01 * end, end * 1.04)
     ax.set_xlabel("seconds since the launch began" + _clock(data))
     ax.set_title(_title(data), fontsize=10, loc="left")
-    fig.legend(handles=_legend() + (_goodput_legend(gp) if gp else []), loc="lower center",
-               ncol=6, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 1.0 / height, 1, 1))      # room below for the legend's rows
+    handles = _legend() + (_goodput_legend(gp) if gp else [])
+    fig.legend(handles=handles, loc="lower center", ncol=6, fontsize=7, frameon=False)
+    rows_below = -(-len(handles) // 6)
+    fig.tight_layout(rect=(0, (0.1 + 0.14 * rows_below) / height, 1, 1))   # the legend's room
     _save(fig, path)
 
 
