@@ -29,8 +29,7 @@ from .observe.slow import SlowNodes
 from .spec import HangAuto, Host, Inventory, SlowNode
 from .observe import metrics
 from .observe import timeline as tl
-from .observe import goodput, timeline_png
-from .observe.alerts import Notifier
+from .observe.views import RunViews
 from .observe.watch import Watcher, WatchResult
 
 def dry_run(inventory: Inventory, job: Job, templates: Templates, run: RunDir,
@@ -138,89 +137,29 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
     options.min_nodes remain. Each step goes into runs/<id>/events.jsonl as it happens; an
     attached run ends by writing its timeline (cluster.observe.timeline_png)."""
     timeline = tl.recorder_for(run.path)
-    facts = goodput.Facts()                 # goodput's, as the events come (cluster.observe.goodput)
-    timeline.listen(facts.add)
-    if options.launched is not None:
-        timeline.launched(options.launched)
-    notifier = _notifier(timeline, inventory, run, console, options, environ)
+    views = RunViews(run, timeline, console, launched=options.launched, serve_at=options.metrics,
+                     notify=options.notify, secrets=_known_secrets(inventory, options, environ))
     try:
-        return _served(inventory, job, templates, backend, run, argv, console, options, environ,
-                       timeline, facts)
-    finally:
-        if notifier is not None:
-            notifier.close()        # a few seconds at most for the finish (alerts.CLOSE_WAIT)
-
-
-def _served(inventory: Inventory, job: Job, templates: Templates, backend: Backend[Any],
-            run: RunDir, argv: list[str], console: Console, options: Options,
-            environ: Mapping[str, str], timeline: tl.Recorder, facts: goodput.Facts) -> int:
-    """The run, its metrics served while it lives; its outcome recorded with its goodput, and
-    its picture drawn (attached)."""
-    served = metrics.Served()
-    try:          # served before the first event (and before any node is contacted), if asked
-        served = metrics.serve_run(options.metrics, timeline, run.run_id, console.info,
-                                   goodput_of=lambda: _so_far(facts, timeline))
+        views.open()
         code = _up(inventory, job, templates, backend, run, argv, console, options, environ,
                    timeline)
     except BaseException as exc:
-        ran = not options.detach and tl.CHECK in timeline.kinds     # not a refused command line
-        timeline.event(tl.OUTCOME, ok=False, error=str(exc) or type(exc).__name__,
-                       **_goodput(run, facts, timeline, console, ran))
-        if ran:
-            _timeline(run, console)
+        views.ended(not options.detach and tl.CHECK in timeline.kinds,   # not a refused line
+                    ok=False, error=str(exc) or type(exc).__name__)
         raise
+    else:
+        views.ended(not options.detach, ok=code == 0, code=code)
+        return code
     finally:
-        served.stop()
-    timeline.event(tl.OUTCOME, ok=code == 0, code=code,
-                   **_goodput(run, facts, timeline, console, not options.detach))
-    if not options.detach:
-        _timeline(run, console)
-    return code
+        views.close()
 
 
-def _notifier(timeline: tl.Recorder, inventory: Inventory, run: RunDir, console: Console,
-              options: Options, environ: Mapping[str, str]) -> Notifier | None:
-    """The alerts (docs/alerts.md), told every event from the first; the secrets' values this
-    shell has, to be replaced in whatever is sent (a missing one fails the launch later)."""
-    if not options.notify:
-        return None
+def _known_secrets(inventory: Inventory, options: Options,
+                   environ: Mapping[str, str]) -> list[str]:
+    """The secrets' values this shell has, to be replaced in whatever an alert sends (a
+    missing one fails the launch later)."""
     hosts = (*inventory.hosts, *options.spares)
-    known = [environ[name] for h in hosts for name in h.secret_env if name in environ]
-    notifier = Notifier(options.notify, run.run_id, known, console.info)
-    timeline.listen(notifier.listen)
-    return notifier
-
-
-def _so_far(facts: goodput.Facts, timeline: tl.Recorder) -> float | None:
-    """The goodput up to now, for a scrape (O(attempts), not a read of the events)."""
-    found = facts.result(end=timeline.clock())
-    return found["fraction"] if found else None
-
-
-def _goodput(run: RunDir, facts: goodput.Facts, timeline: tl.Recorder, console: Console,
-             said: bool) -> dict[str, Any]:
-    """The run's goodput up to now, from its events: into run.json, said (an attached run),
-    and its headline for the outcome's event ({} when there is none: a detached run)."""
-    try:
-        found = facts.result(end=timeline.clock())
-        if found is None:
-            return {}
-        run.update(goodput={k: v for k, v in found.items() if k != "segments"})
-    except Exception as exc:  # a damaged record: the run's outcome matters more
-        console.info(f"goodput not computed: {exc}")
-        return {}
-    if said:
-        console.info(goodput.line(found))
-    return {"goodput": {"fraction": found["fraction"], "wall": found["wall"],
-                        "productive": found["productive"]}}
-
-
-def _timeline(run: RunDir, console: Console) -> None:
-    """The picture of the run; a failure to draw it is said, never the run's outcome."""
-    try:
-        timeline_png.write(run, console)
-    except Exception as exc:  # matplotlib's own errors: the run's outcome matters more
-        console.info(f"timeline not drawn: {exc}")
+    return [environ[name] for h in hosts for name in h.secret_env if name in environ]
 
 
 def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[Any], run: RunDir,

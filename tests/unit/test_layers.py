@@ -22,7 +22,7 @@ LAYERS = [
      "cluster.handle"],
     ["cluster.deep"],
     ["cluster.launch", "cluster.resolve", "cluster.tuning"],
-    ["cluster.recovery.check"],
+    ["cluster.recovery.check", "cluster.observe.views"],
     ["cluster.observe.watch", "cluster.observe.hang", "cluster.observe.timeline_png",
      "cluster.observe.metrics", "cluster.observe.alerts", "cluster.recovery.pool",
      "cluster.recovery.grow"],
