@@ -30,7 +30,8 @@ from .observe import metrics
 from .plan import Job, Templates
 from .request import Request
 from .runs import RunDir, cache_root, new_run_id
-from .spec import Inventory, check_text, env_problem, redacted_url, redacted_words, url_problem
+from .spec import Inventory
+from .texts import check_text, env_problem, redacted_url, redacted_words, url_problem
 
 __all__ = ["Prepared", "Request", "Run", "Unanswered", "detached_error", "first_failed",
            "prepare", "up", "LogErrors"]

@@ -18,7 +18,7 @@ from typing import Any
 from .console import Console, human_bytes
 from .errors import ClusterError, InputError, PreflightError
 from .runs import RunDir, make_private_dir, runs_root
-from .spec import control_char
+from .texts import control_char
 
 RUN_LIKE = re.compile(r"\d{8}-")        # how a run id begins: YYYYmmdd-HHMMSS-xxxx
 

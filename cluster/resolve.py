@@ -18,7 +18,8 @@ from .recovery.pool import ledger_for, pick
 from .request import Request
 from .runs import RunDir
 
-from .spec import ENV_KEY, Host, Inventory, check_text, reserved_env
+from .spec import Host, Inventory
+from .texts import ENV_KEY, check_text, reserved_env
 
 if TYPE_CHECKING:
     from .backends.supervised import SupervisedBackend

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from . import spec
+from . import spec, texts
 from .errors import InputError
 
 RUNS_ENV = "CLUSTER_RUNS_DIR"
@@ -191,7 +191,7 @@ class RunDir:
         if inventory.text:        # as read, but for notify's URLs: a webhook's path is a token
             urls = tuple({u for h in inventory.hosts for u in h.notify})
             write_private(self.path / "inventory.source",
-                          spec.redacted_words([inventory.text], urls)[0])
+                          texts.redacted_words([inventory.text], urls)[0])
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         write_private(self.path / "run.json", json.dumps(meta, indent=2) + "\n")

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from . import network
 from .errors import InputError
-from .spec import DEFAULT_STOP_GRACE, Inventory, SlurmSettings, control_char
+from .spec import DEFAULT_STOP_GRACE, Inventory, SlurmSettings
+from .texts import control_char
 from .plan import Job, Recording, Templates, derived_port
 from .errors import STOP_CODE
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from ..errors import ClusterError, StopRequested
-from ..spec import control_char, url_problem
+from ..texts import control_char, url_problem
 
 if TYPE_CHECKING:
     from click.shell_completion import CompletionItem

@@ -12,8 +12,8 @@ from typing import Any
 from ..container_options import reserved_run_option
 from ..errors import InventoryError, Problems
 from ..sbatch_options import SBATCH_ALIASES, SBATCH_KEY, SBATCH_OWNED
-from ..spec import (ENV_KEY, GATE_LEVELS, HOSTNAME, Mount, control_char, env_problem, reserved_env,
-                    setup_block, url_problem)
+from ..spec import GATE_LEVELS, HOSTNAME, Mount, setup_block
+from ..texts import ENV_KEY, control_char, env_problem, reserved_env, url_problem
 from ..torchrun_options import owned_torchrun_option
 from .loader import List, Map
 

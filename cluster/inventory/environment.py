@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import InputError, InventoryError
-from ..spec import Inventory, env_problem
+from ..spec import Inventory
+from ..texts import env_problem
 
 
 def forward_env(inventory: Inventory, environ: Mapping[str, str],

@@ -13,7 +13,7 @@ What is sent is kept small and clean: the event's own fields, never the environm
 string cut to TEXT characters, after the run's secret values (secret_env, known to the
 launcher) and the URLs themselves are replaced by REDACTED, since a failure's cause is a
 worker's own error line and may quote anything. A URL is only ever shown as scheme://host/...
-(spec.redacted_url): a Slack webhook's path is its token.
+(texts.redacted_url): a Slack webhook's path is its token.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..spec import redacted_url
+from ..texts import redacted_url
 from . import timeline as tl
 
 Alert = dict[str, Any]

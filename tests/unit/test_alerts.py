@@ -19,7 +19,7 @@ from cluster.inventory import load as load_inventory
 from cluster.observe import alerts
 from cluster.observe import timeline as tl
 from cluster.runs import RunDir
-from cluster.spec import redacted_url, url_problem
+from cluster.texts import redacted_url, url_problem
 from tests.webhook import Webhook
 
 CANARY = "canary-9f3b7c1e"

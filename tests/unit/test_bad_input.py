@@ -231,8 +231,8 @@ def test_no_validation_pattern_ends_with_a_dollar() -> None:
 
 
 def test_the_validators_refuse_a_trailing_newline() -> None:
-    from cluster import network, sbatch, sbatch_options, spec
-    for pattern, good in ((spec.HOSTNAME, "node1"), (spec.ENV_KEY, "FOO"), (spec.IFNAME, "eth0"),
+    from cluster import network, sbatch, sbatch_options, spec, texts
+    for pattern, good in ((spec.HOSTNAME, "node1"), (texts.ENV_KEY, "FOO"), (spec.IFNAME, "eth0"),
                           (spec.IMAGE, "img:1"), (sbatch.SBATCH_BARE, "gpu"),
                           (sbatch_options.SBATCH_KEY, "qos"), (network.PLAIN_IFNAME, "eth0")):
         assert pattern.match(good) and not pattern.match(good + "\n"), pattern.pattern

@@ -36,7 +36,7 @@ LAYERS = [
     ["cluster.network", "cluster.inventory"],
     ["cluster.spec", "cluster.request", "cluster.torchrun_options", "cluster.sbatch_options",
      "cluster.container_options"],
-    ["cluster.console", "cluster.nodes", "cluster.readers"],
+    ["cluster.console", "cluster.nodes", "cluster.readers", "cluster.texts"],
     ["cluster.errors", "cluster.recovery", "cluster.observe", "cluster.recovery.findings"],    # the families' docstrings
 ]
 PACKAGES = ("cluster.cli", "cluster.backends", "cluster.inventory")
