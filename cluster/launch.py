@@ -29,6 +29,7 @@ from .observe.slow import SlowNodes
 from .spec import HangAuto, Host, Inventory, SlowNode
 from .observe import metrics
 from .observe import timeline as tl
+from .observe.alerts import known_secrets
 from .observe.views import RunViews
 from .observe.watch import Watcher, WatchResult
 
@@ -138,7 +139,8 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
     attached run ends by writing its timeline (cluster.observe.timeline_png)."""
     timeline = tl.recorder_for(run.path)
     views = RunViews(run, timeline, console, launched=options.launched, serve_at=options.metrics,
-                     notify=options.notify, secrets=_known_secrets(inventory, options, environ))
+                     notify=options.notify,
+                     secrets=known_secrets((*inventory.hosts, *options.spares), environ))
     try:
         views.open()
         code = _up(inventory, job, templates, backend, run, argv, console, options, environ,
@@ -152,14 +154,6 @@ def up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[An
         return code
     finally:
         views.close()
-
-
-def _known_secrets(inventory: Inventory, options: Options,
-                   environ: Mapping[str, str]) -> list[str]:
-    """The secrets' values this shell has, to be replaced in whatever an alert sends (a
-    missing one fails the launch later)."""
-    hosts = (*inventory.hosts, *options.spares)
-    return [environ[name] for h in hosts for name in h.secret_env if name in environ]
 
 
 def _up(inventory: Inventory, job: Job, templates: Templates, backend: Backend[Any], run: RunDir,

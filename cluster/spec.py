@@ -16,9 +16,8 @@ import hostlist
 import yaml
 
 from .errors import InputError
-from .texts import redacted_url
+from .texts import HOSTNAME, redacted_url
 
-HOSTNAME = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_-]{1,63})*\Z")
 
 DEFAULT_STOP_GRACE = 30.0     # SIGTERM to SIGKILL: time for a trainer to save a checkpoint
 DEFAULT_KEEPALIVE = 60.0      # silence after which a node, or the launcher, counts as lost

@@ -4,11 +4,13 @@ an environment entry's rules (a valid name, not one cluster sets itself); an ale
 checked, and only ever shown redacted (a webhook's path is its token)."""
 from __future__ import annotations
 
+import ipaddress
 import re
 from urllib.parse import SplitResult, urlsplit
 
 from .errors import InputError
 
+HOSTNAME = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_-]{1,63})*\Z")
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -114,3 +116,14 @@ def _port(parts: SplitResult) -> int | None:
         return parts.port
     except ValueError:
         return None
+
+
+def address_problem(address: str) -> str | None:
+    """Why `address` cannot be listened on (the live metrics' server), or None: an IP address
+    (0.0.0.0: every interface) or a host name (localhost)."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        if not HOSTNAME.match(address):
+            return f"{address!r} is neither an IP address nor a host name"
+    return None

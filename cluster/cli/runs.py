@@ -19,7 +19,7 @@ from ..nodes import NodeStatus, node_row, outcome
 from ..runs import RunDir
 from ..console import Console
 from ..observe import timeline as tl
-from ..observe.alerts import Notifier
+from ..observe.alerts import Notifier, known_secrets
 
 
 @main.command(context_settings=CONTEXT)
@@ -248,8 +248,7 @@ def _notify_end(rd: RunDir, urls: tuple[str, ...], rows: list, causes: dict[str,
     redacted; a few seconds at most."""
     if not urls:
         return
-    secrets = [os.environ[n] for h in rd.hosts() for n in h.secret_env if n in os.environ]
-    notifier = Notifier(urls, rd.run_id, secrets, console.info)
+    notifier = Notifier(urls, rd.run_id, known_secrets(rd.hosts(), os.environ), console.info)
     now, first = time.time(), first_failed(rows)
     if first is not None:
         notifier.listen({"kind": tl.FAILED, "t": now, "node": f"{first.name} {first.rank}",

@@ -3,7 +3,6 @@ reader (`check`) and the reader's arguments; each takes the mapping that holds t
 key's name, and returns the key's value or raises InventoryError with the file's line."""
 from __future__ import annotations
 
-import ipaddress
 import re
 import subprocess
 from collections.abc import Sequence
@@ -12,8 +11,9 @@ from typing import Any
 from ..container_options import reserved_run_option
 from ..errors import InventoryError, Problems
 from ..sbatch_options import SBATCH_ALIASES, SBATCH_KEY, SBATCH_OWNED
-from ..spec import GATE_LEVELS, HOSTNAME, Mount, setup_block
-from ..texts import ENV_KEY, control_char, env_problem, reserved_env, url_problem
+from ..spec import GATE_LEVELS, Mount, setup_block
+from ..texts import (ENV_KEY, address_problem, control_char, env_problem, reserved_env,
+                     url_problem)
 from ..torchrun_options import owned_torchrun_option
 from .loader import List, Map
 
@@ -104,12 +104,9 @@ class Checks:
         """An address this machine listens on: an IP address (0.0.0.0: every interface) or a
         host name (localhost)."""
         value = self.string(m, key)
-        try:
-            ipaddress.ip_address(value)
-        except ValueError:
-            if not HOSTNAME.match(value):
-                raise self.fail(m, key, f"{value!r} is neither an IP address nor a host name",
-                                "e.g. 127.0.0.1, or 0.0.0.0 for every interface") from None
+        why = address_problem(value)
+        if why:
+            raise self.fail(m, key, why, "e.g. 127.0.0.1, or 0.0.0.0 for every interface")
         return value
 
     def nproc(self, m: Map, key: str) -> int | str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import hostlist
 
 from ..errors import InventoryError, Problems
-from ..spec import HOSTNAME, Host, Inventory
+from ..spec import Host, Inventory
+from ..texts import HOSTNAME
 
 
 def parse_hostfile(text: str, source: str) -> Inventory:

@@ -12,7 +12,8 @@ import ipaddress
 from typing import Any
 
 from ..errors import InventoryError, Problems, did_you_mean
-from ..spec import ADD, ALLOCATING, HOSTNAME, JOB_WIDE, KEY_BY_KEY, MERGE, Host, Inventory, Key, keys_of
+from ..spec import ADD, ALLOCATING, JOB_WIDE, KEY_BY_KEY, MERGE, Host, Inventory, Key, keys_of
+from ..texts import HOSTNAME
 from .checks import Checks
 from .hostfile import check_unique, expand
 from .loader import List, Map, compose

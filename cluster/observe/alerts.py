@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit
@@ -166,6 +166,12 @@ def post_json(url: str, data: bytes, timeout: float) -> None:
 
 def _say_err(text: str) -> None:
     sys.stderr.write(f"cluster: {text}\n")
+
+
+def known_secrets(hosts: Iterable[Any], environ: Mapping[str, str]) -> list[str]:
+    """The values of the hosts' secret_env names that `environ` has: what every string an
+    alert sends is cleaned of (a missing one fails a launch elsewhere)."""
+    return [environ[name] for h in hosts for name in h.secret_env if name in environ]
 
 
 class Notifier:

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, start_http_server, write_to_tex
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..errors import InputError
+from ..texts import address_problem
 from . import timeline as tl
 
 # A node's state, each a sample of cluster_node_state (1 for the one it is in, 0 the others).
@@ -327,6 +328,9 @@ def endpoint(text: str | int, what: str = "--metrics-port") -> Endpoint:
     if not address or (":" in address and not (bracketed and _ip(address))):
         raise InputError(f"Invalid value for {what}: {raw!r} has no address before its port, "
                          f"or an IPv6 one out of brackets ([::1]:9400)")
+    why = address_problem(address)
+    if why:
+        raise InputError(f"Invalid value for {what}: {why}")
     return address, int(port_text)
 
 

@@ -232,7 +232,7 @@ def test_no_validation_pattern_ends_with_a_dollar() -> None:
 
 def test_the_validators_refuse_a_trailing_newline() -> None:
     from cluster import network, sbatch, sbatch_options, spec, texts
-    for pattern, good in ((spec.HOSTNAME, "node1"), (texts.ENV_KEY, "FOO"), (spec.IFNAME, "eth0"),
+    for pattern, good in ((texts.HOSTNAME, "node1"), (texts.ENV_KEY, "FOO"), (spec.IFNAME, "eth0"),
                           (spec.IMAGE, "img:1"), (sbatch.SBATCH_BARE, "gpu"),
                           (sbatch_options.SBATCH_KEY, "qos"), (network.PLAIN_IFNAME, "eth0")):
         assert pattern.match(good) and not pattern.match(good + "\n"), pattern.pattern

@@ -401,3 +401,12 @@ def test_a_detached_runs_rows_as_the_same_metrics(tmp_path: Path) -> None:
     assert run_value(s, "cluster_run_attempt") == 1 == run_value(s, "cluster_run_restarts_total")
     assert run_value(s, "cluster_run_nodes_running") == 1
     assert run_value(s, "cluster_run_goodput_ratio") is None
+
+
+def test_the_command_lines_address_follows_the_inventorys_rule() -> None:
+    """--metrics-port HOST:PORT and `metrics: {address}` refuse the same addresses."""
+    from cluster.observe.metrics import endpoint
+    assert endpoint("localhost:9400") == ("localhost", 9400)
+    assert endpoint("0.0.0.0:0") == ("0.0.0.0", 0)
+    with pytest.raises(InputError, match="neither an IP address nor a host name"):
+        endpoint("bad host:9400")
