@@ -9,6 +9,7 @@ Below the lanes, the goodput band: where the wall time went (cluster.observe.goo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,9 @@ def write(run: RunDir, console: Console) -> Path:
         meta = run.meta()
     except InputError:          # a damaged record: the timeline is drawn from the events alone
         meta = {}
-    data = tl.timeline(tl.read_events(run.path / tl.EVENTS), meta)
-    data["goodput"] = goodput.goodput(tl.read_events(run.path / tl.EVENTS))
+    facts = goodput.Facts()                 # taken in the same read of the events
+    data = tl.timeline(_told(tl.read_events(run.path / tl.EVENTS), facts.add), meta)
+    data["goodput"] = facts.result()
     json_path = tl.write_json(run.path, data)
     for note in data["notes"]:
         console.info(f"timeline: {note}")
@@ -48,6 +50,12 @@ def write(run: RunDir, console: Console) -> Path:
     draw(data, png)
     console.info(f"timeline: {png}")
     return png
+
+
+def _told(events: Iterable[tl.Event], listener: Callable[[tl.Event], None]) -> Iterator[tl.Event]:
+    for ev in events:
+        listener(ev)
+        yield ev
 
 
 def draw(data: dict[str, Any], path: Path) -> None:
