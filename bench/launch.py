@@ -18,9 +18,10 @@ each repeated (A B C A B C ...) and reported as median [min-max]:
              their CPU and the launcher's, added up), and, from one more launch outside the
              timed ones, the SSH commands (channels that exec a command) and SFTP sessions it
              opened per node.
-  launch     a tiny gloo all_reduce at 3 and 8 nodes, start to done: `cluster up` (c10d and
-             static rendezvous) vs bare torchrun started over an ssh loop; where cluster's time
-             goes (run.json's timings: check, reach, start).
+  launch     a tiny gloo job (init, barrier, destroy) at 3 and 8 nodes, launch to done:
+             `cluster up` (c10d and static rendezvous) vs bare torchrun started over an ssh
+             loop, and where each one's time goes, phase by phase (bench/phases.py: the
+             launcher's events and what every rank stamps), as a table of medians.
   teardown   kill -9 of one rank while the others are idle, and Ctrl-C, to every node clean
              (checked per network namespace). At 8 nodes with real torchrun; at 8 and 64 with a
              stand-in agent (the standard library; 64 torch processes do not fit 24 GiB).
@@ -28,7 +29,7 @@ each repeated (A B C A B C ...) and reported as median [min-max]:
 
 Prints one line per measurement and the ratio against pdsh / bare torchrun from the same run.
 With --before DIR (a worktree of the code before a change: `git worktree add DIR COMMIT`),
-that code is measured too, A B A B in the same run, for fanout and teardown.
+that code is measured too, A B A B in the same run, for fanout, launch and teardown.
 """
 from __future__ import annotations
 
@@ -49,12 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TRIVIAL = """\
-import torch.distributed as dist
-dist.init_process_group("gloo")
-dist.barrier()  # no rank may leave while another is still connecting its mesh
-dist.destroy_process_group()
-"""
+from bench import phases  # noqa: E402
 
 # torchrun's part in a teardown, without torch: workers in sessions of their own, the agent
 # exits 1 when one of them dies (as torchrun does), every worker says its pid.
@@ -228,32 +224,43 @@ class Bench:
 
     # -- launch to done ---------------------------------------------------------------------
 
-    def launch_cluster(self, n: int, rendezvous: str, prog: Path) -> tuple[float, dict]:
-        inv = self.inventory(n, rendezvous=rendezvous)
-        t0 = time.monotonic()
+    def stamped(self) -> Path:
+        """An empty folder every rank stamps its phases into (bench/phases.py)."""
+        d = self.tmp / "stamps"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        d.chmod(0o777)
+        return d
+
+    def launch_cluster(self, n: int, rendezvous: str, prog: Path,
+                       code: str = "cluster") -> tuple[float, dict]:
+        """Seconds from the launch to the prompt back, and its phases."""
+        inv, stamps = self.inventory(n, rendezvous=rendezvous), self.stamped()
+        t0 = time.time()
         r = subprocess.run([sys.executable, "-m", "cluster", "up", "-i", inv, "--sync", str(prog),
-                            "--", "trivial.py"], cwd=self.work, env=self.env, capture_output=True,
-                           text=True)
-        took = time.monotonic() - t0
+                            "--", "trivial.py", str(stamps)], cwd=self.work,
+                           env=self.env_of(code), capture_output=True, text=True)
+        t_end = time.time()
         if r.returncode != 0:
             raise SystemExit(f"cluster up failed:\n{r.stderr[-2000:]}")
-        return took, self.timings()
+        run_dir = sorted((self.work / "runs").iterdir())[-1]
+        return t_end - t0, phases.cluster_phases(t0, t_end, run_dir, phases.of_stamps(stamps))
 
-    def launch_bare(self, n: int, port: int) -> float:
+    def launch_bare(self, n: int, port: int) -> tuple[float, dict]:
         """torchrun on every node over an ssh loop (the program synced there already)."""
-        master = self.addrs[0]
-        t0 = time.monotonic()
+        master, stamps = self.addrs[0], self.stamped()
+        t0 = time.time()
         procs = [subprocess.Popen(self.sn.ssh_argv(i, (
             f"cd {self.sn.workdir(i)} && {self.sn.python} -m torch.distributed.run --nnodes={n} "
             f"--nproc_per_node=1 --rdzv_backend=c10d --rdzv_endpoint={master}:{port} "
-            f"--rdzv_id=bench{port} --local_addr={self.addrs[i - 1]} trivial.py")),
+            f"--rdzv_id=bench{port} --local_addr={self.addrs[i - 1]} trivial.py {stamps}")),
             env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             for i in range(1, n + 1)]
         codes = [p.wait() for p in procs]
-        took = time.monotonic() - t0
+        t_end = time.time()
         if any(codes):
             raise SystemExit(f"bare torchrun failed: {codes}: {procs[0].stderr.read()[-1000:]}")
-        return took
+        return t_end - t0, phases.bare_phases(t0, t_end, phases.of_stamps(stamps))
 
     # -- teardown -----------------------------------------------------------------------------
 
@@ -495,25 +502,39 @@ def fanout_line(n: int, code: str, ours: dict[str, list[float]], facts: list[dic
 
 
 def launch(sizes: list[int], repeats: int, results: dict) -> None:
+    """Launch to done, cluster (c10d and static rendezvous; with --before, that code's c10d
+    too) against bare torchrun over an ssh loop, interleaved; each one's phases
+    (bench/phases.py), their medians as a table."""
     from tests.integration.fixtures import SshNodes
     for n in sizes:
         with SshNodes(n) as sn:
             b = Bench(sn, Path(tempfile.mkdtemp(prefix="cluster-bench-")))
             prog = b.tmp / "prog"
             prog.mkdir()
-            (prog / "trivial.py").write_text(TRIVIAL)
+            (prog / "trivial.py").write_text(phases.STAMPS)
             b.launch_cluster(n, "c10d", prog)        # warm-up, and syncs trivial.py
-            c10d, static, bare, timings = [], [], [], []
+            kinds = [*(f"cluster c10d ({c})" if c != "cluster" else "cluster c10d" for c in ROOTS),
+                     "cluster static", "bare torchrun"]
+            took: dict[str, list[float]] = {k: [] for k in kinds}
+            split: dict[str, list[dict]] = {k: [] for k in kinds}
             for k in range(repeats):
-                took, tm = b.launch_cluster(n, "c10d", prog)
-                c10d.append(took)
-                timings.append(tm)
-                static.append(b.launch_cluster(n, "static", prog)[0])
-                bare.append(b.launch_bare(n, 29400 + k))
-            print(f"launch {n:2d} nodes: cluster c10d {stats(c10d)}  static {stats(static)}  "
-                  f"bare torchrun {stats(bare)}  cluster/bare {statistics.median(c10d) / statistics.median(bare):.3f}"
-                  f"  phases {timings[len(timings) // 2]}", flush=True)
-            results["launch"][n] = {"c10d": c10d, "static": static, "bare": bare, "timings": timings}
+                for kind in kinds:
+                    if kind == "bare torchrun":
+                        t, ph = b.launch_bare(n, 29400 + k)
+                    elif kind == "cluster static":
+                        t, ph = b.launch_cluster(n, "static", prog)
+                    else:
+                        t, ph = b.launch_cluster(n, "c10d", prog,
+                                                 "cluster" if kind == "cluster c10d" else "before")
+                    took[kind].append(t)
+                    split[kind].append(ph)
+            bare = statistics.median(took["bare torchrun"])
+            print(f"launch {n:2d} nodes: " + "  ".join(f"{k} {stats(v)}" for k, v in took.items())
+                  + f"  cluster/bare {statistics.median(took['cluster c10d']) / bare:.3f}",
+                  flush=True)
+            print(f"\nlaunch to done, {n} nodes, median seconds of {repeats} (bench/phases.py):\n"
+                  + phases.table(split) + "\n", flush=True)
+            results["launch"][n] = {"took": took, "phases": split}
 
 
 def teardown(sizes: list[int], repeats: int, results: dict, kinds: set[str] | None = None) -> None:
@@ -537,13 +558,15 @@ def teardown(sizes: list[int], repeats: int, results: dict, kinds: set[str] | No
                 if (real and n > 16) or (kinds and f"{how}-{'torchrun' if real else 'agent'}" not in kinds):
                     continue
                 times: dict[str, list[float]] = {c: [] for c in ROOTS}
+                exits: dict[str, list[float]] = {c: [] for c in ROOTS}
                 for _ in range(repeats):
                     for code in ROOTS:
                         times[code].append(b.teardown(n, how, real, prog, code))
+                        exits[code].append(b.exited)
                 for code in ROOTS:
                     row[label if code == "cluster" else f"{label} ({code})"] = times[code]
                     print(f"teardown {n:2d} nodes, {label:24s}: {code} {stats(times[code])} to "
-                          f"every node clean", flush=True)
+                          f"every node clean, {stats(exits[code])} to the prompt", flush=True)
             results["teardown"][n] = row
 
 

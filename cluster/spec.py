@@ -159,8 +159,10 @@ class Host:
                                     "nvidia-smi sees, else 1)", "nproc")
     master_port: int | None = key(None, "the rendezvous port on the first host (unset: derived "
                                   "from the run id)", "port", scope=JOB_WIDE)
-    rendezvous: str = key("c10d", "c10d (ranks by address) or static (ranks in inventory "
-                          "order)", "choice", ("c10d", "static"), scope=JOB_WIDE)
+    rendezvous: str = key("static", "static (ranks in inventory order, set by cluster, which "
+                          "knows every node) or c10d (torch's dynamic rendezvous: ranks by "
+                          "address, about a second more to start)", "choice", ("static", "c10d"),
+                          scope=JOB_WIDE)
     network: Network = key(Network(), "the network NCCL and Gloo use (ifname, ib)", "section",
                            Network, merge=KEY_BY_KEY)
     env: tuple[tuple[str, str], ...] = key(

@@ -35,8 +35,8 @@ def reserved_env(name: str) -> str | None:
                 f"reserved: they carry the run's identity; choose another name)")
     if name == "MASTER_ADDR":
         return (f"{name} is set by cluster itself, from the rendezvous: the address of the node "
-                f"torch numbers 0 (to choose that node, list it first in the inventory with "
-                f"`rendezvous: static`; under c10d it is the host whose address sorts first)")
+                f"torch numbers 0: the inventory's first host (under `rendezvous: c10d`, the "
+                f"host whose address sorts first)")
     if name in RESERVED_ENV:
         return (f"{name} is set by cluster itself, from the rendezvous (choose the rendezvous "
                 f"port with master_port / --master-port)")

@@ -28,7 +28,7 @@ from ..spec import Host, Inventory
 if TYPE_CHECKING:
     from .supervised import SupervisedBackend
 
-__all__ = ["AsksStop", "Backend", "BackendModule", "NodeChecks", "NodeExit", "NodeProcess", "NodeStatus",
+__all__ = ["AsksStop", "Backend", "BackendModule", "Finishes", "NodeChecks", "NodeExit", "NodeProcess", "NodeStatus",
            "Record", "REGISTRY", "NAMES", "Selectable", "choose", "create", "recorded", "node_checks",
            "signal_name", "supports"]
 
@@ -79,6 +79,15 @@ class Selectable(Protocol):
     def fileno(self) -> int: ...
 
     def read_ready(self) -> list[bytes | Record] | None: ...
+
+
+@runtime_checkable
+class Finishes(Protocol):
+    """A NodeProcess whose supervisor says when every worker on its node has exited 0 (a
+    `done` record), and can then be told that every node's have (the word `finish`): it ends
+    torchrun's agent at once instead of waiting out its exit barrier and the store's
+    teardown, and reports the node's exit as 0."""
+    def request_finish(self) -> None: ...
 
 
 @runtime_checkable

@@ -355,6 +355,15 @@ class SupervisedProcess:
             return NodeExit(code=code, signal=code - 128)
         return NodeExit(code=code)
 
+    def request_finish(self) -> None:
+        """The word `finish`: every worker of every node has exited 0 (supervisor.py). A
+        supervisor whose own workers have not all exited 0 passes it over."""
+        if not (self.ended or self.closed.is_set()):
+            try:
+                self.channel.write(b"finish\n")
+            except ClusterError:
+                pass          # gone already: its exit is on its way
+
     def request_stop(self) -> bool:
         """The word `stop` on the supervisor's own channel, once: no new process or round
         trip on the node. False when the channel is gone."""

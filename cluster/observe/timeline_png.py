@@ -8,7 +8,10 @@ Below the lanes, the goodput band: where the wall time went (cluster.observe.goo
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,48 @@ def write(run: RunDir, console: Console) -> Path:
     draw(data, png)
     console.info(f"timeline: {png}")
     return png
+
+
+# The background drawing's own bound: it ends by itself, drawn or not, within this many seconds.
+DRAW_LIMIT = 300
+
+
+def write_later(run: RunDir, console: Console) -> subprocess.Popen[bytes] | None:
+    """The end of an attached run: write() in a process of its own, at a low priority, so that
+    nobody waits for matplotlib's import and the render (0.4 s). It is its own owner: it
+    ends when drawn, and by its own alarm after DRAW_LIMIT s in any case. Says the path it
+    writes, and how to draw it now."""
+    has_png = importlib.util.find_spec("matplotlib") is not None
+    name = tl.PNG_NAME if has_png else tl.JSON_NAME
+    package = str(Path(__file__).resolve().parents[2])    # where `cluster` is imported from
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (package, os.environ.get("PYTHONPATH")) if p))
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(run.path)], env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        console.info(f"timeline not drawn: {exc}")
+        return None
+    console.info(f"timeline: {run.path / name} (drawn in the background; `cluster status {run.run_id} "
+                 f"--timeline` draws it now)")
+    if not has_png:
+        console.info(f"timeline: no picture, matplotlib is not installed ({INSTALL_HINT})")
+    return proc
+
+
+def _background(run_dir: str) -> int:
+    """`python -m cluster.observe.timeline_png RUN_DIR`: write_later's process."""
+    import signal
+    signal.alarm(DRAW_LIMIT)
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    with open(os.devnull, "w") as null:
+        write(RunDir(Path(run_dir)), Console(out=null, err=null))
+    return 0
+
 
 
 def _told(events: Iterable[tl.Event], listener: Callable[[tl.Event], None]) -> Iterator[tl.Event]:
@@ -303,3 +348,7 @@ def _part_label(part: str, seconds: float) -> str:
     if part == "slow":
         return f"after a slow node: its cost {seconds:.1f} s"
     return f"{goodput.NAMES[part]} {seconds:.1f} s"
+
+
+if __name__ == "__main__":
+    sys.exit(_background(sys.argv[1]))

@@ -39,11 +39,8 @@ class RunViews:
     def ended(self, attached: bool, **outcome: Any) -> None:
         """The outcome's event with the run's goodput (said, and drawn, for an attached run)."""
         self.timeline.event(tl.OUTCOME, **outcome, **self._goodput(attached))
-        if attached:
-            try:
-                timeline_png.write(self.run, self.console)
-            except Exception as exc:  # matplotlib's own errors: the run's outcome matters more
-                self.console.info(f"timeline not drawn: {exc}")
+        if attached:             # drawn beside the user's next command, never before it
+            timeline_png.write_later(self.run, self.console)
 
     def close(self) -> None:
         self.served.stop()

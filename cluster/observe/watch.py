@@ -25,7 +25,7 @@ from ..console import TAIL_LINES, Console, LineSplitter
 from ..errors import StopRequested, signum_of
 from .hang_timeout import FixedTimeout, LearnedTimeout
 from .slow import SlowNodes
-from ..backends import AsksStop, NodeProcess, Selectable
+from ..backends import AsksStop, Finishes, NodeProcess, Selectable
 from ..readers import Waiters, read_all
 from ..nodes import NodeExit, signal_name
 from . import timeline as tl
@@ -93,6 +93,7 @@ class Watcher:
         self.dumped: set[str] = set()
         self.lock = threading.Lock()
         self.waits = Waiters()
+        self.done: set[str] = set()            # the nodes whose every worker exited 0
 
     def run(self) -> WatchResult:
         result = self.result
@@ -268,6 +269,8 @@ class Watcher:
                     self._reached(record["at"])
                 if record.get("steps"):
                     named = self._step_times(label, record["steps"])
+            elif "done" in record:
+                self._worker_done(label)
             elif record.get("workers"):
                 self.result.had_workers.add(label)
             elif "stack" in record:
@@ -286,6 +289,21 @@ class Watcher:
             self.console.info(record["info"])
         if "said" in record:                    # a node's supervisor about itself
             self.console.info(f"[{label}] {record['said']}")
+
+    def _worker_done(self, label: str) -> None:
+        """A node's workers have all exited 0. Once every node's have, the job is done: each
+        node is told to end its torchrun now (Finishes), rather than after torchrun's exit
+        barrier. Under self.lock; the words are sent from a thread of their own."""
+        self.done.add(label)
+        self.result.had_workers.add(label)
+        finishing = [p for p in self.procs if isinstance(p, Finishes)]
+        if len(self.done) != len(self.procs) or len(finishing) != len(self.procs):
+            return
+
+        def finish() -> None:
+            for p in finishing:
+                p.request_finish()
+        threading.Thread(target=finish, daemon=True, name="finish").start()
 
     def _reached(self, at: dict[str, Any]) -> None:
         """The furthest step and newest checkpoint reported (a node's counts only grow); a

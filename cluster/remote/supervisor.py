@@ -15,8 +15,9 @@ torchrun puts in sessions of their own, so stopping finds them all by identity, 
 
 Standard input is the launcher's control channel. Its first line is a JSON object: {"env":
 {NAME: VALUE}} holds the secret environment, which therefore never touches a disk or a command
-line. Then, without --detach, the launcher writes a heartbeat (any bytes) every few seconds. The
-supervisor stops the run when that input closes (the launcher is gone) and, with --keepalive S,
+line. Then, without --detach, the launcher writes a heartbeat (any bytes) every few seconds, and
+a line of one word asks: `stop` the run, `dump` every worker's stack, `finish` (every worker of
+every node has exited 0: torchrun's own exit need not be waited out). The supervisor stops the run when that input closes (the launcher is gone) and, with --keepalive S,
 when nothing has arrived for S seconds (the launcher is cut off: its connection may never close
 if the network is down, and the work must not go on holding the node's GPUs). A detached run
 has no launcher by design: it ignores its input after the first line and runs until it ends or
@@ -185,6 +186,21 @@ def run(args, user_umask=0o022):
         else:
             stop_async("supervisor got %s" % signal_name(signum))
 
+    finishing = threading.Event()
+
+    def finish():
+        # The launcher's word once every worker of every node has exited 0: all that is left of
+        # torchrun is its exit dance (a barrier among the agents, the store's teardown), which
+        # the launcher need not wait out. Only where this node's workers all exited 0 and were
+        # torchrun's, the job's own process: anything else stops the usual way.
+        if not (watching and watching[0].told_done) or stopping.is_set():
+            return
+        finishing.set()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, on_signal)
     out = Out(None if args.detach else sys.stdout.buffer)
@@ -194,11 +210,13 @@ def run(args, user_umask=0o022):
     deaths = None
     if not args.detach:
         out.write(("@@cluster pgid=%d\n" % child).encode())
-        commands = {"dump": lambda: dump(d, tap, out, dumping), "stop": stop_requested}
+        commands = {"dump": lambda: dump(d, tap, out, dumping), "stop": stop_requested,
+                    "finish": finish}
         threading.Thread(target=watch_launcher, args=(0, args.keepalive, stop_async, commands),
                          daemon=True).start()
         deaths = None if args.own_restarts else watch_deaths(
-            out, output, pumping, lambda: stopping.is_set() or ended.is_set() or dumping.is_set())
+            out, output, pumping, lambda: stopping.is_set() or ended.is_set() or dumping.is_set(),
+            child)
         watching[:] = [deaths] if deaths else []
         workers.Progress(lambda: identity(d, True, os.getpid()), path(d, "heartbeat"),
                          out.record, ended, deaths.watch if deaths else None).start()
@@ -208,6 +226,8 @@ def run(args, user_umask=0o022):
     threading.Thread(target=reap_orphans, args=(child, ended), daemon=True).start()
     code = spawning.wait_job(child)
     ended.set()
+    if finishing.is_set():
+        code = 0                       # every worker exited 0: the job is done
     if deaths is not None:
         deaths.close()
     grace = graces[0] if graces else args.grace
@@ -237,7 +257,9 @@ def run(args, user_umask=0o022):
     result = {"code": code if code >= 0 else None, "signal": -code if code < 0 else None,
               "ended": time.time(), "leftovers": leftovers["signalled"], "stopped": stopped,
               "reason": (why[0] if why else ("stop requested" if requested else None)),
-              "how": final["how"], "grace": grace, "stop": final}
+              "how": final["how"], "grace": grace, "stop": final,
+              # every worker exited 0 and the launcher's `finish` ended torchrun's exit dance
+              "finished": finishing.is_set()}
     try:
         write_atomic(d, "exit", json.dumps(result))
     except OSError as exc:        # a full disk: the launcher still gets the end, and the code
@@ -276,12 +298,13 @@ class StopOnce:
         return True
 
 
-def watch_deaths(out, output, pumping, quiet):
+def watch_deaths(out, output, pumping, quiet, job):
     """The watch on torchrun's workers (workers.Deaths), started; None where the node has no
     pidfds. A worker's death that is a failure goes to the launcher at once, as a record:
     {"died": "rank R (pid P) died: signal 9", "rank": R, "pid": P}, after what the job wrote
     before it (output: the job's pipe; pumping: the pump's lock), where a dying worker's
-    traceback is: the launcher names the error with the death."""
+    traceback is: the launcher names the error with the death. Every worker of the node
+    exited 0 (and was the job's, `job`'s, own): {"done": [ranks]}, after their output too."""
     if not workers.Deaths.available():
         return None
 
@@ -290,7 +313,11 @@ def watch_deaths(out, output, pumping, quiet):
         with pumping:
             out.record({"died": "rank %d (pid %d) died: %s" % (rank, pid, cause),
                         "rank": rank, "pid": pid})
-    deaths = workers.Deaths(report, quiet)
+    def done(ranks):
+        drained(output, 0.05)
+        with pumping:
+            out.record({"done": ranks})
+    deaths = workers.Deaths(report, quiet, done=done, job=job)
     deaths.start()
     return deaths
 

@@ -189,9 +189,15 @@ class Pace:
 
 class Deaths(threading.Thread):
     """Tells report(rank, pid, cause) the moment one of torchrun's workers on this node dies:
-    killed by a signal ("signal 9") or exited non-zero ("exit code 1"); one that exits 0 is let
-    go (the job may be finishing). Once: the first death is the node's failure, on which the
-    launcher stops every node, without waiting for torchrun to look at its workers and end.
+    killed by a signal ("signal 9") or exited non-zero ("exit code 1"). Once: the first death
+    is the node's failure, on which the launcher stops every node, without waiting for
+    torchrun to look at its workers and end.
+
+    done(ranks): told once, when every worker of this node has exited 0 (as many as their
+    LOCAL_WORLD_SIZE says) and their parent is the job's own process (`job`: launch.sh became
+    torchrun, so nothing of the script follows it). What is left then is torchrun's exit
+    dance, which the launcher, seeing every node, may end (supervisor.py's `finish`). A worker
+    collected before it was looked at, or seen by no scan, says nothing: no done.
 
     Each worker is held by a pidfd (Linux 5.3+, Python 3.9+), which the kernel makes readable
     the moment it ends: one poll() over them all, events and no timer. How it ended is read
@@ -200,9 +206,13 @@ class Deaths(threading.Thread):
     watched, and torchrun's own report stands, as before. quiet(): a death is no failure
     while it holds (the run is being stopped, or its stacks dumped)."""
 
-    def __init__(self, report, quiet):
+    def __init__(self, report, quiet, done=None, job=None):
         super().__init__(daemon=True)
         self.report, self.quiet = report, quiet
+        self.done, self.job = done, job
+        self.told_done = False
+        self.ended_ok = set()         # ranks whose worker exited 0
+        self.sizes = {}               # pid -> (LOCAL_WORLD_SIZE, parent pid), read when taken
         self.lock = threading.Lock()
         self.pending = []             # [(pid, rank)] told by watch(), for the thread to take
         self.seen = set()             # every pid ever watched
@@ -250,11 +260,14 @@ class Deaths(threading.Thread):
                         continue
                     pid, rank = held.pop(fd)
                     poller.unregister(fd)
-                    cause = failure(family.exit_status(pid))
+                    status = family.exit_status(pid)
+                    cause = failure(status)
                     os.close(fd)
                     if cause and not self.quiet():
                         self.report(rank, pid, cause)
                         return
+                    if status == 0:
+                        self._exited_ok(pid, rank)
         finally:
             for fd in held:
                 os.close(fd)
@@ -272,8 +285,34 @@ class Deaths(threading.Thread):
             except OSError:                 # ended already (torchrun says then), or no pidfds
                 continue
             held[fd] = (pid, rank)
+            self.sizes[pid] = (local_world_size(pid), (family.stat(pid) or (0, 0))[1])
             poller.register(fd, select.POLLIN)
         return True
+
+
+    def _exited_ok(self, pid, rank):
+        """A worker exited 0: once every worker of this node has, tell done(). Only the job's
+        own children count: a process a worker started (a DataLoader's) carries the ranks'
+        variables too."""
+        if self.sizes.get(pid, (0, 0))[1] != self.job:
+            return
+        self.ended_ok.add(rank)
+        sizes = [n for n, parent in self.sizes.values() if parent == self.job]
+        size = max(sizes)                      # a zombie's environment is empty: 0
+        if (self.done is None or self.told_done or not size or len(self.ended_ok) < size
+                or len(sizes) != size or self.quiet()):
+            return
+        self.told_done = True
+        self.done(sorted(self.ended_ok))
+
+
+def local_world_size(pid, proc=PROC):
+    """How many workers torchrun started on this node, as a worker's environment says (0:
+    it does not say)."""
+    try:
+        return int(environ(pid, proc).get(b"LOCAL_WORLD_SIZE", b"0"))
+    except ValueError:
+        return 0
 
 
 def failure(status):

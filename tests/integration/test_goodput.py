@@ -53,6 +53,9 @@ def test_a_run_with_one_restart_adds_up_to_its_wall_time(ssh_nodes4, cli):
     # an outside measure of the training: 60 steps kept (4 epochs of 15), each at least its
     # 0.2 s sleep; the first of each attempt is the start's (its beat ends it)
     assert recorded["productive"] >= (60 - 2) * 0.2, recorded["productive"]
+    deadline = time.monotonic() + 60          # drawn beside the prompt, by a process of its own
+    while not (run / "timeline.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
     timeline = json.loads((run / "timeline.json").read_text())
     assert {s[2] for s in timeline["goodput"]["segments"]} >= {"startup", "rendezvous", "training",
                                                                "redone", "restart", "ending"}

@@ -397,9 +397,14 @@ def test_an_attached_run_leaves_its_timeline_and_status_draws_it_again(tmp_path:
     for node in ("local0 0", "local1 1"):
         assert {("joined", node), ("exit", node)} <= kinds, kinds
     assert {("check", None), ("checked", None), ("start", None), ("outcome", None)} <= kinds
+    import importlib.util
+    drawn = "timeline.png" if importlib.util.find_spec("matplotlib") else "timeline.json"
+    assert f"timeline: runs/{run.name}/{drawn} (drawn in the background" in res.stderr, res.stderr
+    deadline = time.monotonic() + 60          # drawn beside the prompt, by a process of its own
+    while not (run / drawn).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
     data = json.loads((run / "timeline.json").read_text())
     assert list(data["lanes"]) == ["local0 0", "local1 1"]
-    drawn = "timeline.png" if (run / "timeline.png").exists() else "timeline.json"
     assert f"timeline: runs/{run.name}/{drawn}" in res.stderr, res.stderr
     again = cluster(tmp_path, "status", run.name, "--timeline")
     assert again.returncode == 0, again.stderr
@@ -424,3 +429,14 @@ def test_a_job_printing_the_supervisors_words_is_shown_and_obeyed_by_nothing(tmp
     assert "forged" not in res.stderr and "4242" not in res.stderr, res.stderr
     log = (only_run(tmp_path) / "logs" / "0-localhost.log").read_text()
     assert all(line in log for line in LOOKALIKES), log
+
+
+def test_the_local_backend_ends_the_agents_once_every_worker_exited_0(tmp_path: Path) -> None:
+    """As over SSH (test_ending.py): two simulated nodes, every worker exits 0, the launcher's
+    word ends each torchrun (its exit record says so), exit code 0, the output complete."""
+    ending = REPO / "tests" / "integration" / "programs" / "ending.py"
+    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", str(ending))
+    assert res.returncode == 0, res.stderr
+    assert "rank 0: leaving" in res.stdout and "rank 1: leaving" in res.stdout, res.stdout
+    exits = [json.loads(p.read_text()) for p in (only_run(tmp_path) / "nodes").glob("*/exit")]
+    assert len(exits) == 2 and all(e["finished"] is True and e["code"] == 0 for e in exits), exits

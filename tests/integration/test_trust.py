@@ -159,7 +159,7 @@ def test_c10d_labels_agree_with_torchs_ranks_on_ten_nodes(ssh_nodes10, tmp_path,
     work.mkdir()
     cli = Cli(work, home)
     try:
-        inv = ssh_nodes10.write_inventory(home / "inv.yaml")
+        inv = ssh_nodes10.write_inventory(home / "inv.yaml", rendezvous="c10d")
         t0 = time.monotonic()
         proc = cli.run("up", "-i", inv, *SYNC, "allreduce.py", timeout=400)
         record_property("allreduce_10_nodes_s", round(time.monotonic() - t0, 2))

@@ -148,8 +148,8 @@ def test_bad_options_exit_2(in_tmp: Path, capsys, args: list[str], words: str) -
 
 
 @pytest.mark.parametrize("name,hint,unrelated", [
-    ("MASTER_ADDR", "from the rendezvous: the address of the node torch numbers 0 (to choose that "
-                    "node, list it first in the inventory with `rendezvous: static`", "port"),
+    ("MASTER_ADDR", "from the rendezvous: the address of the node torch numbers 0: the "
+                    "inventory's first host", "port"),
     ("MASTER_PORT", "from the rendezvous (choose the rendezvous port with master_port / "
                     "--master-port)", "address"),
     ("CLUSTER_NODE", "names starting with CLUSTER_ are reserved", "port"),

@@ -25,7 +25,7 @@ def test_example_inventory_loads_with_defaults_and_overrides() -> None:
     assert b.network.ifname == "ens5" and b.network.ib == "auto"
     assert dict(b.env) == {"OMP_NUM_THREADS": "8", "FOO": "bar"}
     assert dict(a.env) == {"OMP_NUM_THREADS": "8"}
-    assert a.master_port == 29500 and a.rendezvous == "c10d" and a.python == "/opt/venv/bin/python"
+    assert a.master_port == 29500 and a.rendezvous == "static" and a.python == "/opt/venv/bin/python"
 
 
 def test_hostfile_with_hostlists_and_slots() -> None:
@@ -67,7 +67,7 @@ BAD = [
     ("hosts:\n  - {name: 'a;rm'}\n", 2, "name", "not a valid host name"),
     ("hosts:\n  - name: a\n    env: {1BAD: x}\n", 3, "1BAD", "not a valid identifier"),
     ("hosts:\n  - name: a\n    env:\n      'A-B': x\n", 4, "A-B", "not a valid identifier"),
-    ("defaults:\n  rendezvous: etcd\nhosts: [a]\n", 2, "rendezvous", "c10d, static"),
+    ("defaults:\n  rendezvous: etcd\nhosts: [a]\n", 2, "rendezvous", "static, c10d"),
     ("defaults:\n  network: {ib: maybe}\nhosts: [a]\n", 2, "ib", "auto, on or off"),
     ("hosts:\n  - {name: a, address: 'not an address!'}\n", 2, "address", "neither an IP"),
     ("hosts: []\n", 1, "hosts", "non-empty list"),

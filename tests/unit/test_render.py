@@ -129,7 +129,7 @@ def test_c10d_ranks_follow_torchs_order_of_local_addr_strings() -> None:
     """torch's c10d rendezvous numbers nodes by sorting their --local_addr as strings:
     10.0.0.10 before 10.0.0.9. Labels, log names and CLUSTER_NODE_RANK must agree with it."""
     hosts = "\n".join(f"  - {{name: n{i}, address: 10.0.0.{i}}}" for i in (9, 10, 11, 2))
-    inv = inventory.parse_yaml(f"hosts:\n{hosts}\n", "x.yaml")
+    inv = inventory.parse_yaml(f"defaults: {{rendezvous: c10d}}\nhosts:\n{hosts}\n", "x.yaml")
     plan = render(inv, JOB, Templates())
     assert [n.host.name for n in plan.nodes] == ["n10", "n11", "n2", "n9"]
     assert [n.rank for n in plan.nodes] == [0, 1, 2, 3]
@@ -138,7 +138,7 @@ def test_c10d_ranks_follow_torchs_order_of_local_addr_strings() -> None:
         assert f"export CLUSTER_NODE_RANK={n.rank}\n" in n.script
         assert dict(n.env)["CLUSTER_NODE_RANK"] == str(n.rank)
         assert "--rdzv_endpoint=10.0.0.9:" in n.script
-    static = inventory.parse_yaml(f"defaults: {{rendezvous: static}}\nhosts:\n{hosts}\n", "x.yaml")
+    static = inventory.parse_yaml(f"hosts:\n{hosts}\n", "x.yaml")     # the default: static
     assert [n.host.name for n in render(static, JOB, Templates()).nodes] == ["n9", "n10", "n11", "n2"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import time
 import stat
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,10 @@ def test_launch_records_each_step_and_an_attached_run_ends_with_its_timeline(
         assert ("check", None, attempt) in kinds and ("started", None, attempt) in kinds
     assert ("failed", "local1 1", 0) in kinds and ("restart", None, 0) in kinds
     assert kinds[-1] == ("outcome", None, 1)
+    assert "(drawn in the background" in err.getvalue()
+    deadline = time.monotonic() + 60       # by a process of its own, beside the prompt
+    while not (run.path / "timeline.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     data = json.loads((run.path / "timeline.json").read_text())
     assert [a["ended"] for a in data["attempts"]] == [
         "node [local1 1] failed: exit code 1", "finished"]

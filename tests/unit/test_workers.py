@@ -295,6 +295,71 @@ def test_a_worker_that_exits_non_zero_is_reported_and_none_while_quiet() -> None
     assert not deaths.is_alive()
 
 
+def _done_watch(children, job):
+    """A started Deaths watch with done(): what it is told, and when."""
+    import queue
+    told: queue.Queue = queue.Queue()
+    deaths = workers.Deaths(lambda *a: told.put(("died", a)), lambda: False,
+                            done=lambda ranks: told.put(("done", ranks, time.monotonic())),
+                            job=job)
+    deaths.start()
+    deaths.watch([(c.pid, rank) for c, rank in children])
+    return deaths, told
+
+
+def _workers(seconds: list[float], size: int, codes: list[int] | None = None):
+    import subprocess
+    codes = codes or [0] * len(seconds)
+    env = dict(os.environ, LOCAL_WORLD_SIZE=str(size))
+    return [subprocess.Popen(["sh", "-c", f"sleep {s}; exit {c}"], env=env)
+            for s, c in zip(seconds, codes)]
+
+
+@needs_pidfd
+def test_done_is_told_once_every_worker_of_the_node_exited_0_and_not_before() -> None:
+    """Three workers of this process (the job's own), LOCAL_WORLD_SIZE 3: two end, nothing is
+    said; the third ends and done names all three ranks at once, by its event."""
+    kids = _workers([0.2, 0.2, 1.0], 3)
+    try:
+        deaths, told = _done_watch([(k, r) for r, k in enumerate(kids)], job=os.getpid())
+        time.sleep(0.6)              # two ended (zombies: this process collects them last)
+        assert told.empty()
+        while workers.family.exit_status(kids[2].pid) is None:     # the last one ends
+            time.sleep(0.005)
+        ended = time.monotonic()
+        kind, ranks, at = told.get(timeout=5)
+        assert (kind, ranks) == ("done", [0, 1, 2])
+        assert at - ended < 0.5                 # by its event, not a later look
+        time.sleep(0.2)
+        assert told.empty()                   # once
+        deaths.close()
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+
+
+@needs_pidfd
+@pytest.mark.parametrize("case", ["one failed", "one not seen", "not the job's own"])
+def test_no_done_unless_every_worker_exited_0_and_was_the_jobs_own(case: str) -> None:
+    """A worker exited 1 (the failure is reported instead); LOCAL_WORLD_SIZE 3 but two seen
+    (a worker never watched says nothing); the workers' parent is not the job's process (a
+    launch.sh that runs torchrun without exec may do more after it): no done."""
+    kids = _workers([0.2, 0.3], 3 if case == "one not seen" else 2,
+                    [0, 1] if case == "one failed" else [0, 0])
+    try:
+        deaths, told = _done_watch([(k, r) for r, k in enumerate(kids)],
+                                   job=os.getppid() if case == "not the job's own" else os.getpid())
+        time.sleep(1.0)              # both ended (zombies: collected last)
+        said = [told.get_nowait() for _ in range(told.qsize())]
+        assert [s[0] for s in said] == (["died"] if case == "one failed" else []), said
+        deaths.close()
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+
+
 # A torchrun stand-in: its worker (ranks in its environment, a session of its own) is collected
 # only when it looks, as torchrun's monitor does (every 0.1 s by default; here never).
 AGENT = ("exec python3 -c 'import os, subprocess, time\n"
@@ -328,6 +393,76 @@ def test_the_supervisor_reports_a_dead_worker_at_once(tmp_path: Path, own_restar
         died = [r for r in records_of(finish(p)) if "died" in r]
         assert died == ([] if own_restarts else
                         [{"died": f"rank 3 (pid {worker}) died: signal 9", "rank": 3, "pid": worker}]), died
+    finally:
+        p.stdin.close()
+
+
+# torchrun's stand-in at its end: two workers (its children, sessions of their own, the size in
+# their environment) print and exit 0 after a second; it stays, as torchrun does in its exit
+# barrier, and never collects them.
+FINISHING_AGENT = (
+    "exec python3 -c 'import os, subprocess, time\n"
+    "for r in (0, 1):\n"
+    "    env = dict(os.environ, GROUP_RANK=\"0\", RANK=str(r), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=\"2\")\n"
+    "    subprocess.Popen([\"sh\", \"-c\", \"sleep 1; echo rank $RANK done\"], env=env, start_new_session=True)\n"
+    "time.sleep(300)'\n")
+
+
+def _until_record(p, key: str, timeout: float = 15.0) -> tuple[bytes, dict]:
+    """Read the supervisor's stream until a record with `key`: what came so far, the record."""
+    import select
+    got = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([p.stdout], [], [], 0.1)[0]:
+            chunk = os.read(p.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            got += chunk
+            found = [r for r in records_of(got) if key in r]
+            if found:
+                return got, found[0]
+    raise AssertionError(f"no {key!r} record: {got!r}")
+
+
+@needs_pidfd
+def test_a_node_says_its_workers_are_done_and_finish_ends_its_torchrun_with_code_0(tmp_path: Path) -> None:
+    """Both workers exit 0 while their torchrun stays: the supervisor says done (after their
+    output), and the launcher's word `finish` ends torchrun: the node exits 0 at once, not
+    after torchrun's 300 s, and nothing of the run is left."""
+    from tests.unit.test_supervisor import RUN_ID, finish, node_dir, start, tagged_pids
+    p = start(node_dir(tmp_path, FINISHING_AGENT))
+    try:
+        said, done = _until_record(p, "done")
+        assert done == {"done": [0, 1]}
+        assert b"rank 0 done" in said and b"rank 1 done" in said
+        p.stdin.write(b"finish\n")
+        p.stdin.flush()
+        rest = finish(p)                              # within its 30 s, not torchrun's 300
+        assert p.returncode == 0, said + rest
+        final = [r["final"] for r in records_of(said + rest) if "final" in r]
+        assert final and final[0]["left"] == [] and final[0]["how"] is None, final
+        assert tagged_pids(RUN_ID, "n1") == []
+    finally:
+        p.stdin.close()
+
+
+@needs_pidfd
+def test_finish_before_the_nodes_workers_are_done_is_passed_over(tmp_path: Path) -> None:
+    """The word comes while the workers still run (it is meant for a node whose workers are
+    all done): nothing changes; the workers finish, done is said, and only the word after it
+    ends torchrun."""
+    from tests.unit.test_supervisor import finish, node_dir, start
+    p = start(node_dir(tmp_path, FINISHING_AGENT))
+    try:
+        p.stdin.write(b"finish\n")
+        p.stdin.flush()
+        said, done = _until_record(p, "done")
+        assert b"rank 0 done" in said and b"rank 1 done" in said and p.poll() is None
+        p.stdin.write(b"finish\n")
+        p.stdin.flush()
+        finish(p)
+        assert p.returncode == 0
     finally:
         p.stdin.close()
 

@@ -124,9 +124,9 @@ cluster_secrets | env -u CLUSTER_RUN_ID -u CLUSTER_NODE -u HF_TOKEN -u WANDB_API
   -c "$CLUSTER_TORCHRUN" \
   --nnodes=2 \
   --nproc_per_node=2 \
-  --rdzv_backend=c10d \
-  --rdzv_endpoint=10.0.0.11:29841 \
-  --rdzv_id=golden-run \
+  --node_rank=0 \
+  --master_addr=10.0.0.11 \
+  --master_port=29841 \
   --local_addr=10.0.0.11 \
   train.py \
   --epochs \
@@ -241,9 +241,9 @@ cluster_secrets | env -u CLUSTER_RUN_ID -u CLUSTER_NODE -u HF_TOKEN -u WANDB_API
   -c "$CLUSTER_TORCHRUN" \
   --nnodes=2 \
   --nproc_per_node=2 \
-  --rdzv_backend=c10d \
-  --rdzv_endpoint=10.0.0.11:29841 \
-  --rdzv_id=golden-run \
+  --node_rank=1 \
+  --master_addr=10.0.0.11 \
+  --master_port=29841 \
   --local_addr=10.0.0.12 \
   train.py \
   --epochs \

@@ -53,9 +53,9 @@ finally:
 exec python3 -c "$CLUSTER_TORCHRUN" \
   --nnodes=3 \
   --nproc_per_node=8 \
-  --rdzv_backend=c10d \
-  --rdzv_endpoint=gpu01:29841 \
-  --rdzv_id=golden-run \
+  --node_rank=0 \
+  --master_addr=gpu01 \
+  --master_port=29841 \
   --local_addr=gpu01 \
   train.py \
   --epochs \
@@ -117,9 +117,9 @@ finally:
 exec python3 -c "$CLUSTER_TORCHRUN" \
   --nnodes=3 \
   --nproc_per_node=8 \
-  --rdzv_backend=c10d \
-  --rdzv_endpoint=gpu01:29841 \
-  --rdzv_id=golden-run \
+  --node_rank=1 \
+  --master_addr=gpu01 \
+  --master_port=29841 \
   --local_addr=gpu02 \
   train.py \
   --epochs \
@@ -181,9 +181,9 @@ finally:
 exec python3 -c "$CLUSTER_TORCHRUN" \
   --nnodes=3 \
   --nproc_per_node=4 \
-  --rdzv_backend=c10d \
-  --rdzv_endpoint=gpu01:29841 \
-  --rdzv_id=golden-run \
+  --node_rank=2 \
+  --master_addr=gpu01 \
+  --master_port=29841 \
   --local_addr=worker-3 \
   train.py \
   --epochs \

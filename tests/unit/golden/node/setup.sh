@@ -70,9 +70,9 @@ PYTHON=$(command -v python3 || command -v python) || {
 exec "$PYTHON" -c "$CLUSTER_TORCHRUN" \
   --nnodes=2 \
   --nproc_per_node="$NPROC" \
-  --rdzv_backend=c10d \
-  --rdzv_endpoint=10.0.0.11:29841 \
-  --rdzv_id=golden-run \
+  --node_rank=0 \
+  --master_addr=10.0.0.11 \
+  --master_port=29841 \
   --local_addr=10.0.0.11 \
   --monitor-interval=1 \
   --log-dir \
@@ -146,9 +146,9 @@ finally:
 exec /opt/py/bin/python3 -c "$CLUSTER_TORCHRUN" \
   --nnodes=2 \
   --nproc_per_node="$NPROC" \
-  --rdzv_backend=c10d \
-  --rdzv_endpoint=10.0.0.11:29841 \
-  --rdzv_id=golden-run \
+  --node_rank=1 \
+  --master_addr=10.0.0.11 \
+  --master_port=29841 \
   --local_addr=10.0.0.12 \
   --monitor-interval=1 \
   --log-dir \
