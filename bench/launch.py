@@ -19,7 +19,7 @@ each repeated (A B C A B C ...) and reported as median [min-max]:
              timed ones, the SSH commands (channels that exec a command) and SFTP sessions it
              opened per node.
   launch     a tiny gloo job (init, barrier, destroy) at 3 and 8 nodes, launch to done:
-             `cluster up` (c10d and static rendezvous) vs bare torchrun started over an ssh
+             `cluster up` (its default, static, and c10d) vs bare torchrun started over an ssh
              loop, and where each one's time goes, phase by phase (bench/phases.py: the
              launcher's events and what every rank stamps), as a table of medians.
   teardown   kill -9 of one rank while the others are idle, and Ctrl-C, to every node clean
@@ -232,10 +232,12 @@ class Bench:
         d.chmod(0o777)
         return d
 
-    def launch_cluster(self, n: int, rendezvous: str, prog: Path,
+    def launch_cluster(self, n: int, rendezvous: str | None, prog: Path,
                        code: str = "cluster") -> tuple[float, dict]:
-        """Seconds from the launch to the prompt back, and its phases."""
-        inv, stamps = self.inventory(n, rendezvous=rendezvous), self.stamped()
+        """Seconds from the launch to the prompt back, and its phases (rendezvous None: the
+        inventory leaves it to cluster's default)."""
+        inv = self.inventory(n, **({"rendezvous": rendezvous} if rendezvous else {}))
+        stamps = self.stamped()
         t0 = time.time()
         r = subprocess.run([sys.executable, "-m", "cluster", "up", "-i", inv, "--sync", str(prog),
                             "--", "trivial.py", str(stamps)], cwd=self.work,
@@ -502,9 +504,9 @@ def fanout_line(n: int, code: str, ours: dict[str, list[float]], facts: list[dic
 
 
 def launch(sizes: list[int], repeats: int, results: dict) -> None:
-    """Launch to done, cluster (c10d and static rendezvous; with --before, that code's c10d
-    too) against bare torchrun over an ssh loop, interleaved; each one's phases
-    (bench/phases.py), their medians as a table."""
+    """Launch to done, cluster (its default, the static rendezvous; and c10d, which the bare
+    loop uses; with --before, that code's c10d too) against bare torchrun over an ssh loop,
+    interleaved; each one's phases (bench/phases.py), their medians as a table."""
     from tests.integration.fixtures import SshNodes
     for n in sizes:
         with SshNodes(n) as sn:
@@ -512,17 +514,17 @@ def launch(sizes: list[int], repeats: int, results: dict) -> None:
             prog = b.tmp / "prog"
             prog.mkdir()
             (prog / "trivial.py").write_text(phases.STAMPS)
-            b.launch_cluster(n, "c10d", prog)        # warm-up, and syncs trivial.py
-            kinds = [*(f"cluster c10d ({c})" if c != "cluster" else "cluster c10d" for c in ROOTS),
-                     "cluster static", "bare torchrun"]
+            b.launch_cluster(n, None, prog)          # warm-up, and syncs trivial.py
+            kinds = ["cluster", *(f"cluster c10d ({c})" if c != "cluster" else "cluster c10d"
+                                  for c in ROOTS), "bare torchrun"]
             took: dict[str, list[float]] = {k: [] for k in kinds}
             split: dict[str, list[dict]] = {k: [] for k in kinds}
             for k in range(repeats):
                 for kind in kinds:
                     if kind == "bare torchrun":
                         t, ph = b.launch_bare(n, 29400 + k)
-                    elif kind == "cluster static":
-                        t, ph = b.launch_cluster(n, "static", prog)
+                    elif kind == "cluster":
+                        t, ph = b.launch_cluster(n, None, prog)
                     else:
                         t, ph = b.launch_cluster(n, "c10d", prog,
                                                  "cluster" if kind == "cluster c10d" else "before")
@@ -530,7 +532,8 @@ def launch(sizes: list[int], repeats: int, results: dict) -> None:
                     split[kind].append(ph)
             bare = statistics.median(took["bare torchrun"])
             print(f"launch {n:2d} nodes: " + "  ".join(f"{k} {stats(v)}" for k, v in took.items())
-                  + f"  cluster/bare {statistics.median(took['cluster c10d']) / bare:.3f}",
+                  + f"  cluster/bare {statistics.median(took['cluster']) / bare:.3f}"
+                  + f"  cluster c10d/bare {statistics.median(took['cluster c10d']) / bare:.3f}",
                   flush=True)
             print(f"\nlaunch to done, {n} nodes, median seconds of {repeats} (bench/phases.py):\n"
                   + phases.table(split) + "\n", flush=True)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import backends, doctor, launch, resolve, tuning
+from . import backends, launch, resolve, tuning
 from .backends import (EXEC, NODE_CHECKS, REMOTE_NODES, REQUEUES, RESTARTS, SHARED_FILESYSTEM, SYNC,
                        Backend, supports)
 from .console import Console, NodeProgress
@@ -82,6 +82,7 @@ class Prepared:
                 launch.dry_run(self.inventory, job, self.templates, run, self.backend, argv, console)
                 return 0
             if self.inventory.gate.level == "deep" and supports(self.backend, NODE_CHECKS):
+                from . import doctor          # here: only a deep gate needs it (13 ms)
                 doctor.deep_gate(self.inventory, self.backend, self.templates, console)
             return launch.up(self.inventory, job, self.templates, self.backend, run, argv,
                              console, self.options)

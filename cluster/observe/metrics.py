@@ -22,10 +22,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+if TYPE_CHECKING:   # imported where used: a launch that serves no metrics never loads it (25 ms)
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
 
 from ..errors import InputError
 from ..texts import address_problem
@@ -71,6 +72,7 @@ class RunView:
 
 def families(view: RunView) -> Iterator[Metric]:
     """The metric families of one view; a value nobody knows is left out, never made 0."""
+    from prometheus_client.core import GaugeMetricFamily
     labels = ["node", "run"]
     per_node: list[tuple[str, str, str]] = [
         ("step_rate", "cluster_node_step_rate",
@@ -104,6 +106,7 @@ def families(view: RunView) -> Iterator[Metric]:
 
 
 def _run_families(view: RunView) -> Iterator[Metric]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     running = sum(n.state == RUNNING for n in view.nodes)
     values: list[tuple[str, str, float | None]] = [
         ("cluster_run_nodes_running", "Nodes in the running state", running),
@@ -137,6 +140,7 @@ class Collector:
 
 def registry_of(view: Callable[[], RunView]) -> CollectorRegistry:
     """A registry of its own (never prometheus_client's global one): only the run's families."""
+    from prometheus_client import CollectorRegistry
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Collector(view))
     return registry
@@ -371,6 +375,7 @@ def serve(view: Callable[[], RunView], where: Endpoint) -> Served:
     in use, or one this machine does not have, is an InputError: nothing is contacted yet."""
     address, port = where
     try:
+        from prometheus_client import start_http_server
         server, thread = start_http_server(port, addr=address, registry=registry_of(view))
     except OSError as exc:
         why = exc.strerror or str(exc)
@@ -397,4 +402,5 @@ def serve_run(where: Endpoint | None, recorder: tl.Recorder, run_id: str,
 def write_textfile(path: str, view: RunView) -> None:
     """The view's families in the text format, for node_exporter's textfile collector: written
     beside `path` and renamed over it (a reader sees the old file or the new one, whole)."""
+    from prometheus_client import write_to_textfile
     write_to_textfile(path, registry_of(lambda: view))
