@@ -105,13 +105,17 @@ class SupervisedBackend:
         for host in hosts:
             self._pool.submit(_quietly, self.transport(host).open)
 
-    def check(self, plan: LaunchPlan, *, reach: bool = False) -> dict[str, dict[str, Any]]:
+    def check(self, plan: LaunchPlan, *, reach: bool = False,
+              ready: Callable[[NodePlan], None] | None = None) -> dict[str, dict[str, Any]]:
         """Phase one on every node at once: connect, make the run directory, say what the
         node has, by the process that start() will make the node's supervisor
         (SupervisedNode.stage). With reach, the same process opens a TCP connection to the
         master port, where the master's own probe listens from its first moment until its
         start; that listener's binding is the master's port check. Raises PreflightError naming every node that could not be
-        reached or checked, and lets every staged process go: nothing starts."""
+        reached or checked, and lets every staged process go: nothing starts.
+        ready(node), with reach: work of the node's own done on its thread while its probe
+        runs, before the probe's word (after which it looks for the job's script): the SSH
+        backend's --sync. Its ClusterError is that node's failure."""
         self.release()
         self._nodes = {n.host.name: SupervisedNode(self.transport(n.host), n.host.python,
                                                    n.run_dir, n.host.setup)
@@ -123,24 +127,36 @@ class SupervisedBackend:
             state.update(said)
             listening.set()
 
-        def word() -> str:
-            listening.wait(120)
-            return "connect" if state.get("listening") else "skip"
+        failed: dict[str, ClusterError] = {}
+
+        def word_of(node: NodePlan) -> Callable[[], str]:
+            def word() -> str:
+                if ready is not None:
+                    try:
+                        ready(node)
+                    except ClusterError as exc:
+                        failed[node.host.name] = exc
+                listening.wait(120)
+                return "connect" if state.get("listening") and not failed else "skip"
+            return word
 
         def one(node: NodePlan) -> dict[str, Any]:
             remote = self._nodes[node.host.name]
             if not reach:
                 return remote.stage(node, plan, port=node is plan.master, tools=self.tools)
             if node is not plan.master:
-                return remote.stage(node, plan, connect=(plan.master_addr, plan.master_port),
-                                    tools=self.tools, word=word)
-            try:          # the master's own probe listens on the port, first thing
                 facts = remote.stage(node, plan, connect=(plan.master_addr, plan.master_port),
-                                     tools=self.tools, word=word, heard=heard,
-                                     listen=(plan.master_port, listen_seconds(len(plan.nodes))))
-            finally:
-                listening.set()          # a master that failed first lets no node wait for it
-            facts["port_free"] = bool(state.get("listening"))
+                                     tools=self.tools, word=word_of(node))
+            else:
+                try:          # the master's own probe listens on the port, first thing
+                    facts = remote.stage(node, plan, connect=(plan.master_addr, plan.master_port),
+                                         tools=self.tools, word=word_of(node), heard=heard,
+                                         listen=(plan.master_port, listen_seconds(len(plan.nodes))))
+                finally:
+                    listening.set()      # a master that failed first lets no node wait for it
+                facts["port_free"] = bool(state.get("listening"))
+            if node.host.name in failed:
+                raise failed[node.host.name]
             return facts
         try:
             results = self.each_or_fail(plan.nodes, one, phase="check")

@@ -101,11 +101,11 @@ def facts(args):
     out["cuda_visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     if args.port:
         out["port_free"] = port_free(args.port)
-    if args.script:
-        out["script"] = script_facts(args.workdir or ".", args.script)
     if args.connect and (not args.connect_on_word or word() == "connect"):
         addr, _, port = args.connect.rpartition(":")
         out["reach"] = connect(addr, int(port), args.connect_timeout)
+    if args.script:    # after the word: the launcher's sync of this node comes before it
+        out["script"] = script_facts(args.workdir or ".", args.script)
     if args.container_runtime:
         out["container"] = containers.container_facts(args.container_runtime,
                                                       args.container_image, args.deep)

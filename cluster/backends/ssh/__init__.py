@@ -103,23 +103,41 @@ class SshBackend(SupervisedBackend):
         self.alive.close()
         self.gateways.close()             # after the nodes: their channels ride on these
 
-    def check(self, plan: LaunchPlan, *, reach: bool = False) -> dict[str, dict[str, Any]]:
-        if self.sync:
+    def check(self, plan: LaunchPlan, *, reach: bool = False,
+              ready: Callable[[NodePlan], None] | None = None) -> dict[str, dict[str, Any]]:
+        """--sync, then the check. With reach, each node's sync runs while its probe does (in
+        the check's round trip: the probe looks for the job's script after its word, which
+        waits for the sync); without, every sync first."""
+        if not self.sync:
+            return super().check(plan, reach=reach)
+        if not reach:
             self._sync_all(plan)
-        return super().check(plan, reach=reach)
+            return super().check(plan, reach=reach)
+        synced: dict[str, list[dict[str, Any]]] = {}
+
+        def sync_node(node: NodePlan) -> None:
+            synced[node.host.name] = self._sync_node(node)
+        facts = super().check(plan, reach=reach, ready=sync_node)
+        self._synced([(n, synced[n.host.name]) for n in plan.nodes])
+        return facts
+
+    def _sync_node(self, node: NodePlan) -> list[dict[str, Any]]:
+        """Every --sync folder onto one node; a report each."""
+        transport = self.transport(node.host)
+        reports = []
+        for local, sub in self.sync:
+            remote = node.host.workdir.rstrip("/") or "/"
+            if sub not in ("", "."):
+                remote = f"{remote}/{sub}"
+            reports.append(sync_dir(transport, local, remote, self.sync_exclude,
+                                    delete=self.sync_delete))
+        return reports
 
     def _sync_all(self, plan: LaunchPlan) -> None:
-        def one(node: NodePlan) -> list[dict[str, Any]]:
-            transport = self.transport(node.host)
-            reports = []
-            for local, sub in self.sync:
-                remote = node.host.workdir.rstrip("/") or "/"
-                if sub not in ("", "."):
-                    remote = f"{remote}/{sub}"
-                reports.append(sync_dir(transport, local, remote, self.sync_exclude,
-                                        delete=self.sync_delete))
-            return reports
-        results = self.each_or_fail(plan.nodes, one, phase="sync")
+        self._synced(self.each_or_fail(plan.nodes, self._sync_node, phase="sync"))
+
+    def _synced(self, results: list[tuple[NodePlan, list[dict[str, Any]]]]) -> None:
+        """What the syncs did, said once for every node."""
         self.synced = {n.host.name: r for n, r in results}
         for i, (local, sub) in enumerate(self.sync):
             self.note(summary(local, sub, {n.host.name: reps[i] for n, reps in results},
