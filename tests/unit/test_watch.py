@@ -459,3 +459,46 @@ def test_a_beats_detail_is_the_furthest_step_and_the_slowest_ranks_times() -> No
     assert beat_detail({"beat": 1.0}) == {}
     assert beat_detail({"beat": 1.0, "steps": {"0": ["x", 1]}, "at": {"step": "9"}}) == {}
     assert beat_detail({"beat": 1.0, "steps": {"0": [float("nan"), 0.1]}}) == {}
+
+
+class FinishingNode(FakeNode):
+    """A node whose supervisor says `done` (every worker exited 0), then lingers as torchrun
+    does in its exit barrier until told `finish` (backends.Finishes)."""
+
+    def __init__(self, label: str, done_after: float | None, linger: float = 20.0) -> None:
+        super().__init__(label, [], NodeExit(code=0))
+        self.done_after, self.linger = done_after, linger
+        self.finished = threading.Event()
+        self.finish_calls = 0
+
+    def output(self):
+        if self.done_after is not None:
+            time.sleep(self.done_after)
+            yield {"done": [0]}
+        self.finished.wait(self.linger)
+
+    def request_finish(self) -> None:
+        self.finish_calls += 1
+        self.finished.set()
+
+
+def test_every_node_done_the_launcher_finishes_them_all_at_once_and_only_then() -> None:
+    """Two nodes say done, a moment apart: only after the second is every node told to
+    finish, once each; they end at once (not after their 20 s), and the run is a success."""
+    c, _, _ = console()
+    nodes = [FinishingNode("a 0", 0.1), FinishingNode("b 1", 0.6)]
+    t0 = time.monotonic()
+    res = Watcher(nodes, c, {}).run()
+    assert res.ok and time.monotonic() - t0 < 10
+    assert [n.finish_calls for n in nodes] == [1, 1]
+    assert all(n.ended_at - t0 >= 0.6 for n in nodes)       # none before the last was done
+    assert all(n.stop_calls == 0 for n in nodes)
+
+
+def test_a_node_not_done_keeps_every_node_unfinished() -> None:
+    """One node never says done (its worker still runs, then its torchrun ends by itself): no
+    node is told to finish."""
+    c, _, _ = console()
+    nodes = [FinishingNode("a 0", 0.1, linger=1.0), FinishingNode("b 1", None, linger=1.0)]
+    res = Watcher(nodes, c, {}).run()
+    assert res.ok and [n.finish_calls for n in nodes] == [0, 0]
