@@ -48,9 +48,23 @@ def run_processes(run_id: str) -> list[int]:
     return processes_with_env("CLUSTER_RUN_ID", run_id)
 
 
+# The process that draws a run's picture after the launcher has exited (timeline_png.write_later):
+# cluster's own, it ends by itself, so a look for what is left waits for it to end, first.
+DRAWER = "-m cluster.observe.timeline_png"
+
+
 def processes_under(folder: Path) -> list[str]:
     """Every process (but this one) working in `folder` or naming it on its command line, read
-    from /proc: independent of the run-id scan cluster itself stops by."""
+    from /proc: independent of the run-id scan cluster itself stops by. The run's picture is
+    drawn beside the prompt: that process must end by itself (within 60 s), and is then gone."""
+    deadline = time.monotonic() + 60
+    while (drawing := [p for p in _under(folder) if DRAWER in p]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not drawing, f"the picture's process did not end by itself: {drawing}"
+    return _under(folder)
+
+
+def _under(folder: Path) -> list[str]:
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
