@@ -158,6 +158,7 @@ def run(args, user_umask=0o022):
     family.become_subreaper()        # whatever the run starts stays in this process's family
     child, output = spawning.start_job(["bash", path(d, "launch.sh")], env, user_umask)
     write_atomic(d, "pgid", str(child))
+    child_start = family.start_time(child)     # its name with its pid (a pid is reused)
     write_atomic(d, "supervisor.start", str(family.start_time(os.getpid())))
     write_atomic(d, "supervisor.pid", str(os.getpid()))
     write_atomic(d, "started", repr(time.time()))
@@ -193,8 +194,10 @@ def run(args, user_umask=0o022):
         # torchrun is its exit dance (a barrier among the agents, the store's teardown), which
         # the launcher need not wait out. Only where this node's workers all exited 0 and were
         # torchrun's, the job's own process: anything else stops the usual way.
-        if not (watching and watching[0].told_done) or stopping.is_set():
+        if not (watching and watching[0].told_done) or stopping.is_set() or ended.is_set():
             return
+        if family.start_time(child) != child_start:
+            return                     # collected already: its pid may be another's now
         finishing.set()
         try:
             os.kill(child, signal.SIGKILL)
