@@ -137,7 +137,8 @@ class SupervisedBackend:
                     except ClusterError as exc:
                         failed[node.host.name] = exc
                 listening.wait(120)
-                return "connect" if state.get("listening") and not failed else "skip"
+                ok = state.get("listening") and node.host.name not in failed
+                return "connect" if ok else "skip"
             return word
 
         def one(node: NodePlan) -> dict[str, Any]:

@@ -59,7 +59,7 @@ def write(run: RunDir, console: Console) -> Path:
 DRAW_LIMIT = 300
 
 
-def write_later(run: RunDir, console: Console) -> subprocess.Popen[bytes] | None:
+def write_later(run: RunDir, console: Console) -> None:
     """The end of an attached run: write() in a process of its own, at a low priority, so that
     nobody waits for matplotlib's import and the render (0.4 s). It is its own owner: it
     ends when drawn, and by its own alarm after DRAW_LIMIT s in any case. Says the path it
@@ -70,17 +70,16 @@ def write_later(run: RunDir, console: Console) -> subprocess.Popen[bytes] | None
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (package, os.environ.get("PYTHONPATH")) if p))
     try:
-        proc = subprocess.Popen([sys.executable, "-m", __name__, str(run.path)], env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        subprocess.Popen([sys.executable, "-m", __name__, str(run.path)], env=env,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
         console.info(f"timeline not drawn: {exc}")
-        return None
+        return
     console.info(f"timeline: {run.path / name} (drawn in the background; `cluster status {run.run_id} "
                  f"--timeline` draws it now)")
     if not has_png:
         console.info(f"timeline: no picture, matplotlib is not installed ({INSTALL_HINT})")
-    return proc
 
 
 def _background(run_dir: str) -> int:
@@ -94,7 +93,6 @@ def _background(run_dir: str) -> int:
     with open(os.devnull, "w") as null:
         write(RunDir(Path(run_dir)), Console(out=null, err=null))
     return 0
-
 
 
 def _told(events: Iterable[tl.Event], listener: Callable[[tl.Event], None]) -> Iterator[tl.Event]:

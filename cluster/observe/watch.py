@@ -293,17 +293,17 @@ class Watcher:
     def _worker_done(self, label: str) -> None:
         """A node's workers have all exited 0. Once every node's have, the job is done: each
         node is told to end its torchrun now (Finishes), rather than after torchrun's exit
-        barrier. Under self.lock; the words are sent from a thread of their own."""
+        barrier. Under self.lock (O(1) a node; the words, O(N) once, from a thread of their own)."""
         self.done.add(label)
         self.result.had_workers.add(label)
-        finishing = [p for p in self.procs if isinstance(p, Finishes)]
-        if len(self.done) != len(self.procs) or len(finishing) != len(self.procs):
-            return
+        if len(self.done) == len(self.procs):
+            threading.Thread(target=self._finish_all, daemon=True, name="finish").start()
 
-        def finish() -> None:
+    def _finish_all(self) -> None:
+        finishing = [p for p in self.procs if isinstance(p, Finishes)]
+        if len(finishing) == len(self.procs):
             for p in finishing:
                 p.request_finish()
-        threading.Thread(target=finish, daemon=True, name="finish").start()
 
     def _reached(self, at: dict[str, Any]) -> None:
         """The furthest step and newest checkpoint reported (a node's counts only grow); a

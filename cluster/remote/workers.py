@@ -289,7 +289,6 @@ class Deaths(threading.Thread):
             poller.register(fd, select.POLLIN)
         return True
 
-
     def _exited_ok(self, pid, rank):
         """A worker exited 0: once every worker of this node has, tell done(). Only the job's
         own children count: a process a worker started (a DataLoader's) carries the ranks'
