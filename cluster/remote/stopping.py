@@ -3,7 +3,8 @@ environment carries the run's id and node name, or it is of the run's process gr
 group is known to be ours (its supervisor is alive, or is the one stopping it), or it descends
 from the run's live supervisor (a child subreaper). Each gets one TERM, the grace, then KILL,
 and the last look verifies that none is left (sweep). A run whose torchrun is in a container is
-stopped by the container's name first (terminate_container).
+stopped by the container's name first (terminate_container). The live supervisor begins its
+run's stop once, whoever asks first (StopOnce).
 
 Standard library only, Python 3.8+; beside supervisor.py in the node's run directory, whose
 `run` and `stop` use it, as do `cluster clean` and `cluster exec` (clean.py, execute.py).
@@ -11,6 +12,7 @@ Standard library only, Python 3.8+; beside supervisor.py in the node's run direc
 import math
 import os
 import signal
+import threading
 import time
 
 import containers  # noqa: E402  (beside this file on the node, or loaded before it)
@@ -228,3 +230,32 @@ def terminate_container(ident, container, grace):
         report["left"] = report["left"] + ["container %s%s" % (
             container["name"], "" if present else " (%s did not answer)" % container["runtime"])]
     return report
+
+
+class StopOnce:
+    """The run's stop on this node, begun once whoever asks first: the launcher's `stop`, its
+    connection closing, its stream failing, the keepalive, a signal (several of them come
+    together when the launcher disappears). A second begin would TERM torchrun a second
+    time, which interrupts its own shutdown of its workers."""
+
+    def __init__(self, d, grace, terminate=terminate):
+        self.d, self.grace, self.terminate = d, grace, terminate
+        self.once = threading.Lock()       # taken by the first begin, never given back
+        self.stopping = threading.Event()  # a stop has begun
+        self.why, self.graces = [], []     # its reason and its grace
+        self.threads, self.done = [], []   # its thread, and what it did
+
+    def begin(self, reason, grace=None):
+        # Not blocking: a signal handler that runs inside a begin of the main thread (two
+        # signals in a row) must not wait for it, only see that it is taken.
+        if not self.once.acquire(False):
+            return False
+        grace = self.grace if grace is None else grace
+        self.why.append(reason)
+        self.graces.append(grace)
+        self.stopping.set()
+        t = threading.Thread(target=lambda: self.done.append(self.terminate(self.d, grace, True)),
+                             daemon=True)
+        t.start()                  # before the main thread can see it: it joins what it finds
+        self.threads.append(t)
+        return True

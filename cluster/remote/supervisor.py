@@ -51,7 +51,7 @@ import options  # noqa: E402
 import spawning  # noqa: E402
 import workers  # noqa: E402
 from rundir import path, read_json, read_number, write_atomic  # noqa: E402
-from stopping import identity, terminate  # noqa: E402
+from stopping import StopOnce, identity, terminate  # noqa: E402
 from recorded import logs, status, stop  # noqa: E402,F401  (status: status.py and clean.py ask it here)
 
 GRACE = 30.0
@@ -270,35 +270,6 @@ def run(args, user_umask=0o022):
                             % (exc.strerror or exc)})
     out.record({"final": final})
     return code if code >= 0 else 128 - code
-
-
-class StopOnce:
-    """The run's stop on this node, begun once whoever asks first: the launcher's `stop`, its
-    connection closing, its stream failing, the keepalive, a signal (several of them come
-    together when the launcher disappears). A second begin would TERM torchrun a second
-    time, which interrupts its own shutdown of its workers."""
-
-    def __init__(self, d, grace, terminate=terminate):
-        self.d, self.grace, self.terminate = d, grace, terminate
-        self.once = threading.Lock()       # taken by the first begin, never given back
-        self.stopping = threading.Event()  # a stop has begun
-        self.why, self.graces = [], []     # its reason and its grace
-        self.threads, self.done = [], []   # its thread, and what it did
-
-    def begin(self, reason, grace=None):
-        # Not blocking: a signal handler that runs inside a begin of the main thread (two
-        # signals in a row) must not wait for it, only see that it is taken.
-        if not self.once.acquire(False):
-            return False
-        grace = self.grace if grace is None else grace
-        self.why.append(reason)
-        self.graces.append(grace)
-        self.stopping.set()
-        t = threading.Thread(target=lambda: self.done.append(self.terminate(self.d, grace, True)),
-                             daemon=True)
-        t.start()                  # before the main thread can see it: it joins what it finds
-        self.threads.append(t)
-        return True
 
 
 def watch_deaths(out, output, pumping, quiet, job):

@@ -754,7 +754,7 @@ def test_two_stops_at_once_send_one_term(tmp_path: Path) -> None:
         d.mkdir()
         (d / "tag").write_text(json.dumps({"run_id": RUN_ID, "node": "n1"}))
         # By the run's identity alone (this test is not the job's supervisor).
-        stop = supervisor.StopOnce(str(d), 1.0, lambda d, grace, _: stopping.terminate(d, grace))
+        stop = stopping.StopOnce(str(d), 1.0, lambda d, grace, _: stopping.terminate(d, grace))
         stop.stopping = Preempted(stop.stopping)
         go = threading.Barrier(2)
         triggers = [threading.Thread(target=lambda why=why: (go.wait(), stop.begin(why)))
