@@ -12,7 +12,8 @@ Imported by supervisor.py, which sits beside it in the node's run directory, wit
   hang watchdog; then a beat whenever the reference trainer's heartbeat file moves.
 - Deaths: the moment a worker dies (killed by a signal, or exited non-zero), which rank and
   how, for the launcher to stop every node at once instead of waiting for torchrun's own
-  look at its workers: watched through pidfds, events and no timer.
+  look at its workers: watched through pidfds, events (the job's own children are looked for
+  every 0.1 s until they are all held), and says when every worker of the node exited 0.
 - Stacks: for the launcher's hang watchdog, every worker's Python stack, each alone: py-spy
   where the node has it and may use it, else Python's own faulthandler (the node script sets
   PYTHONFAULTHANDLER) through SIGABRT, one worker at a time while torchrun is paused, so
@@ -29,6 +30,7 @@ import time
 import family  # beside this file on the node (its folder is on sys.path)
 
 BEAT_EVERY = 1.0
+LOOK_EVERY = 0.1        # seconds between the Deaths watch's looks for the job's own workers
 PROC = "/proc"          # where the processes are read; a test gives a folder of its own
 
 
@@ -196,15 +198,18 @@ class Deaths(threading.Thread):
     done(ranks): told once, when every worker of this node has exited 0 (as many as their
     LOCAL_WORLD_SIZE says) and their parent is the job's own process (`job`: launch.sh became
     torchrun, so nothing of the script follows it). What is left then is torchrun's exit
-    dance, which the launcher, seeing every node, may end (supervisor.py's `finish`). A worker
-    collected before it was looked at, or seen by no scan, says nothing: no done.
+    dance, which the launcher, seeing every node, may end (supervisor.py's `finish`). The job's
+    own children are looked at every 0.1 s (LOOK_EVERY, the pace of torchrun's own look at
+    them) until all of its workers are held, so a job of a second is seen as well as one of a
+    day; Progress's slower scan of the whole run tells the others (a launch script's
+    grandchildren). A worker collected before it was looked at says nothing: no done.
 
     Each worker is held by a pidfd (Linux 5.3+, Python 3.9+), which the kernel makes readable
-    the moment it ends: one poll() over them all, events and no timer. How it ended is read
-    from /proc while it is a zombie, before torchrun collects it (torchrun looks every 0.1 s);
-    one collected first says nothing. Where pidfds are not (available() is False) nothing is
-    watched, and torchrun's own report stands, as before. quiet(): a death is no failure
-    while it holds (the run is being stopped, or its stacks dumped)."""
+    the moment it ends: one poll() over them all, events and no timer once they are held. How
+    it ended is read from /proc while it is a zombie, before torchrun collects it (torchrun
+    looks every 0.1 s); one collected first says nothing. Where pidfds are not (available() is
+    False) nothing is watched, and torchrun's own report stands, as before. quiet(): a death is
+    no failure while it holds (the run is being stopped, or its stacks dumped)."""
 
     def __init__(self, report, quiet, done=None, job=None):
         super().__init__(daemon=True)
@@ -252,7 +257,11 @@ class Deaths(threading.Thread):
         poller.register(self.wake_r, select.POLLIN)
         try:
             while True:
-                for fd, _ in poller.poll():
+                looking = self._looking()
+                events = poller.poll(LOOK_EVERY * 1000 if looking else None)
+                if looking and not events:
+                    self.watch(workers_among(family.children(self.job) or ()))
+                for fd, _ in events:
                     if fd == self.wake_r:
                         os.read(self.wake_r, 4096)
                         if not self._take(poller, held):
@@ -288,6 +297,15 @@ class Deaths(threading.Thread):
             self.sizes[pid] = (local_world_size(pid), (family.stat(pid) or (0, 0))[1])
             poller.register(fd, select.POLLIN)
         return True
+
+    def _looking(self):
+        """Whether the job's own workers are still to be found: until as many are held as
+        their LOCAL_WORLD_SIZE says (the size of one that ended before is unknown: look on)."""
+        if self.job is None or self.done is None or self.told_done:
+            return False
+        own = [n for n, parent in self.sizes.values() if parent == self.job]
+        sizes = [n for n in own if n]
+        return not sizes or len(own) < max(sizes)
 
     def _exited_ok(self, pid, rank):
         """A worker exited 0: once every worker of this node has, tell done(). Only the job's

@@ -55,7 +55,7 @@ def nothing_left(ssh_nodes4) -> None:
 
 def test_every_worker_exited_0_so_the_launcher_ends_the_agents_code_0_output_complete(
         ssh_nodes4, cli: Cli, stamps: Path) -> None:
-    proc = launch(ssh_nodes4, cli, stamps)
+    proc = launch(ssh_nodes4, cli, stamps, "--freeze-agent")
     assert proc.wait(180) == 0, proc.dump()
     back = time.time()
     for rank in range(3):
@@ -86,7 +86,7 @@ def test_a_rank_failing_after_the_others_exited_0_is_the_failure_with_its_cause(
 
 def test_a_rank_still_running_while_the_others_exited_0_keeps_the_job_going(
         ssh_nodes4, cli: Cli, stamps: Path) -> None:
-    proc = launch(ssh_nodes4, cli, stamps, "--late-rank", "1", "--late", "3")
+    proc = launch(ssh_nodes4, cli, stamps, "--late-rank", "1", "--late", "3", "--freeze-agent")
     assert proc.wait(180) == 0, proc.dump()
     back = time.time()
     assert "rank 1: late line" in "\n".join(proc.out), proc.dump()

@@ -447,9 +447,11 @@ def test_a_job_printing_the_supervisors_words_is_shown_and_obeyed_by_nothing(tmp
 
 def test_the_local_backend_ends_the_agents_once_every_worker_exited_0(tmp_path: Path) -> None:
     """As over SSH (test_ending.py): two simulated nodes, every worker exits 0, the launcher's
-    word ends each torchrun (its exit record says so), exit code 0, the output complete."""
+    word ends each torchrun (its exit record says so), exit code 0, the output complete. Each
+    rank freezes its torchrun before it exits (ending.py --freeze-agent), so only the finish can
+    end the agents: a test that hangs here, not one that passes by torchrun's own exit."""
     ending = REPO / "tests" / "integration" / "programs" / "ending.py"
-    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", str(ending))
+    res = cluster(tmp_path, "up", "--local", "--nodes", "2", "--", str(ending), "--freeze-agent")
     assert res.returncode == 0, res.stderr
     assert "rank 0: leaving" in res.stdout and "rank 1: leaving" in res.stdout, res.stdout
     exits = [json.loads(p.read_text()) for p in (only_run(tmp_path) / "nodes").glob("*/exit")]

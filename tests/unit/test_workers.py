@@ -340,6 +340,31 @@ def test_done_is_told_once_every_worker_of_the_node_exited_0_and_not_before() ->
 
 
 @needs_pidfd
+def test_the_jobs_own_workers_are_found_by_the_watch_itself_even_when_short_lived() -> None:
+    """Nobody tells the watch of these workers (a job of a fraction of a second ends between
+    two of the run's scans): it looks at the job's own children until it holds them all, so
+    done is still told, by their exits."""
+    import queue
+    import subprocess
+    told: queue.Queue = queue.Queue()
+    deaths = workers.Deaths(lambda *a: told.put(("died", a)), lambda: False,
+                            done=lambda ranks: told.put(("done", ranks)), job=os.getpid())
+    deaths.start()
+    kids = [subprocess.Popen(["sh", "-c", "sleep 0.3"], env=dict(
+        os.environ, GROUP_RANK="0", RANK=str(r), LOCAL_WORLD_SIZE="2")) for r in (4, 5)]
+    try:
+        assert told.get(timeout=5) == ("done", [4, 5])
+        assert not deaths._looking()           # all held: no more looks, events only
+        deaths.close()
+        deaths.join(2)
+        assert not deaths.is_alive()
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+
+
+@needs_pidfd
 @pytest.mark.parametrize("case", ["one failed", "one not seen", "not the job's own"])
 def test_no_done_unless_every_worker_exited_0_and_was_the_jobs_own(case: str) -> None:
     """A worker exited 1 (the failure is reported instead); LOCAL_WORLD_SIZE 3 but two seen
@@ -443,6 +468,29 @@ def test_a_node_says_its_workers_are_done_and_finish_ends_its_torchrun_with_code
         final = [r["final"] for r in records_of(said + rest) if "final" in r]
         assert final and final[0]["left"] == [] and final[0]["how"] is None, final
         assert tagged_pids(RUN_ID, "n1") == []
+    finally:
+        p.stdin.close()
+
+
+# As FINISHING_AGENT, but its workers come 0.7 s in and live 0.3 s: between the run's scans
+# for workers (0.25 s, 0.625 s, 1.2 s after the start), as a job of a second's would.
+BRIEF_AGENT = FINISHING_AGENT.replace("import os, subprocess, time\n",
+                                      "import os, subprocess, time\ntime.sleep(0.7)\n", 1) \
+                             .replace("sleep 1;", "sleep 0.3;")
+
+
+@needs_pidfd
+def test_a_node_whose_workers_live_a_moment_says_done_all_the_same(tmp_path: Path) -> None:
+    from tests.unit.test_supervisor import finish, node_dir, start
+    assert BRIEF_AGENT != FINISHING_AGENT and "sleep 0.3;" in BRIEF_AGENT
+    p = start(node_dir(tmp_path, BRIEF_AGENT))
+    try:
+        said, done = _until_record(p, "done")
+        assert done == {"done": [0, 1]}, said
+        p.stdin.write(b"finish\n")
+        p.stdin.flush()
+        rest = finish(p)
+        assert p.returncode == 0, said + rest
     finally:
         p.stdin.close()
 
