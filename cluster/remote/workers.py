@@ -260,7 +260,7 @@ class Deaths(threading.Thread):
                 looking = self._looking()
                 events = poller.poll(LOOK_EVERY * 1000 if looking else None)
                 if looking and not events:
-                    self.watch(workers_among(family.children(self.job) or ()))
+                    self.watch(workers_among(self._unseen(family.children(self.job) or ())))
                 for fd, _ in events:
                     if fd == self.wake_r:
                         os.read(self.wake_r, 4096)
@@ -298,14 +298,23 @@ class Deaths(threading.Thread):
             poller.register(fd, select.POLLIN)
         return True
 
+    def _unseen(self, pids):
+        """pids not watched yet: an environment is read once a worker, not at every look."""
+        with self.lock:
+            return [pid for pid in pids if pid not in self.seen]
+
+    def _own_sizes(self):
+        """The LOCAL_WORLD_SIZE of each held worker that is the job's own child (0: a zombie's
+        environment, empty, did not say)."""
+        return [n for n, parent in self.sizes.values() if parent == self.job]
+
     def _looking(self):
         """Whether the job's own workers are still to be found: until as many are held as
         their LOCAL_WORLD_SIZE says (the size of one that ended before is unknown: look on)."""
         if self.job is None or self.done is None or self.told_done:
             return False
-        own = [n for n, parent in self.sizes.values() if parent == self.job]
-        sizes = [n for n in own if n]
-        return not sizes or len(own) < max(sizes)
+        own = self._own_sizes()
+        return not any(own) or len(own) < max(own)
 
     def _exited_ok(self, pid, rank):
         """A worker exited 0: once every worker of this node has, tell done(). Only the job's
@@ -314,8 +323,8 @@ class Deaths(threading.Thread):
         if self.sizes.get(pid, (0, 0))[1] != self.job:
             return
         self.ended_ok.add(rank)
-        sizes = [n for n, parent in self.sizes.values() if parent == self.job]
-        size = max(sizes)                      # a zombie's environment is empty: 0
+        sizes = self._own_sizes()
+        size = max(sizes)
         if (self.done is None or self.told_done or not size or len(self.ended_ok) < size
                 or len(sizes) != size or self.quiet()):
             return
